@@ -1,0 +1,436 @@
+"""The train state: parameters, optimizer state and mutable collections, immutable.
+
+After T5X's `train_state.py`, on optax instead of T5X's optimizer wrappers.
+`FlaxOptimTrainState` holds what a training step changes; `InferenceState`
+holds what a forward pass needs. Both share the `TrainState` protocol and the
+`state_dict()` layout that checkpoints store::
+
+    {"target": params,
+     "state": {"step": step, "param_states": optimizer state},
+     "flax_mutables": {collection: variables}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import serialization, struct
+from flax.core import FrozenDict
+from flax.linen import partitioning
+from jax.sharding import PartitionSpec
+
+from flaxstate import tree_paths
+
+PyTree = Any
+_AXES_SUFFIX = "_axes"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+class StateMismatchError(ValueError):
+    """A state dict (or checkpoint) whose tree differs from the state's own."""
+
+
+@runtime_checkable
+class TrainState(Protocol):
+    """What a training loop and a checkpoint need of a state, as in T5X."""
+
+    step: jax.Array
+    params: PyTree
+    flax_mutables: PyTree
+
+    @property
+    def param_states(self) -> PyTree: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> TrainState: ...
+
+    def replace_params(self, params: PyTree) -> TrainState: ...
+
+    def replace_step(self, step: jax.Array | int) -> TrainState: ...
+
+    def apply_gradient(
+        self, grads: PyTree, learning_rate: float | jax.Array | None = None, flax_mutables: PyTree = _UNSET
+    ) -> TrainState: ...
+
+    def as_logical_axes(self) -> TrainState: ...
+
+
+def _plain(tree: PyTree) -> PyTree:
+    """Nested plain dicts: FrozenDicts thawed, optax NamedTuples as dicts."""
+    return serialization.to_state_dict(flax.core.unfreeze(tree))
+
+
+def _split_variables(model_variables: Mapping[str, Any]) -> tuple[PyTree, dict[str, Any], dict[str, Any]]:
+    """Splits linen variables into params, the other collections, and `*_axes` collections."""
+    variables = flax.core.unfreeze(model_variables)
+    if "params" not in variables:
+        raise ValueError(
+            f"model_variables has no 'params' collection (found {sorted(variables)}); "
+            "pass what a linen module's init returns, e.g. model.init(rng, x)."
+        )
+    axes = {name: value for name, value in variables.items() if name.endswith(_AXES_SUFFIX)}
+    collections = {name: value for name, value in variables.items() if not name.endswith(_AXES_SUFFIX)}
+    params = collections.pop("params")
+    return params, collections, axes
+
+
+def _logical_axes(collection: PyTree, axes_collection: PyTree | None, name: str) -> FrozenDict | None:
+    """Unboxes a collection's axis names: boxed metadata and T5X `*_axes` entries.
+
+    Returns `None` when the collection carries no axis names at all; raises a
+    `ValueError` naming the paths without axes when only some do.
+    """
+    specs: dict[str, PartitionSpec] = {}
+    for path, leaf in tree_paths.flatten(
+        collection, is_leaf=lambda x: isinstance(x, flax.linen.meta.AxisMetadata)
+    ).items():
+        if isinstance(leaf, flax.linen.LogicallyPartitioned):
+            specs[path] = PartitionSpec(*leaf.names)
+        elif isinstance(leaf, flax.linen.meta.AxisMetadata):
+            specs[path] = PartitionSpec(*leaf.get_partition_spec())
+    if axes_collection:
+        names = flax.core.unfreeze(partitioning.get_axis_names(axes_collection))
+        specs.update(tree_paths.flatten(names))
+    if not specs:
+        return None
+    params = tree_paths.flatten(flax.linen.meta.unbox(collection))
+    missing = sorted(params.keys() - specs.keys())
+    if missing:
+        raise ValueError(
+            f"the model gives logical axis names for some of '{name}' but not for: "
+            + ", ".join(missing)
+            + ". Give every variable axis names (nn.with_logical_partitioning or "
+            "partitioning.param_with_axes), or none."
+        )
+    return FrozenDict(tree_paths.unflatten({path: specs[path] for path in params}))
+
+
+def _axes_error(state_name: str) -> ValueError:
+    return ValueError(
+        f"{state_name}.as_logical_axes(): the model gave no logical axis names. Build its "
+        "variables with nn.with_logical_partitioning(...) or flax.linen.partitioning."
+        "param_with_axes(...), then create the state from those variables."
+    )
+
+
+def _check_and_merge(
+    current: dict[str, Any], given: Mapping[str, Any], strict: bool, state_name: str
+) -> dict[str, Any]:
+    """Checks a state dict against the current one and returns the merged flat dict."""
+    expected = tree_paths.flatten(current)
+    found = tree_paths.flatten(_plain(given))
+    difference = tree_paths.diff(expected, found)
+    if not strict:
+        difference = tree_paths.StructureDiff(unexpected=difference.unexpected, mismatched=difference.mismatched)
+    if difference:
+        raise StateMismatchError(
+            f"{state_name}.restore_state: the state dict does not match this state's tree:\n"
+            + difference.describe()
+            + "\nRestore into a model with the same variables, map old paths to new "
+            "ones (a reader's rename=), or restore a subtree with strict=False."
+        )
+    merged = dict(expected)
+    merged.update(found)
+    return merged
+
+
+def _restore_leaves(template: PyTree, merged: Mapping[str, Any]) -> PyTree:
+    """Puts the merged leaves into the template's tree, keeping its leaves' dtypes."""
+    def pick(key_path: Any, leaf: Any) -> Any:
+        return jnp.asarray(merged[tree_paths.path_name(key_path)], dtype=leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(pick, template)
+
+
+class FlaxOptimTrainState(struct.PyTreeNode):
+    """An immutable train state: step, params, optax state and mutable collections.
+
+    Example:
+        >>> import flax.linen as nn, jax, jax.numpy as jnp, optax
+        >>> variables = nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 3)))
+        >>> state = FlaxOptimTrainState.create(optax.sgd(0.1), variables)
+        >>> grads = jax.tree.map(jnp.ones_like, state.params)
+        >>> int(state.apply_gradient(grads).step)
+        1
+    """
+
+    step: jax.Array
+    params: PyTree
+    param_states: PyTree
+    flax_mutables: PyTree
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    params_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
+    flax_mutables_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def create(cls, tx: optax.GradientTransformation, model_variables: Mapping[str, Any]) -> FlaxOptimTrainState:
+        """Creates a state at step 0 from a linen module's variables.
+
+        Args:
+            tx: the optax optimizer.
+            model_variables: what `module.init` returns (a dict or FrozenDict):
+                `params`, other collections (e.g. `batch_stats`), and optional
+                `*_axes` collections or boxed logical axis metadata.
+
+        Returns:
+            the state, with `tx.init(params)` as the optimizer state.
+
+        Raises:
+            ValueError: no `params` collection, or axis names missing for some paths.
+        """
+        params, collections, axes = _split_variables(model_variables)
+        params_axes = _logical_axes(params, axes.get("params" + _AXES_SUFFIX), "params")
+        mutables_axes = {
+            name: _logical_axes(value, axes.get(name + _AXES_SUFFIX), name) for name, value in collections.items()
+        }
+        params = flax.linen.meta.unbox(params)
+        collections = flax.linen.meta.unbox(collections)
+        return cls(
+            step=jnp.asarray(0, dtype=jnp.int32),
+            params=params,
+            param_states=tx.init(params),
+            flax_mutables=collections,
+            tx=tx,
+            params_axes=params_axes,
+            flax_mutables_axes=FrozenDict(mutables_axes) if any(v is not None for v in mutables_axes.values()) else None,
+        )
+
+    def apply_gradient(
+        self, grads: PyTree, learning_rate: float | jax.Array | None = None, flax_mutables: PyTree = _UNSET
+    ) -> FlaxOptimTrainState:
+        """Applies one optimizer update and returns the next state (step + 1).
+
+        Args:
+            grads: gradients with the tree of `params`.
+            learning_rate: a rate for this update; needs an optimizer built
+                with `optax.inject_hyperparams`.
+            flax_mutables: new mutable collections (e.g. batch statistics);
+                unchanged when not given.
+
+        Returns:
+            the new state.
+
+        Raises:
+            ValueError: `learning_rate` given, but the optimizer has no
+                injected `learning_rate` hyperparameter.
+        """
+        opt_state = self.param_states
+        if learning_rate is not None:
+            current = optax.tree_utils.tree_get(opt_state, "learning_rate", default=None)
+            if current is None:
+                raise ValueError(
+                    "apply_gradient(learning_rate=...) needs an optimizer whose learning rate is a "
+                    "hyperparameter of its state; build it with optax.inject_hyperparams, e.g. "
+                    "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)."
+                )
+            opt_state = optax.tree_utils.tree_set(
+                opt_state, learning_rate=jnp.asarray(learning_rate, dtype=jnp.asarray(current).dtype)
+            )
+        updates, opt_state = self.tx.update(grads, opt_state, self.params)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            param_states=opt_state,
+            flax_mutables=self.flax_mutables if flax_mutables is _UNSET else flax_mutables,
+        )
+
+    def replace_params(self, params: PyTree) -> FlaxOptimTrainState:
+        """Returns the state with other params (same tree)."""
+        return self.replace(params=params)
+
+    def replace_step(self, step: jax.Array | int) -> FlaxOptimTrainState:
+        """Returns the state at another step."""
+        return self.replace(step=jnp.asarray(step, dtype=jnp.int32))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the state as plain nested dicts in the checkpoint layout."""
+        return {
+            "target": _plain(self.params),
+            "state": {"step": self.step, "param_states": _plain(self.param_states)},
+            "flax_mutables": _plain(self.flax_mutables),
+        }
+
+    def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> FlaxOptimTrainState:
+        """Returns a state with the values of `state_dict`, checked against this one.
+
+        Args:
+            state_dict: the layout `state_dict()` returns.
+            strict: require every path; `False` restores the paths given
+                (e.g. only `target`) and keeps the rest.
+
+        Returns:
+            the restored state.
+
+        Raises:
+            StateMismatchError: one error listing every missing, unexpected
+                and shape- or dtype-mismatched path.
+        """
+        current = self.state_dict()
+        merged = _check_and_merge(current, state_dict, strict, type(self).__name__)
+        restored = _restore_leaves(current, merged)
+        return self.replace(
+            step=restored["state"]["step"],
+            params=serialization.from_state_dict(self.params, restored["target"]),
+            param_states=serialization.from_state_dict(self.param_states, restored["state"]["param_states"]),
+            flax_mutables=serialization.from_state_dict(self.flax_mutables, restored["flax_mutables"]),
+        )
+
+    def as_logical_axes(self) -> FlaxOptimTrainState:
+        """Returns the state with a `PartitionSpec` of logical axis names per leaf.
+
+        Optimizer-state leaves shaped like a parameter get that parameter's
+        names (as T5X's optimizers did); scalars such as a step count get `P()`.
+
+        Raises:
+            ValueError: the model gave no axis names.
+        """
+        if self.params_axes is None:
+            raise _axes_error(type(self).__name__)
+        params_axes = flax.core.unfreeze(self.params_axes)
+        opt_axes = optax.tree_map_params(
+            self.tx,
+            lambda _, axes: axes,
+            self.param_states,
+            params_axes,
+            transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        return self.replace(
+            step=PartitionSpec(),
+            params=params_axes,
+            param_states=opt_axes,
+            flax_mutables=_mutables_axes(self.flax_mutables, self.flax_mutables_axes),
+        )
+
+
+def _mutables_axes(flax_mutables: PyTree, axes: FrozenDict | None) -> PyTree:
+    axes = flax.core.unfreeze(axes) if axes is not None else {}
+    return {
+        name: axes[name] if axes.get(name) is not None else jax.tree.map(lambda _: PartitionSpec(), value)
+        for name, value in flax.core.unfreeze(flax_mutables).items()
+    }
+
+
+class InferenceState(struct.PyTreeNode):
+    """A state for inference: step, params and mutable collections, no optimizer.
+
+    Restores from a training state dict (or checkpoint) and ignores its
+    optimizer state.
+
+    Example:
+        >>> import flax.linen as nn, jax, jax.numpy as jnp
+        >>> variables = nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 3)))
+        >>> state = InferenceState.create(variables)
+        >>> sorted(state.state_dict())
+        ['flax_mutables', 'state', 'target']
+    """
+
+    step: jax.Array
+    params: PyTree
+    flax_mutables: PyTree
+    params_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
+    flax_mutables_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def create(cls, model_variables: Mapping[str, Any]) -> InferenceState:
+        """Creates an inference state at step 0 from a linen module's variables.
+
+        Args:
+            model_variables: what `module.init` returns.
+
+        Returns:
+            the state.
+
+        Raises:
+            ValueError: no `params` collection, or axis names missing for some paths.
+        """
+        state = FlaxOptimTrainState.create(optax.identity(), model_variables)
+        return cls(
+            step=state.step,
+            params=state.params,
+            flax_mutables=state.flax_mutables,
+            params_axes=state.params_axes,
+            flax_mutables_axes=state.flax_mutables_axes,
+        )
+
+    @property
+    def param_states(self) -> PyTree:
+        """Raises: an inference state holds no optimizer state."""
+        raise NotImplementedError("InferenceState has no optimizer state (param_states); use FlaxOptimTrainState.")
+
+    def apply_gradient(
+        self, grads: PyTree, learning_rate: float | jax.Array | None = None, flax_mutables: PyTree = _UNSET
+    ) -> InferenceState:
+        """Raises: an inference state cannot be trained."""
+        raise NotImplementedError(
+            "InferenceState.apply_gradient: an inference state holds no optimizer; "
+            "train a FlaxOptimTrainState instead."
+        )
+
+    def replace_params(self, params: PyTree) -> InferenceState:
+        """Returns the state with other params (same tree)."""
+        return self.replace(params=params)
+
+    def replace_step(self, step: jax.Array | int) -> InferenceState:
+        """Returns the state at another step."""
+        return self.replace(step=jnp.asarray(step, dtype=jnp.int32))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the state in the checkpoint layout, without `param_states`."""
+        return {
+            "target": _plain(self.params),
+            "state": {"step": self.step},
+            "flax_mutables": _plain(self.flax_mutables),
+        }
+
+    def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> InferenceState:
+        """Returns a state with the values of `state_dict`; optimizer state is ignored.
+
+        Args:
+            state_dict: an inference or a training state dict.
+            strict: require every path (`param_states` is never required).
+
+        Returns:
+            the restored state.
+
+        Raises:
+            StateMismatchError: one error listing every differing path.
+        """
+        state_dict = dict(state_dict)
+        if "state" in state_dict:
+            state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k != "param_states"}
+        current = self.state_dict()
+        merged = _check_and_merge(current, state_dict, strict, type(self).__name__)
+        restored = _restore_leaves(current, merged)
+        return self.replace(
+            step=restored["state"]["step"],
+            params=serialization.from_state_dict(self.params, restored["target"]),
+            flax_mutables=serialization.from_state_dict(self.flax_mutables, restored["flax_mutables"]),
+        )
+
+    def as_logical_axes(self) -> InferenceState:
+        """Returns the state with a `PartitionSpec` of logical axis names per leaf.
+
+        Raises:
+            ValueError: the model gave no axis names.
+        """
+        if self.params_axes is None:
+            raise _axes_error(type(self).__name__)
+        return self.replace(
+            step=PartitionSpec(),
+            params=flax.core.unfreeze(self.params_axes),
+            flax_mutables=_mutables_axes(self.flax_mutables, self.flax_mutables_axes),
+        )
