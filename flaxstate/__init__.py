@@ -4,13 +4,23 @@ An immutable train state, a data-parallel training loop that is a Python
 generator, and checkpoints that survive crashes and restore anywhere.
 """
 
+from flaxstate.checkpoint import Checkpoint, CheckpointFile, Summary
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
+from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointFile",
+    "CheckpointSource",
+    "EvalLoop",
+    "EvalTask",
     "FlaxOptimTrainState",
     "InferenceState",
     "StateMismatchError",
+    "Summary",
+    "TrainLoop",
     "TrainState",
+    "TrainTask",
 ]
 
 __version__ = "0.1.0"

@@ -149,6 +149,7 @@ def _check_and_merge(
 
 def _restore_leaves(template: PyTree, merged: Mapping[str, Any]) -> PyTree:
     """Puts the merged leaves into the template's tree, keeping its leaves' dtypes."""
+
     def pick(key_path: Any, leaf: Any) -> Any:
         return jnp.asarray(merged[tree_paths.path_name(key_path)], dtype=leaf.dtype)
 
@@ -205,7 +206,9 @@ class FlaxOptimTrainState(struct.PyTreeNode):
             flax_mutables=collections,
             tx=tx,
             params_axes=params_axes,
-            flax_mutables_axes=FrozenDict(mutables_axes) if any(v is not None for v in mutables_axes.values()) else None,
+            flax_mutables_axes=FrozenDict(mutables_axes)
+            if any(v is not None for v in mutables_axes.values())
+            else None,
         )
 
     def apply_gradient(
@@ -376,8 +379,7 @@ class InferenceState(struct.PyTreeNode):
     ) -> InferenceState:
         """Raises: an inference state cannot be trained."""
         raise NotImplementedError(
-            "InferenceState.apply_gradient: an inference state holds no optimizer; "
-            "train a FlaxOptimTrainState instead."
+            "InferenceState.apply_gradient: an inference state holds no optimizer; train a FlaxOptimTrainState instead."
         )
 
     def replace_params(self, params: PyTree) -> InferenceState:

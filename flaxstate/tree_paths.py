@@ -101,9 +101,7 @@ def diff(expected: Any, found: Any) -> StructureDiff:
         want_shape, want_dtype = shape_and_dtype(expected_flat[path])
         got_shape, got_dtype = shape_and_dtype(found_flat[path])
         if want_shape != got_shape or want_dtype != got_dtype:
-            mismatched.append(
-                f"{path} (expected {want_dtype}{list(want_shape)}, found {got_dtype}{list(got_shape)})"
-            )
+            mismatched.append(f"{path} (expected {want_dtype}{list(want_shape)}, found {got_dtype}{list(got_shape)})")
     return StructureDiff(
         missing=tuple(sorted(expected_flat.keys() - found_flat.keys())),
         unexpected=tuple(sorted(found_flat.keys() - expected_flat.keys())),

@@ -32,8 +32,11 @@ class AxesNet(nn.Module):
 class BoxedNet(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.Dense(4, kernel_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
+        x = nn.Dense(
+            4,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+        )(x)
         return x
 
 

@@ -1,0 +1,117 @@
+"""Batches: their accepted structure, their split across devices, their placement.
+
+A batch is `(x, y)`, `((x, ...), (y, ...))` or `((x, ...), ())`: inputs go to
+the model's `apply`, targets (with the model's outputs) to the loss. Each
+process feeds its own per-host batch; it is split along its first axis across
+the process's local devices and assembled into one global array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "devices"
+"""The name of the mesh axis that batches are split along and gradients averaged over."""
+
+ACCEPTED_FORMS = "(x, y), ((x, ...), (y, ...)) or ((x, ...), ())"
+
+Batch = tuple[tuple[Any, ...], tuple[Any, ...]]
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _describe(value: Any) -> str:
+    if _is_array(value):
+        return f"array{list(value.shape)}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_describe(item) for item in value) + ")"
+    return type(value).__name__
+
+
+def normalize(batch: Any, task_name: str) -> Batch:
+    """Returns a batch as `(inputs, targets)`, two tuples of arrays.
+
+    Raises:
+        ValueError: the batch has none of the accepted forms.
+    """
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        parts = []
+        for part in batch:
+            if _is_array(part):
+                parts.append((part,))
+            elif isinstance(part, tuple | list) and all(_is_array(item) for item in part):
+                parts.append(tuple(part))
+            else:
+                break
+        else:
+            if parts[0]:
+                return parts[0], parts[1]
+    raise ValueError(
+        f"{task_name}.data yielded a batch of the wrong structure: {_describe(batch)}. "
+        f"A batch is {ACCEPTED_FORMS}: inputs for apply, then targets for the loss."
+    )
+
+
+def check_divisible(batch: Batch, n_devices: int, task_name: str) -> None:
+    """Checks that every array's first axis splits evenly across the local devices.
+
+    Raises:
+        ValueError: a size that does not divide by `n_devices`, naming both.
+    """
+    for array in jax.tree.leaves(batch):
+        if np.ndim(array) == 0 or array.shape[0] % n_devices:
+            size = array.shape[0] if np.ndim(array) else "a scalar"
+            raise ValueError(
+                f"{task_name}.data yielded a batch of size {size}, which does not divide by the "
+                f"{n_devices} local devices; make the per-host batch size a multiple of {n_devices}."
+            )
+
+
+def mesh_of(devices: Sequence[jax.Device] | None) -> Mesh:
+    """Returns the one-axis mesh of the given devices (all devices of all processes by default)."""
+    return Mesh(np.asarray(list(devices) if devices is not None else jax.devices()), (AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Returns the sharding that holds one whole copy on every device of the mesh."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def local_device_count(mesh: Mesh) -> int:
+    """Returns how many of the mesh's devices this process feeds."""
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def stack(batches: Sequence[Batch]) -> Batch:
+    """Stacks K batches along a new leading axis, for K steps in one dispatch."""
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
+
+
+def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
+    """Puts a per-host batch on the mesh, split along its batch axis (asynchronously).
+
+    Args:
+        batch: this process's batch (numpy or jax arrays).
+        mesh: the loop's mesh.
+        stacked: whether the batch has a leading axis of steps.
+
+    Returns:
+        the batch as global arrays sharded along the batch axis.
+    """
+    spec = PartitionSpec(None, AXIS) if stacked else PartitionSpec(AXIS)
+    sharding = NamedSharding(mesh, spec)
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
+
+
+def batch_spec(stacked: bool) -> PartitionSpec:
+    """Returns the partition spec of a batch inside the mapped step."""
+    return PartitionSpec(None, AXIS) if stacked else PartitionSpec(AXIS)

@@ -1,0 +1,299 @@
+"""`TrainLoop`: data-parallel training as a Python generator of `Checkpoint` records."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core.scope import CollectionFilter, DenyList
+
+from flaxstate.checkpoint.records import Checkpoint, CheckpointFile
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import batching, multihost
+from flaxstate.training.data import DataStream
+from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
+from flaxstate.training.step import compile_train_steps, make_train_step
+from flaxstate.training.task import TrainTask
+
+PyTree = Any
+PREFETCH = 2
+"""How many dispatches' batches are put on the devices ahead of use."""
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """What `TrainLoop(init=...)` needs of a checkpoint reader.
+
+    `target` is the model's `init` (or `None`). `read(template)` returns the
+    checkpoint to resume from, its state restored into the tree and sharding
+    of `template.state` (a fresh state; `template` is `None` when `target` is),
+    or `None` when there is none yet and training starts fresh.
+    """
+
+    target: Callable[..., Any] | None
+
+    def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
+
+
+def _as_key(rng: jax.Array) -> jax.Array:
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    return jax.random.wrap_key_data(jnp.asarray(rng, dtype=jnp.uint32))
+
+
+def _rng_names(collections_: Mapping[str, Sequence[str]] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if collections_ is None:
+        return ("params", "dropout"), ("dropout",)
+    unknown = set(collections_) - {"init", "apply"}
+    if unknown:
+        raise ValueError(
+            f"collections has keys {sorted(unknown)}; it maps 'init' and 'apply' to rng collection names, "
+            "e.g. {'init': ['params', 'dropout'], 'apply': ['dropout']}."
+        )
+    return tuple(collections_.get("init", ("params",))), tuple(collections_.get("apply", ()))
+
+
+class TrainLoop:
+    """Trains a model data-parallel and yields a `Checkpoint` every N steps.
+
+    Iterate it (`for checkpoint in loop:`), or call `next_checkpoint()` cell
+    by cell; both advance the same generator, and stopping early then going on
+    continues exactly where it stopped.
+
+    Example:
+        >>> loop = TrainLoop(init=model.init, task=task, rng=jax.random.key(0),  # doctest: +SKIP
+        ...                  n_steps=1000, n_steps_per_checkpoint=100)
+        >>> for checkpoint in loop:  # doctest: +SKIP
+        ...     print(checkpoint.step, checkpoint.loss)
+    """
+
+    def __init__(
+        self,
+        init: Callable[..., Any] | CheckpointSource,
+        task: TrainTask,
+        rng: jax.Array,
+        input_sample: Any = None,
+        n_steps_per_checkpoint: int = 1,
+        n_steps: int = 0,
+        n_steps_per_dispatch: int = 1,
+        collections: Mapping[str, Sequence[str]] | None = None,
+        mutable_collections: CollectionFilter = DenyList("intermediates"),
+        devices: Sequence[jax.Device] | None = None,
+        stdout: bool = True,
+    ) -> None:
+        """Creates (or restores) the state and prepares the compiled update.
+
+        Args:
+            init: a linen module's `init`, or a checkpoint reader (e.g.
+                `CheckpointFileReader(dir, target=model.init)`) to resume from.
+            task: what to train.
+            rng: the run's random key: model init and per-step, per-device rngs.
+            input_sample: the model's inputs for `init`; the first batch's by default.
+            n_steps_per_checkpoint: N; a record is yielded at steps N, 2N, ...
+            n_steps: the total number of steps; the last step always yields.
+            n_steps_per_dispatch: K steps in one compiled call (a scan over K batches).
+            collections: rng collection names, `{"init": [...], "apply": [...]}`;
+                by default `params` and `dropout` at init and `dropout` in training.
+            mutable_collections: which collections the update may change.
+            devices: the devices to train on (all devices of all processes by default).
+            stdout: print the model's size and live progress.
+
+        Raises:
+            ValueError: bad settings, or a batch that is empty, of the wrong
+                structure, or not divisible by the local device count.
+        """
+        if n_steps_per_dispatch < 1 or n_steps_per_checkpoint < 1:
+            raise ValueError(
+                f"n_steps_per_dispatch ({n_steps_per_dispatch}) and n_steps_per_checkpoint "
+                f"({n_steps_per_checkpoint}) must be at least 1."
+            )
+        if n_steps_per_checkpoint % n_steps_per_dispatch:
+            raise ValueError(
+                f"n_steps_per_checkpoint ({n_steps_per_checkpoint}) must be a multiple of "
+                f"n_steps_per_dispatch ({n_steps_per_dispatch}): a record can only be taken between dispatches."
+            )
+        self._n_steps = n_steps
+        self._n_steps_per_checkpoint = n_steps_per_checkpoint
+        self._n_steps_per_dispatch = n_steps_per_dispatch
+        self._mesh = batching.mesh_of(devices)
+        self._n_local_devices = batching.local_device_count(self._mesh)
+        self._replicated = batching.replicated(self._mesh)
+        self._progress = ProgressDisplay(stdout)
+        self._data = DataStream(task.data, "TrainTask")
+        init_names, apply_names = _rng_names(collections)
+
+        if input_sample is None:
+            inputs = batching.normalize(self._data.peek(), "TrainTask")[0]
+        else:
+            inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
+        self._rng = _as_key(rng)
+        self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self._replicated)
+        state, restored = self._initial_state(init, task, inputs, init_names)
+        if restored is not None:
+            self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
+            self._data.restore(multihost.local_position(restored.data_position), int(restored.step))
+            self._progress.log(f"Resumed from the checkpoint at step {restored.step}.")
+        self._state = state
+        self._step = int(jax.device_get(state.step))
+        self._first_nonfinite = jax.device_put(np.int32(-1), self._replicated)
+        self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections)
+        self._compiled: dict[int, Callable[..., Any]] = {}
+        self._record_next_step = False
+        n_params, n_bytes = count_parameters(state.params)
+        self._progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
+        self._generator = self._records()
+
+    def _initial_state(
+        self, init: Any, task: TrainTask, inputs: tuple[Any, ...], init_names: tuple[str, ...]
+    ) -> tuple[FlaxOptimTrainState, CheckpointFile | None]:
+        reader = init if isinstance(init, CheckpointSource) else None
+        model_init = reader.target if reader is not None else init
+        if model_init is None:
+            restored = reader.read(None) if reader is not None else None
+            if restored is None:
+                raise ValueError("TrainLoop needs init: a model's init, or a reader with a checkpoint or a target.")
+            return self._state_from_state_dict(task, restored.state), restored
+        init_rng = jax.random.fold_in(self._rng, 0)
+        per_device = [np.asarray(x)[: max(1, len(x) // self._n_local_devices)] for x in inputs]
+
+        def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
+            rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
+            return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample))
+
+        state = jax.jit(create, out_shardings=self._replicated)(init_rng, *per_device)
+        if reader is None:
+            return state, None
+        restored = reader.read(CheckpointFile(state=state, step=0, rng=self._rng))
+        return (state, None) if restored is None else (restored.state, restored)
+
+    def _state_from_state_dict(self, task: TrainTask, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
+        def create() -> FlaxOptimTrainState:
+            variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
+            return FlaxOptimTrainState.create(task.optimizer, variables).restore_state(state_dict)
+
+        return jax.jit(create, out_shardings=self._replicated)()
+
+    @property
+    def step(self) -> int:
+        """The number of updates applied so far."""
+        return self._step
+
+    @property
+    def n_steps(self) -> int:
+        """The total number of steps."""
+        return self._n_steps
+
+    @property
+    def n_steps_per_checkpoint(self) -> int:
+        """N: a record is yielded every N steps."""
+        return self._n_steps_per_checkpoint
+
+    @property
+    def state(self) -> FlaxOptimTrainState:
+        """A copy of the current state (the loop's own is donated at each step)."""
+        return self._copy(self._state)
+
+    def __iter__(self) -> Iterator[Checkpoint]:
+        """Yields the records up to `n_steps`."""
+        while (record := next(self._generator)) is not None:
+            yield record
+
+    def next_checkpoint(self) -> Checkpoint | None:
+        """Trains up to the next record and returns it; `None` once `n_steps` is reached."""
+        return next(self._generator)
+
+    def next_step(self) -> Checkpoint:
+        """Trains one step and returns its record (extending `n_steps` if it is passed)."""
+        self._record_next_step = True
+        try:
+            record = next(self._generator)
+        finally:
+            self._record_next_step = False
+        assert record is not None
+        return record
+
+    def run(self, n_steps: int) -> Iterator[Checkpoint]:
+        """Sets the total to `n_steps` and yields the records up to it.
+
+        Args:
+            n_steps: the total number of steps (not a number of more steps),
+                so `run(10)` then `run(20)` trains as `run(20)` does.
+
+        Returns:
+            a generator of records.
+        """
+        self._n_steps = n_steps
+        return iter(self)
+
+    def _records(self) -> Iterator[Checkpoint | None]:
+        while True:
+            if self._record_next_step:
+                self._n_steps = max(self._n_steps, self._step + 1)
+                yield self._train_until(self._step + 1)
+            elif self._step >= self._n_steps:
+                self._progress.close()
+                yield None
+            else:
+                every = self._n_steps_per_checkpoint
+                yield self._train_until(min(self._n_steps, (self._step // every + 1) * every))
+
+    def _compiled_steps(self, n_steps: int) -> Callable[..., Any]:
+        if n_steps not in self._compiled:
+            self._compiled[n_steps] = compile_train_steps(self._train_step, self._mesh, n_steps)
+        return self._compiled[n_steps]
+
+    def _host_batch(self, n_steps: int) -> Any:
+        batches = []
+        for _ in range(n_steps):
+            batch = batching.normalize(self._data.next(step=self._step + 1), "TrainTask")
+            batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+            batches.append(batch)
+        return batches[0] if n_steps == 1 else batching.stack(batches)
+
+    def _train_until(self, target: int) -> Checkpoint:
+        start_step, start_time = self._step, time.perf_counter()
+        per_dispatch = self._n_steps_per_dispatch
+        remaining = target - start_step
+        chunks = iter([per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch))
+        queue: collections.deque[tuple[int, Any]] = collections.deque()
+
+        def prefetch() -> None:
+            while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
+                queue.append((n, batching.to_devices(self._host_batch(n), self._mesh, stacked=n > 1)))
+
+        self._progress.start(self._step, self._n_steps)
+        prefetch()
+        grads = loss = None
+        while queue:
+            n, batch = queue.popleft()
+            self._state, grads, loss, self._first_nonfinite = self._compiled_steps(n)(
+                self._state, batch, self._rng, self._first_nonfinite
+            )
+            self._step += n
+            prefetch()
+            self._progress.advance(n)
+
+        first_nonfinite = int(jax.device_get(self._first_nonfinite))
+        if first_nonfinite >= 0:
+            raise FloatingPointError(
+                f"the training loss became non-finite (nan or inf) at step {first_nonfinite}; no record "
+                "was yielded after it. Lower the learning rate, clip gradients, or check the data."
+            )
+        loss = float(jax.device_get(loss))
+        self._progress.record(loss)
+        return Checkpoint(
+            state=self._copy(self._state),
+            grads=grads,
+            loss=loss,
+            n_completed_steps=self._step - start_step,
+            elapsed_time=time.perf_counter() - start_time,
+            step=self._step,
+            rng=self._rng,
+            data_position=multihost.gather_position(self._data.position(self._step)),
+            final=self._step >= self._n_steps,
+        )

@@ -1,0 +1,61 @@
+"""What differs per process in a multi-process run: each process's data position.
+
+Every process feeds its devices from its own shard of the data, so each has
+its own iterator state. A record carries all of them (gathered from every
+process), and on resume each process takes back its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def _allgather_json(value: Any) -> list[Any]:
+    """Returns every process's `value` (JSON-serializable), in process order."""
+    encoded = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+    lengths = multihost_utils.process_allgather(np.asarray([encoded.size], dtype=np.int32))
+    padded = np.zeros(int(np.max(lengths)), dtype=np.uint8)
+    padded[: encoded.size] = encoded
+    gathered = multihost_utils.process_allgather(padded)
+    return [
+        json.loads(bytes(row[: int(length)]).decode())
+        for row, length in zip(np.asarray(gathered), np.asarray(lengths).reshape(-1), strict=True)
+    ]
+
+
+def gather_position(local: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns the run's data position from this process's (a collective in multi-process runs).
+
+    Args:
+        local: `{"n_batches": n, "iterator_state": ...}` of this process.
+
+    Returns:
+        `{"n_batches": n, "iterator_states": [one per process]}` (the last key
+        only when the data has iterator states).
+    """
+    position: dict[str, Any] = {"n_batches": int(local["n_batches"])}
+    if "iterator_state" in local:
+        state = local["iterator_state"]
+        position["iterator_states"] = [state] if jax.process_count() == 1 else _allgather_json(state)
+    return position
+
+
+def local_position(position: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Returns this process's part of a saved data position.
+
+    Iterator states are used only when the process count is the one saved;
+    otherwise the data is advanced past the consumed batches.
+    """
+    if position is None:
+        return None
+    local: dict[str, Any] = {"n_batches": int(position["n_batches"])}
+    states = position.get("iterator_states")
+    if states is not None and len(states) == jax.process_count():
+        local["iterator_state"] = states[jax.process_index()]
+    return local

@@ -1,0 +1,81 @@
+"""What a loop shows on stdout: the model's size at start, then live progress."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def format_bytes(size: int) -> str:
+    """Returns a byte count in the largest unit that keeps it at or above 1 (1024-based)."""
+    if size < 1024:
+        return f"{size} B"
+    power = min(int(math.log(size, 1024)), len(_UNITS) - 1)
+    return f"{size / 1024**power:.1f} {_UNITS[power]}"
+
+
+def count_parameters(params: Any) -> tuple[int, int]:
+    """Returns the number of parameters and their bytes."""
+    leaves = jax.tree.leaves(params)
+    return sum(int(leaf.size) for leaf in leaves), sum(int(leaf.size) * leaf.dtype.itemsize for leaf in leaves)
+
+
+class ProgressDisplay:
+    """A live progress bar (step, steps/s, last loss, ETA) that stays silent when disabled.
+
+    Only the primary process of a multi-process run shows anything.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled and jax.process_index() == 0
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._console = Console(file=sys.stdout)
+
+    def log(self, message: str) -> None:
+        """Prints one line."""
+        if self._enabled:
+            self._console.print(message, highlight=False)
+
+    def start(self, step: int, total: int) -> None:
+        """Shows the bar at `step` of `total` (again, after a record, with a new total)."""
+        if not self._enabled:
+            return
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}"),
+                TimeRemainingColumn(),
+                console=self._console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=step, loss="-", speed_text="-")
+            self._progress.start()
+        else:
+            self._progress.update(self._task, total=total)
+
+    def advance(self, n_steps: int) -> None:
+        """Counts steps dispatched."""
+        if self._progress is not None:
+            self._progress.advance(self._task, n_steps)
+
+    def record(self, loss: float) -> None:
+        """Shows the loss of the newest record and the speed so far."""
+        if self._progress is not None:
+            speed = self._progress.tasks[0].speed
+            self._progress.update(self._task, loss=f"{loss:.4g}", speed_text=f"{speed:.1f}" if speed else "-")
+
+    def close(self) -> None:
+        """Stops the live display."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,147 @@
+"""The per-device update and evaluation, and their mapping across devices.
+
+The update is one per-device function of `(state, batch, rng)`: loss and
+gradients, `pmean` of the gradients, the loss and the mutable collections
+across all devices (of all processes), then the optax update through
+`state.apply_gradient`. It is mapped over the mesh with `jax.shard_map` under
+`jax.jit` (what `jax.pmap` itself is built on since JAX 0.8), with the state
+donated, so the state stays one global array per leaf, replicated, that orbax
+saves once and any device count restores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.core.scope import CollectionFilter
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from flaxstate.training.batching import AXIS, Batch, batch_spec
+
+PyTree = Any
+
+
+def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
+    """Returns this device's rngs for one step: one per rng collection name.
+
+    Derived from the loop's key, the step and the device's index on the mesh,
+    so a run is reproducible from its seed and masks differ per device.
+    """
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), lax.axis_index(AXIS))
+    return {name: jax.random.fold_in(key, index) for index, name in enumerate(names)}
+
+
+def _as_tuple(outputs: Any) -> tuple[Any, ...]:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _check_scalar(value: jax.Array, what: str) -> jax.Array:
+    if jnp.shape(value) != ():
+        raise ValueError(
+            f"{what} returned an array of shape {jnp.shape(value)}; it must return a scalar "
+            "(reduce it, e.g. with .mean())."
+        )
+    return value
+
+
+def _device_mean(tree: PyTree) -> PyTree:
+    """Averages floating leaves over all devices; other leaves take their maximum."""
+    return jax.tree.map(
+        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, AXIS), tree
+    )
+
+
+def make_train_step(
+    apply: Callable[..., Any],
+    loss: Callable[..., Any],
+    rng_names: Sequence[str],
+    mutable: CollectionFilter,
+) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
+    """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`."""
+
+    def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
+        inputs, targets = batch
+        rngs = device_rngs(rng, state.step, rng_names)
+
+        def loss_fn(params: PyTree) -> tuple[jax.Array, PyTree]:
+            variables = {"params": params, **state.flax_mutables}
+            outputs, updated = apply(variables, *inputs, rngs=rngs, mutable=mutable)
+            value = _check_scalar(loss(*_as_tuple(outputs), *targets), "TrainTask.loss")
+            return value, {name: updated[name] for name in state.flax_mutables if name in updated}
+
+        (value, mutables), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads, value, mutables = _device_mean((grads, value, mutables))
+        mutables = {**state.flax_mutables, **mutables}
+        return state.apply_gradient(grads, flax_mutables=mutables), grads, value
+
+    return train_step
+
+
+def make_eval_step(
+    apply: Callable[..., Any], metrics: Mapping[str, Callable[..., Any]]
+) -> Callable[[PyTree, Batch], dict[str, jax.Array]]:
+    """Returns the per-device evaluation `(state, batch) -> {name: mean over devices}`."""
+
+    def eval_step(state: PyTree, batch: Batch) -> dict[str, jax.Array]:
+        inputs, targets = batch
+        outputs = _as_tuple(apply({"params": state.params, **state.flax_mutables}, *inputs))
+        values = {
+            name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]")
+            for name, metric in metrics.items()
+        }
+        return lax.pmean(values, AXIS)
+
+    return eval_step
+
+
+def compile_train_steps(
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, n_steps: int
+) -> Callable[..., tuple[PyTree, PyTree, jax.Array, jax.Array]]:
+    """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
+
+    The call is `(state, batches, rng, first_nonfinite_step) -> (state, grads,
+    loss, first_nonfinite_step)`: `grads` and `loss` are the last step's; the
+    step of the first non-finite loss is tracked on the devices, so the host
+    checks it only when it needs the loss anyway.
+    """
+
+    def track(state: PyTree, loss: jax.Array, first_bad: jax.Array) -> jax.Array:
+        return jnp.where((first_bad < 0) & ~jnp.isfinite(loss), state.step, first_bad)
+
+    if n_steps == 1:
+
+        def steps(state: PyTree, batch: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
+            state, grads, loss = train_step(state, batch, rng)
+            return state, grads, loss, track(state, loss, first_bad)
+
+    else:
+
+        def steps(state: PyTree, batches: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
+            def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], None]:
+                state, _, _, first_bad = carry
+                state, grads, loss = train_step(state, batch, rng)
+                loss = loss.astype(jnp.float32)
+                return (state, grads, loss, track(state, loss, first_bad)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            carry = (state, zeros, jnp.zeros((), jnp.float32), first_bad)
+            return lax.scan(body, carry, batches, length=n_steps)[0]
+
+    replicated = PartitionSpec()
+    mapped = jax.shard_map(
+        steps,
+        mesh=mesh,
+        in_specs=(replicated, batch_spec(n_steps > 1), replicated, replicated),
+        out_specs=replicated,
+    )
+    return jax.jit(mapped, donate_argnums=(0, 3))
+
+
+def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:
+    """Maps the evaluation over the mesh (nothing donated: the state is the record's)."""
+    replicated = PartitionSpec()
+    return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(replicated, batch_spec(False)), out_specs=replicated))

@@ -1,0 +1,51 @@
+"""What to train and what to evaluate: `TrainTask` and `EvalTask`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainTask:
+    """How to train a model: its apply, an optimizer, a loss and the data.
+
+    Attributes:
+        apply: the model's apply, called as `apply(variables, *inputs, rngs=..., mutable=...)`
+            (a linen module's `apply`).
+        optimizer: the optax optimizer.
+        loss: called as `loss(*outputs, *targets)`; returns a scalar.
+        data: an iterable of this process's batches, each `(x, y)`,
+            `((x, ...), (y, ...))` or `((x, ...), ())`. An iterator with
+            `get_state()`/`set_state()` (grain's) resumes exactly; any other
+            iterable is re-created and advanced past the consumed batches.
+
+    Example:
+        >>> import optax
+        >>> task = TrainTask(apply=lambda v, x: x, optimizer=optax.sgd(0.1),
+        ...                  loss=lambda o, y: ((o - y) ** 2).mean(), data=[])
+    """
+
+    apply: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    loss: Callable[..., Any]
+    data: Iterable[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+    """How to evaluate a model: its apply, named metrics and the data.
+
+    Attributes:
+        apply: the model's apply, called as `apply(variables, *inputs)`
+            (no rngs, nothing mutable: the model runs deterministically).
+        metrics: `{name: metric(*outputs, *targets) -> scalar}`.
+        data: an iterable of this process's batches, as in `TrainTask`.
+    """
+
+    apply: Callable[..., Any]
+    metrics: Mapping[str, Callable[..., Any]]
+    data: Iterable[Any]
