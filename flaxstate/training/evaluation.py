@@ -60,7 +60,7 @@ class EvalLoop:
         self._mesh = batching.mesh_of(devices)
         self._n_local_devices = batching.local_device_count(self._mesh)
         self._iterator = iter(task.data)
-        self._evaluate = compile_eval_step(make_eval_step(task.apply, task.metrics), self._mesh)
+        self._evaluate = compile_eval_step(make_eval_step(task.apply, task.metrics, self._mesh.size), self._mesh)
 
     def _next_batch(self) -> Any:
         try:

@@ -141,7 +141,7 @@ class TrainLoop:
         self._state = state
         self._step = int(jax.device_get(state.step))
         self._first_nonfinite = jax.device_put(np.int32(-1), self._replicated)
-        self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections)
+        self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections, self._mesh.size)
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._record_next_step = False
         n_params, n_bytes = count_parameters(state.params)

@@ -25,13 +25,14 @@ from flaxstate.training.batching import AXIS, Batch, batch_spec
 PyTree = Any
 
 
-def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
+def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str], n_devices: int) -> dict[str, jax.Array]:
     """Returns this device's rngs for one step: one per rng collection name.
 
     Derived from the loop's key, the step and the device's index on the mesh,
     so a run is reproducible from its seed and masks differ per device.
     """
-    key = jax.random.fold_in(jax.random.fold_in(rng, step), lax.axis_index(AXIS))
+    index = lax.axis_index(AXIS) if n_devices > 1 else 0
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
     return {name: jax.random.fold_in(key, index) for index, name in enumerate(names)}
 
 
@@ -48,8 +49,10 @@ def _check_scalar(value: jax.Array, what: str) -> jax.Array:
     return value
 
 
-def _device_mean(tree: PyTree) -> PyTree:
+def _device_mean(tree: PyTree, n_devices: int) -> PyTree:
     """Averages floating leaves over all devices; other leaves take their maximum."""
+    if n_devices == 1:
+        return tree
     return jax.tree.map(
         lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, AXIS), tree
     )
@@ -60,12 +63,13 @@ def make_train_step(
     loss: Callable[..., Any],
     rng_names: Sequence[str],
     mutable: CollectionFilter,
+    n_devices: int,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`."""
 
     def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
         inputs, targets = batch
-        rngs = device_rngs(rng, state.step, rng_names)
+        rngs = device_rngs(rng, state.step, rng_names, n_devices)
 
         def loss_fn(params: PyTree) -> tuple[jax.Array, PyTree]:
             variables = {"params": params, **state.flax_mutables}
@@ -74,7 +78,7 @@ def make_train_step(
             return value, {name: updated[name] for name in state.flax_mutables if name in updated}
 
         (value, mutables), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        grads, value, mutables = _device_mean((grads, value, mutables))
+        grads, value, mutables = _device_mean((grads, value, mutables), n_devices)
         mutables = {**state.flax_mutables, **mutables}
         return state.apply_gradient(grads, flax_mutables=mutables), grads, value
 
@@ -82,7 +86,7 @@ def make_train_step(
 
 
 def make_eval_step(
-    apply: Callable[..., Any], metrics: Mapping[str, Callable[..., Any]]
+    apply: Callable[..., Any], metrics: Mapping[str, Callable[..., Any]], n_devices: int
 ) -> Callable[[PyTree, Batch], dict[str, jax.Array]]:
     """Returns the per-device evaluation `(state, batch) -> {name: mean over devices}`."""
 
@@ -93,7 +97,7 @@ def make_eval_step(
             name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]")
             for name, metric in metrics.items()
         }
-        return lax.pmean(values, AXIS)
+        return _device_mean(values, n_devices)
 
     return eval_step
 
@@ -131,17 +135,32 @@ def compile_train_steps(
             carry = (state, zeros, jnp.zeros((), jnp.float32), first_bad)
             return lax.scan(body, carry, batches, length=n_steps)[0]
 
+    return _map_over(mesh, steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec(), PartitionSpec()), donate=(0, 3))
+
+
+def _map_over(
+    mesh: Mesh, per_device: Callable[..., Any], in_specs: tuple[PartitionSpec, ...], donate: tuple[int, ...]
+) -> Callable[..., Any]:
+    """Compiles `per_device(state, *rest)` over the mesh: the state and outputs replicated.
+
+    On a single device the function is compiled as it is: no collective is
+    needed, and the update is the same XLA program a hand-written jit loop runs.
+    """
+    if mesh.size == 1:
+        return jax.jit(per_device, donate_argnums=donate)
     replicated = PartitionSpec()
     mapped = jax.shard_map(
-        steps,
+        per_device,
         mesh=mesh,
-        in_specs=(replicated, batch_spec(n_steps > 1), replicated, replicated),
+        in_specs=(replicated, *in_specs),
         out_specs=replicated,
+        # Per-device gradients as under pmap: with check_vma, the gradient of a replicated
+        # parameter would already be summed over devices before our explicit pmean.
+        check_vma=False,
     )
-    return jax.jit(mapped, donate_argnums=(0, 3))
+    return jax.jit(mapped, donate_argnums=donate)
 
 
 def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:
     """Maps the evaluation over the mesh (nothing donated: the state is the record's)."""
-    replicated = PartitionSpec()
-    return jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(replicated, batch_spec(False)), out_specs=replicated))
+    return _map_over(mesh, eval_step, in_specs=(batch_spec(False),), donate=())

@@ -1,0 +1,86 @@
+"""Runs JAX workers as separate processes, one CPU device each, joined over gloo.
+
+Several CPU devices in one process deadlock in collectives on our machines
+(shared/PLATFORM.md); several processes with one device each do not. Every
+worker gets a hard timeout and is killed with SIGKILL (jax.distributed
+catches SIGTERM); a failure shows every process's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(n_devices: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("XLA_FLAGS", None)
+    if n_devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+    return env
+
+
+def start(script: str, config: dict, process_id: int = 0, n_processes: int = 1, port: int = 0, n_devices: int = 1):
+    config = dict(config, process_id=process_id, n_processes=n_processes, port=port)
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / script), json.dumps(config)],
+        env=worker_env(n_devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_all(processes: list[subprocess.Popen], timeout: float, expect_success: bool = True) -> list[str]:
+    """Waits for every process; kills all at the deadline. Returns their outputs."""
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = [""] * len(processes)
+    timed_out = False
+    for index, process in enumerate(processes):
+        try:
+            outputs[index] = process.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for other in processes:
+                kill(other)
+            outputs[index] = process.communicate()[0]
+    report = "\n".join(
+        f"--- process {i} (exit {p.returncode}) ---\n{out[-4000:]}"
+        for i, (p, out) in enumerate(zip(processes, outputs, strict=True))
+    )
+    if timed_out:
+        raise AssertionError(f"workers did not finish within {timeout} s:\n{report}")
+    if expect_success and any(p.returncode != 0 for p in processes):
+        raise AssertionError(f"a worker failed:\n{report}")
+    return outputs
+
+
+def run(script: str, config: dict, n_processes: int = 1, timeout: float = 180, n_devices: int = 1) -> list[str]:
+    """Runs `n_processes` workers of `script` together and returns their outputs."""
+    port = free_port()
+    processes = [start(script, config, i, n_processes, port, n_devices) for i in range(n_processes)]
+    return wait_all(processes, timeout)

@@ -1,0 +1,64 @@
+"""Small models and deterministic data shared by the tests and their workers."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+
+class MLP(nn.Module):
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(self.width)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        train = self.is_mutable_collection("batch_stats")
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(0.3, deterministic=not self.has_rng("dropout"))(x)
+        return nn.Dense(1)(x)[:, 0]
+
+
+class DropoutProbe(nn.Module):
+    """Its gradient is the dropout mask (scaled): it shows which mask a device drew."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.ones, (64,))
+        mask = nn.Dropout(0.5, deterministic=not self.has_rng("dropout"))(jnp.ones((64,)))
+        return jnp.sum(mask * w) + 0 * x[:, 0]
+
+
+MODELS = {"mlp": MLP, "batchnorm": BatchNormNet, "dropout": DropoutProbe}
+
+
+def mse(outputs, targets):
+    return jnp.mean((outputs - targets) ** 2)
+
+
+def batches(n_batches: int, batch_size: int, features: int = 4, seed: int = 0):
+    """Deterministic regression batches `(x, y)` as numpy arrays."""
+    rng = np.random.RandomState(seed)
+    w = rng.randn(features).astype(np.float32)
+    result = []
+    for _ in range(n_batches):
+        x = rng.randn(batch_size, features).astype(np.float32)
+        result.append((x, (x @ w + 0.1 * rng.randn(batch_size)).astype(np.float32)))
+    return result
+
+
+def shard(batch_list, process_id: int, n_processes: int):
+    """This process's rows of every global batch."""
+
+    def rows(array):
+        size = array.shape[0] // n_processes
+        return array[process_id * size : (process_id + 1) * size]
+
+    return [tuple(rows(a) for a in batch) for batch in batch_list]

@@ -1,0 +1,253 @@
+import jax
+import numpy as np
+import optax
+import pytest
+import toy
+
+import flaxstate as fs
+
+MODEL = toy.BatchNormNet()
+MLP = toy.MLP()
+
+
+def make_loop(data=None, model=MLP, n_steps=12, every=4, per_dispatch=1, optimizer=None, loss=toy.mse, **kwargs):
+    data = toy.batches(40, 8) if data is None else data
+    task = fs.TrainTask(apply=model.apply, optimizer=optimizer or optax.adam(1e-2), loss=loss, data=data)
+    return fs.TrainLoop(
+        init=model.init,
+        task=task,
+        rng=jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=every,
+        n_steps_per_dispatch=per_dispatch,
+        stdout=False,
+        **kwargs,
+    )
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(leaves(a), leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
+    data = toy.batches(10, 8)
+    tx = optax.adam(1e-2)
+    loop = make_loop(data=data, n_steps=10, every=5, optimizer=tx)
+    final = list(loop)[-1]
+
+    params = MLP.init({"params": jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0)}, data[0][0][:8])[
+        "params"
+    ]
+    opt_state = tx.init(params)
+
+    # The hand-written step returns its gradients too, as the loop's records do: XLA fuses a
+    # program differently when an output is dropped, which moves results by an ulp.
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: toy.mse(MLP.apply({"params": p}, x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    for x, y in data:
+        params, opt_state, loss, grads = step(params, opt_state, x, y)
+    assert final.step == 10
+    assert_trees_equal(final.state.params, params)
+    assert_trees_equal(final.grads, grads)
+    assert final.loss == float(loss)
+
+
+def test_records_at_multiples_of_n_and_at_the_last_step():
+    loop = make_loop(n_steps=10, every=4)
+    records = list(loop)
+    assert [r.step for r in records] == [4, 8, 10]
+    assert [r.n_completed_steps for r in records] == [4, 4, 2]
+    assert [r.final for r in records] == [False, False, True]
+    assert loop.step == 10
+    assert loop.next_checkpoint() is None
+    assert list(loop) == []
+
+
+def test_next_checkpoint_cell_by_cell_equals_for_iteration():
+    iterated = list(make_loop(model=MODEL))
+    loop = make_loop(model=MODEL)
+    stepped = []
+    while (record := loop.next_checkpoint()) is not None:
+        stepped.append(record)
+    assert [r.step for r in stepped] == [r.step for r in iterated]
+    for a, b in zip(iterated, stepped, strict=True):
+        assert_trees_equal(a.state, b.state)
+        assert a.loss == b.loss
+
+
+def test_stopping_early_and_going_on_continues_where_it_stopped():
+    reference = list(make_loop(model=MODEL))
+    loop = make_loop(model=MODEL)
+    for record in loop:
+        if record.step == 4:
+            break
+    rest = list(loop)
+    assert [r.step for r in rest] == [8, 12]
+    assert_trees_equal(rest[-1].state, reference[-1].state)
+
+
+def test_run_trains_up_to_a_total():
+    reference = list(make_loop(model=MODEL, n_steps=0).run(20))
+    loop = make_loop(model=MODEL, n_steps=0)
+    first = list(loop.run(10))
+    second = list(loop.run(20))
+    assert [r.step for r in first] == [4, 8, 10]
+    assert [r.step for r in second] == [12, 16, 20]
+    assert loop.n_steps == 20
+    assert_trees_equal(second[-1].state, reference[-1].state)
+
+
+def test_next_step_runs_one_step():
+    loop = make_loop(n_steps=3)
+    assert loop.next_step().step == 1
+    assert loop.next_step().step == 2
+    assert [r.step for r in loop] == [3]
+
+
+def test_state_is_available_from_construction_and_survives_donation():
+    loop = make_loop(n_steps=4)
+    initial = loop.state
+    assert int(initial.step) == 0
+    record = loop.next_checkpoint()
+    list(loop)
+    # Both copies remain readable after the loop donated its own state.
+    assert int(initial.step) == 0 and int(record.state.step) == 4
+    assert int(loop.state.step) == 4
+
+
+@pytest.mark.parametrize("model", [MLP, MODEL], ids=["mlp", "batchnorm_dropout"])
+def test_steps_per_dispatch_equals_one_step_per_dispatch(model):
+    one = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=1))
+    four = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=4))
+    assert [r.step for r in four] == [4, 8, 10]
+    for a, b in zip(one, four, strict=True):
+        for x, y in zip(leaves(a.state), leaves(b.state), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(a.loss, b.loss, rtol=1e-6)
+
+
+def test_dropout_rngs_make_the_run_reproducible_from_its_seed():
+    a = list(make_loop(model=MODEL, n_steps=3, every=3))[-1]
+    b = list(make_loop(model=MODEL, n_steps=3, every=3))[-1]
+    assert_trees_equal(a.state, b.state)
+
+
+def test_record_holds_unstacked_state_and_properties():
+    record = list(make_loop(model=MODEL, n_steps=2, every=2))[-1]
+    kernel = record.model_params["Dense_0"]["kernel"]
+    assert kernel.shape == (4, 8)
+    assert "batch_stats" in record.model_state
+    assert record.optimizer_state is record.state.param_states
+    assert jax.tree.structure(record.grads) == jax.tree.structure(record.state.params)
+    assert record.elapsed_time > 0
+
+
+def test_eval_loop_returns_metrics_of_the_record():
+    loop = make_loop(model=MODEL, n_steps=4, every=4)
+    record = loop.next_checkpoint()
+    eval_data = toy.batches(3, 8, seed=5)
+    evaluate = fs.EvalLoop(
+        fs.EvalTask(apply=MODEL.apply, metrics={"loss": toy.mse}, data=eval_data), rng=jax.random.key(1), n_steps=3
+    )
+    summary = evaluate(record)
+    assert isinstance(summary, fs.Summary)
+    assert summary.step == 4 and summary.metrics["train"] == {"loss": record.loss}
+    variables = {"params": record.state.params, **record.state.flax_mutables}
+    expected = np.mean([float(toy.mse(MODEL.apply(variables, x), y)) for x, y in eval_data])
+    np.testing.assert_allclose(summary.metrics["eval"]["loss"], expected, rtol=1e-5)
+
+
+def test_stdout_shows_size_and_progress(capsys):
+    data = toy.batches(4, 8)
+    task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+    list(fs.TrainLoop(MLP.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=True))
+    out = capsys.readouterr().out
+    assert "Total number of trainable weights: 97" in out
+    assert "4/4" in out and "loss" in out
+    task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+    list(fs.TrainLoop(MLP.init, task, jax.random.key(0), n_steps=4, stdout=False))
+    assert capsys.readouterr().out == ""
+
+
+# Bad input: each raises a clear error before any work is lost.
+
+
+def test_checkpoint_interval_must_be_a_multiple_of_steps_per_dispatch():
+    with pytest.raises(
+        ValueError, match=r"n_steps_per_checkpoint \(6\) must be a multiple of n_steps_per_dispatch \(4\)"
+    ):
+        make_loop(every=6, per_dispatch=4)
+
+
+def test_empty_data_names_the_task():
+    with pytest.raises(ValueError, match="TrainTask.data is empty"):
+        make_loop(data=[])
+
+
+def test_data_that_runs_out_names_the_step():
+    loop = make_loop(data=toy.batches(3, 8), n_steps=5, every=1)
+    assert [loop.next_checkpoint().step for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(ValueError, match="ran out after 3 batches, at step 4"):
+        loop.next_checkpoint()
+
+
+def test_wrong_batch_structure_shows_the_accepted_forms():
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(ValueError, match=r"wrong structure: \(array\[8, 4\], array\[8, 4\], array\[8, 4\]\).*\(x, y\)"):
+        make_loop(data=[(x, x, x)])
+    with pytest.raises(ValueError, match=r"wrong structure: \(array\[8, 4\], \(array\[8, 4\], str\)\)"):
+        make_loop(data=[(x, (x, "y"))])
+
+
+def test_loss_that_is_not_a_scalar():
+    loop = make_loop(loss=lambda o, y: (o - y) ** 2)
+    with pytest.raises(ValueError, match=r"TrainTask.loss returned an array of shape \(8,\)"):
+        loop.next_checkpoint()
+
+
+def test_non_finite_loss_names_the_step_and_yields_nothing_after_it():
+    data = toy.batches(12, 8)
+    x, y = data[5]
+    data[5] = (x, np.full_like(y, np.nan))
+    loop = make_loop(data=data, n_steps=12, every=4, optimizer=optax.sgd(0.01))
+    assert loop.next_checkpoint().step == 4
+    with pytest.raises(FloatingPointError, match="non-finite .* at step 6"):
+        loop.next_checkpoint()
+
+
+def test_batch_not_divisible_by_device_count_names_both_numbers(tmp_path):
+    import multiprocess
+
+    script = tmp_path / "check.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(multiprocess.WORKERS.parent)!r})\n"
+        "import jax, optax, toy, flaxstate as fs\n"
+        "assert jax.device_count() == 2\n"
+        "task = fs.TrainTask(toy.MLP().apply, optax.sgd(0.1), toy.mse, toy.batches(2, 7))\n"
+        "try:\n"
+        "    fs.TrainLoop(toy.MLP().init, task, jax.random.key(0), n_steps=2, stdout=False).next_checkpoint()\n"
+        "except ValueError as error:\n"
+        "    print('ERROR', error)\n"
+    )
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=multiprocess.worker_env(n_devices=2),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "ERROR TrainTask.data yielded a batch of size 7, which does not divide by the 2 local devices" in (
+        result.stdout
+    ), result.stdout + result.stderr

@@ -1,0 +1,47 @@
+"""Two devices as two processes (one CPU device each, gloo): see tests/multiprocess.py."""
+
+import multiprocess
+import numpy as np
+import pytest
+
+
+def train(tmp_path, name, model, n_processes, n_steps, global_batch=16):
+    out = tmp_path / name
+    out.mkdir()
+    config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out)}
+    multiprocess.run("train.py", config, n_processes=n_processes, timeout=240)
+    return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
+
+
+def test_two_processes_equal_one_device_on_the_full_batch(tmp_path):
+    one = train(tmp_path, "one", "mlp", 1, n_steps=5)[0]
+    two = train(tmp_path, "two", "mlp", 2, n_steps=5)
+    for key, value in one.items():
+        np.testing.assert_allclose(two[0][key], value, rtol=2e-5, atol=2e-6, err_msg=key)
+        np.testing.assert_array_equal(two[0][key], two[1][key], err_msg=f"processes differ at {key}")
+
+
+def test_batchnorm_running_means_are_averaged_across_devices(tmp_path):
+    one = train(tmp_path, "one", "batchnorm", 1, n_steps=1)[0]
+    two = train(tmp_path, "two", "batchnorm", 2, n_steps=1)
+    key = "mutables/batch_stats/BatchNorm_0/mean"
+    assert np.abs(one[key]).max() > 0
+    np.testing.assert_allclose(two[0][key], one[key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(two[0][key], two[1][key])
+
+
+def test_dropout_masks_differ_per_device(tmp_path):
+    two = train(tmp_path, "two", "dropout", 2, n_steps=1)
+    grads = two[0]["grads/w"]
+    # Device d draws one mask m_d for its whole batch, so its gradient is c_d * m_d; the average
+    # (c_0 m_0 + c_1 m_1) / 2 takes two distinct magnitudes if the masks are equal, more if not.
+    magnitudes = np.unique(np.round(np.abs(grads), 4))
+    assert len(magnitudes) >= 3, magnitudes
+
+
+@pytest.mark.parametrize("n_processes", [2])
+def test_processes_hold_the_same_state(tmp_path, n_processes):
+    results = train(tmp_path, "p", "batchnorm", n_processes, n_steps=3)
+    for key in results[0]:
+        for other in results[1:]:
+            np.testing.assert_array_equal(results[0][key], other[key], err_msg=key)

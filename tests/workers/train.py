@@ -1,0 +1,40 @@
+"""Trains a toy model with TrainLoop in one of several processes and saves what it got."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from common import setup  # noqa: E402
+
+config = setup()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import toy  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+
+model = toy.MODELS[config["model"]]()
+data = toy.shard(toy.batches(config["n_steps"], config["global_batch"]), jax.process_index(), jax.process_count())
+optimizer = optax.sgd(config.get("learning_rate", 0.1), momentum=0.9)
+task = fs.TrainTask(apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data)
+loop = fs.TrainLoop(
+    init=model.init,
+    task=task,
+    rng=jax.random.key(0),
+    n_steps=config["n_steps"],
+    n_steps_per_checkpoint=config.get("n_steps_per_checkpoint", config["n_steps"]),
+    stdout=False,
+)
+records = list(loop)
+final = records[-1]
+flat = {f"params/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.params).items()}
+flat.update({f"mutables/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.flax_mutables).items()})
+flat.update({f"grads/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.grads).items()})
+flat["loss"] = np.asarray(final.loss)
+np.savez(Path(config["out"]) / f"process_{jax.process_index()}.npz", **flat)
+print("done", jax.process_index(), final.step, final.loss)
