@@ -4,20 +4,44 @@ An immutable train state, a data-parallel training loop that is a Python
 generator, and checkpoints that survive crashes and restore anywhere.
 """
 
-from flaxstate.checkpoint import Checkpoint, CheckpointFile, Summary
+from flaxstate.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointFile,
+    CheckpointFileReader,
+    CheckpointFileWriter,
+    CheckpointSaveError,
+    HighestCheckpointFileReader,
+    HighestCheckpointFileWriter,
+    LowestCheckpointFileReader,
+    LowestCheckpointFileWriter,
+    Summary,
+    SummaryLogger,
+    SummaryWriter,
+)
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
     "CheckpointFile",
+    "CheckpointFileReader",
+    "CheckpointFileWriter",
+    "CheckpointSaveError",
     "CheckpointSource",
     "EvalLoop",
     "EvalTask",
     "FlaxOptimTrainState",
+    "HighestCheckpointFileReader",
+    "HighestCheckpointFileWriter",
     "InferenceState",
+    "LowestCheckpointFileReader",
+    "LowestCheckpointFileWriter",
     "StateMismatchError",
     "Summary",
+    "SummaryLogger",
+    "SummaryWriter",
     "TrainLoop",
     "TrainState",
     "TrainTask",

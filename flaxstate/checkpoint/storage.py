@@ -1,0 +1,294 @@
+"""One directory of checkpoints on orbax: the only module that imports orbax.
+
+A checkpoint directory is a standard orbax `CheckpointManager` directory,
+`<dir>/<step>/` with three items that plain orbax reads:
+
+- `model`: `{"target": params, "flax_mutables": collections}` (a PyTree item);
+- `optimizer`: `{"step": step, "param_states": optax state}` (a PyTree item);
+- `meta`: JSON: format version, step, rng, data position, metrics, metadata.
+
+Arrays are saved as the global arrays the loop holds (replicated arrays are
+stored once) and restored into whatever sharding the caller asks for, so a
+checkpoint saved on N devices or P processes restores on any other number.
+Saves are asynchronous and atomic (orbax writes into a temporary directory
+and renames it when complete); a failed save is raised, naming its step, at
+the next save or when the writer waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from flaxstate import tree_paths
+from flaxstate.checkpoint.records import FORMAT_VERSION
+from flaxstate.train_state import StateMismatchError
+
+logger = logging.getLogger("flaxstate")
+
+MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
+LEGACY_STATE = "state"
+"""Format 1 stored the whole state dict as one item, `state`; it is upgraded on read."""
+
+Rename = Mapping[str, str] | Callable[[str], str] | None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read or written as asked."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save that failed (in the background or not), naming its step and directory."""
+
+
+def _handlers() -> dict[str, Any]:
+    return {
+        MODEL: ocp.PyTreeCheckpointHandler(),
+        OPTIMIZER: ocp.PyTreeCheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+        LEGACY_STATE: ocp.PyTreeCheckpointHandler(),
+    }
+
+
+def encode_rng(rng: jax.Array | None) -> dict[str, Any] | None:
+    """Returns a random key as JSON: its implementation and its data."""
+    if rng is None:
+        return None
+    return {"impl": str(jax.random.key_impl(rng)), "data": np.asarray(jax.random.key_data(rng)).tolist()}
+
+
+def decode_rng(encoded: Mapping[str, Any] | None) -> jax.Array | None:
+    """Returns the random key that `encode_rng` encoded."""
+    if encoded is None:
+        return None
+    return jax.random.wrap_key_data(np.asarray(encoded["data"], dtype=np.uint32), impl=encoded["impl"])
+
+
+def _to_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    try:
+        return json.loads(json.dumps(value))
+    except TypeError as error:
+        raise CheckpointError(
+            f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
+        ) from error
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredCheckpoint:
+    """What a read gives back: the state dict (state-dict layout) and the JSON meta."""
+
+    state_dict: dict[str, Any]
+    meta: dict[str, Any]
+
+
+class CheckpointStore:
+    """The checkpoints of one directory: save, list, read.
+
+    Args:
+        directory: the orbax `CheckpointManager` directory.
+        keep: how many checkpoints to keep (the newest, or with `best`, the best).
+        best: `(group, name, mode)` to keep the best by a metric (`mode` "min" or "max").
+        read_only: open for reading; nothing is created, nothing saved asynchronously.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int | None = None,
+        best: tuple[str, str, str] | None = None,
+        read_only: bool = False,
+    ) -> None:
+        self.directory = Path(directory).absolute()
+        best_options: dict[str, Any] = {}
+        if best is not None:
+            group, name, mode = best
+            best_options = {"best_fn": lambda metrics: metrics[f"{group}/{name}"], "best_mode": mode}
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, enable_async_checkpointing=not read_only, **best_options
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self._pending_step: int | None = None
+
+    # Writing.
+
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
+        """Starts an asynchronous, atomic save of one checkpoint.
+
+        Returns:
+            whether it was started (`False` when `step` is already saved: nothing
+            saved is ever overwritten).
+
+        Raises:
+            CheckpointSaveError: this save, or the previous one, failed.
+        """
+        self.wait()
+        if step in self._manager.all_steps():
+            return False
+        items = {
+            MODEL: ocp.args.PyTreeSave({"target": state_dict["target"], "flax_mutables": state_dict["flax_mutables"]}),
+            OPTIMIZER: ocp.args.PyTreeSave(dict(state_dict["state"])),
+            META: ocp.args.JsonSave(_to_json({**meta, "format_version": FORMAT_VERSION, "time": time.time()})),
+        }
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), metrics=dict(metrics or {}) or None)
+        except Exception as error:
+            raise CheckpointSaveError(
+                f"saving the checkpoint of step {step} to {self.directory} failed: {error}"
+            ) from error
+        self._pending_step = step
+        return True
+
+    def wait(self) -> None:
+        """Waits for the pending save.
+
+        Raises:
+            CheckpointSaveError: the pending save failed, naming its step.
+        """
+        step, self._pending_step = self._pending_step, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise CheckpointSaveError(
+                f"saving the checkpoint of step {step} to {self.directory} failed in the background: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Waits for the pending save and releases orbax's resources."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    # Reading.
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """Returns the JSON meta of one checkpoint.
+
+        Raises:
+            CheckpointError: the step holds no flaxstate meta.
+        """
+        step_dir = self.directory / str(step)
+        if not (step_dir / META).is_dir():
+            raise CheckpointError(
+                f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
+                "point the reader at a directory that flaxstate's writers wrote."
+            )
+        meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        if not isinstance(meta, dict) or "format_version" not in meta:
+            raise CheckpointError(f"{step_dir} is not a flaxstate checkpoint (its meta has no format_version).")
+        return meta
+
+    def item_metadata(self, step: int, item: str) -> Any:
+        """Returns the tree of array metadata (shapes, dtypes) of one item."""
+        metadata = self._manager.item_metadata(step)[item]
+        return metadata.tree if hasattr(metadata, "tree") else metadata
+
+    def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
+        """Returns the stored state-dict layout with array metadata as leaves."""
+        meta = self.read_meta(step)
+        if meta["format_version"] < 2:
+            tree = dict(self.item_metadata(step, LEGACY_STATE))
+        else:
+            model = self.item_metadata(step, MODEL)
+            tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
+            tree["state"] = dict(self.item_metadata(step, OPTIMIZER)) if with_optimizer else {}
+        if not with_optimizer:
+            tree["state"] = {}
+        return tree
+
+    def read(
+        self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True
+    ) -> StoredCheckpoint:
+        """Restores one checkpoint, checked against a template state dict.
+
+        Args:
+            step: the checkpoint's step.
+            template: the state dict to restore into: its leaves' shapes,
+                dtypes and shardings are the restored arrays'; `None` restores
+                numpy arrays of the stored tree.
+            rename: regex rules from stored '/'-joined paths to the template's.
+            with_optimizer: read the optimizer item; `False` never opens it.
+
+        Returns:
+            the state dict (template layout) and the meta.
+
+        Raises:
+            StateMismatchError: the stored tree differs from the template's,
+                naming every missing, unexpected and mismatched path.
+            CheckpointError: the step is not a flaxstate checkpoint.
+        """
+        meta = self.read_meta(step)
+        legacy = meta["format_version"] < 2
+        stored = self.stored_tree(step, with_optimizer)
+        stored_flat = tree_paths.flatten(stored)
+        renamed = tree_paths.rename(stored_flat, rename)
+        new_path = dict(zip(stored_flat, renamed, strict=True))
+        if template is not None:
+            expected = tree_paths.flatten(template)
+            if not with_optimizer:
+                expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
+            difference = tree_paths.diff(expected, renamed)
+            if difference:
+                raise StateMismatchError(
+                    f"the checkpoint of step {step} in {self.directory} does not match the model:\n"
+                    + difference.describe()
+                    + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
+                )
+
+        def restore_args(path: str, leaf: Any) -> Any:
+            if template is None or path not in new_path:
+                return ocp.RestoreArgs(restore_type=np.ndarray)
+            target = expected[new_path[path]]
+            return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
+
+        def item_args(prefix: str, tree: Any) -> ocp.args.PyTreeRestore:
+            args = jax.tree_util.tree_map_with_path(
+                lambda key_path, leaf: restore_args(prefix + tree_paths.path_name(key_path), leaf), tree
+            )
+            return ocp.args.PyTreeRestore(restore_args=args)
+
+        if legacy:
+            items = {LEGACY_STATE: item_args("", self.item_metadata(step, LEGACY_STATE))}
+        else:
+            items = {MODEL: item_args("", self.item_metadata(step, MODEL))}
+            if with_optimizer:
+                items[OPTIMIZER] = item_args("state/", self.item_metadata(step, OPTIMIZER))
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if legacy:
+            flat = tree_paths.flatten(restored[LEGACY_STATE])
+        else:
+            flat = tree_paths.flatten(restored[MODEL])
+            if with_optimizer:
+                flat.update({"state/" + k: v for k, v in tree_paths.flatten(restored[OPTIMIZER]).items()})
+        flat = {new_path[path]: value for path, value in flat.items() if path in new_path}
+        state_dict = tree_paths.unflatten(flat)
+        state_dict.setdefault("flax_mutables", {})
+        state_dict.setdefault("state", {})
+        return StoredCheckpoint(state_dict=state_dict, meta=meta)
+
+
+def is_empty_or_missing(directory: Path) -> bool:
+    """Whether a directory does not exist or holds no checkpoint steps at all."""
+    return not directory.is_dir() or not any(entry.name.isdigit() for entry in directory.iterdir())

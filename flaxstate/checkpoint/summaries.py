@@ -1,0 +1,86 @@
+"""Summaries at the edges: one line per record on stdout, TensorBoard event files on disk."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import jax
+from tensorboardX import SummaryWriter as _EventWriter
+
+from flaxstate.checkpoint.records import Checkpoint
+
+
+def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
+    metrics = {group: dict(values) for group, values in getattr(checkpoint, "metrics", {}).items()}
+    metrics.setdefault("train", {}).setdefault("loss", float(checkpoint.loss))
+    return metrics
+
+
+class SummaryLogger:
+    """Prints one line per record: step, metrics by group, steps/s. Returns the record.
+
+    Example:
+        >>> SummaryLogger()(summary)  # doctest: +SKIP
+        step 500: train/loss 0.1203  eval/loss 0.1311  eval/acc 0.9632  (812.4 steps/s)
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        """Args:
+        stream: where to print (stdout by default; only the primary process prints).
+        """
+        self._stream = stream
+
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        """Prints the record's line and returns the record unchanged."""
+        if jax.process_index() != 0:
+            return checkpoint
+        values = "  ".join(
+            f"{group}/{name} {value:.4g}"
+            for group, group_values in _metrics(checkpoint).items()
+            for name, value in group_values.items()
+        )
+        speed = checkpoint.n_completed_steps / checkpoint.elapsed_time if checkpoint.elapsed_time > 0 else 0.0
+        print(f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s)", file=self._stream or sys.stdout, flush=True)
+        return checkpoint
+
+
+class SummaryWriter:
+    """Writes each record's metrics as TensorBoard scalars (`group/name`) under `output_dir`.
+
+    Event files come from tensorboardX (no TensorFlow); only the primary
+    process writes.
+
+    Example:
+        >>> writer = SummaryWriter("runs/mlp")  # doctest: +SKIP
+        >>> summary = writer(summary)  # doctest: +SKIP
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        """Args:
+        output_dir: the run's directory; event files land in it.
+        """
+        self.output_dir = Path(output_dir)
+        self._writer: _EventWriter | None = None
+
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        """Writes the record's scalars at its step and returns the record unchanged."""
+        if jax.process_index() != 0:
+            return checkpoint
+        if self._writer is None:
+            self._writer = _EventWriter(logdir=str(self.output_dir), flush_secs=10)
+        for group, values in _metrics(checkpoint).items():
+            for name, value in values.items():
+                self._writer.add_scalar(f"{group}/{name}", value, global_step=int(checkpoint.step))
+        if checkpoint.elapsed_time > 0:
+            speed = checkpoint.n_completed_steps / checkpoint.elapsed_time
+            self._writer.add_scalar("train/steps_per_second", speed, global_step=int(checkpoint.step))
+        self._writer.flush()
+        return checkpoint
+
+    def close(self) -> None:
+        """Closes the event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
