@@ -73,7 +73,12 @@ def decode_rng(encoded: Mapping[str, Any] | None) -> jax.Array | None:
     return jax.random.wrap_key_data(np.asarray(encoded["data"], dtype=np.uint32), impl=encoded["impl"])
 
 
-def _to_json(value: Any) -> Any:
+def to_json(value: Any) -> Any:
+    """Returns a dict, dataclass or plain value as JSON-ready data.
+
+    Raises:
+        CheckpointError: it is not JSON-serializable.
+    """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     try:
@@ -144,7 +149,7 @@ class CheckpointStore:
         items = {
             MODEL: ocp.args.PyTreeSave({"target": state_dict["target"], "flax_mutables": state_dict["flax_mutables"]}),
             OPTIMIZER: ocp.args.PyTreeSave(dict(state_dict["state"])),
-            META: ocp.args.JsonSave(_to_json({**meta, "format_version": FORMAT_VERSION, "time": time.time()})),
+            META: ocp.args.JsonSave(to_json({**meta, "format_version": FORMAT_VERSION, "time": time.time()})),
         }
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), metrics=dict(metrics or {}) or None)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flaxstate.checkpoint.records import Checkpoint
-from flaxstate.checkpoint.storage import CheckpointStore, encode_rng
+from flaxstate.checkpoint.storage import CheckpointStore, encode_rng, to_json
 
 _LIVE_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()
 
@@ -49,7 +49,7 @@ class _Writer:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         self.output_dir = directory
-        self._metadata = metadata
+        self._metadata = to_json(metadata)
         self._best = best
         self._store = CheckpointStore(directory, keep=keep, best=best)
         _LIVE_WRITERS.add(self)

@@ -1,0 +1,51 @@
+"""Restore anywhere: a checkpoint saved on N devices restores on any other number.
+
+Devices of one process here run no collective (PLATFORM.md: those deadlock on
+several CPU devices in one process); processes join over gloo.
+"""
+
+import multiprocess
+import pytest
+
+
+def save(tmp_path, n_devices=1, n_processes=1, width=64):
+    config = {"mode": "save", "output_dir": str(tmp_path / "run"), "out": str(tmp_path / "state.npz"), "width": width}
+    if n_processes > 1:
+        outputs = multiprocess.run("devices.py", config, n_processes=n_processes, timeout=180)
+    else:
+        outputs = multiprocess.run("devices.py", config, timeout=180, n_devices=n_devices)
+    return int(outputs[0].split("state_bytes ")[1].split()[0])
+
+
+def restore(tmp_path, n_devices=1, n_processes=1, width=64):
+    config = {
+        "mode": "restore",
+        "output_dir": str(tmp_path / "run"),
+        "out": str(tmp_path / "state.npz"),
+        "width": width,
+    }
+    if n_processes > 1:
+        outputs = multiprocess.run("devices.py", config, n_processes=n_processes, timeout=180)
+    else:
+        outputs = multiprocess.run("devices.py", config, timeout=180, n_devices=n_devices)
+    assert f"restored on {n_devices * n_processes} devices" in outputs[0], outputs
+
+
+@pytest.mark.parametrize(("saved_on", "restored_on"), [(2, 1), (1, 2), (2, 3)])
+def test_restores_on_another_device_count(tmp_path, saved_on, restored_on):
+    save(tmp_path, n_devices=saved_on)
+    restore(tmp_path, n_devices=restored_on)
+
+
+def test_replicated_arrays_are_stored_once(tmp_path):
+    state_bytes = save(tmp_path, n_devices=2, width=100_000)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "run" / "1").rglob("*") if p.is_file())
+    assert state_bytes > 5_000_000
+    assert on_disk <= 1.05 * state_bytes, (on_disk, state_bytes)
+
+
+def test_saved_by_two_processes_restores_in_one_and_the_reverse(tmp_path):
+    save(tmp_path / "a", n_processes=2)
+    restore(tmp_path / "a", n_devices=1)
+    save(tmp_path / "b", n_devices=1)
+    restore(tmp_path / "b", n_processes=2)

@@ -1,0 +1,47 @@
+import io
+
+import jax
+import optax
+import toy
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import flaxstate as fs
+
+
+def summaries():
+    model = toy.MLP()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.05), loss=toy.mse, data=toy.batches(6, 8))
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=3, stdout=False)
+    evaluate = fs.EvalLoop(
+        fs.EvalTask(apply=model.apply, metrics={"loss": toy.mse}, data=toy.batches(2, 8, seed=9)),
+        rng=jax.random.key(1),
+        n_steps=2,
+    )
+    return [evaluate(record) for record in loop]
+
+
+def test_summary_logger_prints_one_line_per_record():
+    stream = io.StringIO()
+    logger = fs.SummaryLogger(stream)
+    records = summaries()
+    for record in records:
+        assert logger(record) is record
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 3: eval/loss ")
+    assert f"train/loss {records[1].loss:.4g}" in lines[1] and "steps/s" in lines[1]
+
+
+def test_summary_writer_writes_tensorboard_scalars(tmp_path):
+    writer = fs.SummaryWriter(tmp_path)
+    records = summaries()
+    for record in records:
+        assert writer(record) is record
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "eval/loss", "train/steps_per_second"} <= tags
+    eval_loss = events.Scalars("eval/loss")
+    assert [e.step for e in eval_loss] == [3, 6]
+    assert abs(eval_loss[1].value - records[1].metrics["eval"]["loss"]) < 1e-6

@@ -1,0 +1,279 @@
+import dataclasses
+import logging
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+import toy
+
+import flaxstate as fs
+
+MODEL = toy.BatchNormNet()
+TX = optax.adam(1e-2)
+
+
+def records(n_steps=6, every=2, model=MODEL, data=None):
+    data = toy.batches(n_steps, 8) if data is None else data
+    task = fs.TrainTask(apply=model.apply, optimizer=TX, loss=toy.mse, data=data)
+    loop = fs.TrainLoop(
+        model.init, task, jax.random.key(0), n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False
+    )
+    return list(loop)
+
+
+def summary(record, loss):
+    return fs.Summary.of(record, {"eval": {"loss": loss, "acc": -loss}})
+
+
+def fresh_state(model=MODEL):
+    return fs.FlaxOptimTrainState.create(TX, model.init(jax.random.key(3), np.ones((8, 4), np.float32)))
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=2)
+    recs = records()
+    for record in recs:
+        assert writer(record) is record
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [4, 6]
+    assert {p.name for p in (tmp_path / "6").iterdir()} >= {"model", "optimizer", "meta"}
+
+    # Plain orbax, without flaxstate, lists and restores it.
+    manager = ocp.CheckpointManager(tmp_path, item_names=("model", "optimizer", "meta"))
+    assert list(manager.all_steps()) == [4, 6]
+    restored = manager.restore(6, args=ocp.args.Composite(model=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()))
+    np.testing.assert_array_equal(
+        restored.model["target"]["Dense_0"]["kernel"], recs[-1].state.params["Dense_0"]["kernel"]
+    )
+    assert restored.meta["step"] == 6
+
+
+def test_reader_restores_the_newest_state_rng_and_metadata(tmp_path):
+    @dataclasses.dataclass
+    class Config:
+        learning_rate: float = 0.01
+        name: str = "mlp"
+
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3, metadata=Config())
+    recs = records()
+    for record in recs:
+        writer(record)
+    restored = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(state=fresh_state(), step=0))
+    assert restored.step == 6 and restored.format_version == fs.checkpoint.records.FORMAT_VERSION
+    assert_trees_equal(restored.state, recs[-1].state)
+    assert restored.metadata == {"learning_rate": 0.01, "name": "mlp"}
+    assert jax.random.key_impl(restored.rng) == jax.random.key_impl(recs[-1].rng)
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(recs[-1].rng))
+    at_four = fs.CheckpointFileReader(tmp_path, step=4).restore(fresh_state())
+    assert_trees_equal(at_four, recs[1].state)
+
+
+def test_reader_ignores_an_incomplete_save(tmp_path):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+    for record in records():
+        writer(record)
+    partial = tmp_path / "8.orbax-checkpoint-tmp-1234"
+    shutil.copytree(tmp_path / "6", partial)
+    (partial / "commit_success.txt").unlink(missing_ok=True)
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
+
+
+def test_best_writers_keep_their_own_subdirectories(tmp_path):
+    lowest = fs.LowestCheckpointFileWriter(tmp_path, metric="loss", keep=1)
+    highest = fs.HighestCheckpointFileWriter(tmp_path, metric="acc", keep=1)
+    newest = fs.CheckpointFileWriter(tmp_path, keep=1)
+    losses = {2: 0.5, 4: 0.2, 6: 0.9}
+    for record in records():
+        s = summary(record, losses[record.step])
+        newest(lowest(highest(s)))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("events")) == [
+        "6",
+        "highest-eval-acc",
+        "lowest-eval-loss",
+    ]
+    assert [p.name for p in (tmp_path / "lowest-eval-loss").iterdir() if p.name.isdigit()] == ["4"]
+    assert [p.name for p in (tmp_path / "highest-eval-acc").iterdir() if p.name.isdigit()] == ["4"]
+    # Resume takes the newest checkpoint of the run, never the best.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
+    best = fs.LowestCheckpointFileReader(tmp_path, metric="loss").read(fs.CheckpointFile(fresh_state(), 0))
+    assert best.step == 4 and best.metrics["eval"]["loss"] == 0.2
+    assert int(fs.HighestCheckpointFileReader(tmp_path, metric="acc").restore(fresh_state()).step) == 4
+
+
+def test_best_writer_names_a_missing_metric(tmp_path):
+    writer = fs.LowestCheckpointFileWriter(tmp_path, metric="los", group="eval")
+    with pytest.raises(ValueError, match=r"'los' in group 'eval', but the record has \{'eval': \['acc', 'loss'\]\}"):
+        writer(summary(records(2, 2)[0], 0.1))
+    with pytest.raises(ValueError, match="has no metrics"):
+        writer(records(2, 2)[0])
+
+
+class Wider(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        train = self.is_mutable_collection("batch_stats")
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(1, name="Head")(x)[:, 0]
+
+
+def test_restoring_into_a_changed_model_names_what_differs(tmp_path):
+    writer = fs.CheckpointFileWriter(tmp_path)
+    writer(records(2, 2)[-1])
+    with pytest.raises(fs.StateMismatchError) as error:
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state(Wider()))
+    message = str(error.value)
+    assert str(tmp_path) in message and "step 2" in message
+    assert "missing (expected, not found): " in message and "target/Head/kernel" in message
+    assert "unexpected (found, not expected): " in message and "target/Dense_1/kernel" in message
+    assert "target/Dense_0/kernel (expected float32[4, 16], found float32[4, 8])" in message
+
+
+def test_a_smaller_checkpoint_never_loads_silently_into_a_bigger_model(tmp_path):
+    fs.CheckpointFileWriter(tmp_path)(records(2, 2, model=toy.MLP())[-1])
+    with pytest.raises(
+        fs.StateMismatchError, match=r"target/Dense_0/kernel \(expected float32\[4, 32\], found float32\[4, 16\]\)"
+    ):
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state(toy.MLP(width=32)))
+
+
+def test_rename_loads_a_checkpoint_of_an_earlier_layout(tmp_path):
+    recs = records(2, 2)
+    fs.CheckpointFileWriter(tmp_path)(recs[-1])
+
+    class Renamed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            train = self.is_mutable_collection("batch_stats")
+            x = nn.Dense(8, name="Encoder")(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            return nn.Dense(1)(x)[:, 0]
+
+    restored = fs.CheckpointFileReader(tmp_path, rename={r"Dense_0/": "Encoder/", r"Dense_1/": "Dense_0/"}).restore(
+        fresh_state(Renamed())
+    )
+    np.testing.assert_array_equal(restored.params["Encoder"]["kernel"], recs[-1].state.params["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(restored.params["Dense_0"]["kernel"], recs[-1].state.params["Dense_1"]["kernel"])
+
+
+def test_inference_state_restores_without_reading_the_optimizer(tmp_path):
+    recs = records(4, 2)
+    fs.CheckpointFileWriter(tmp_path)(recs[-1])
+    shutil.rmtree(tmp_path / "4" / "optimizer")
+    inference = fs.InferenceState.create(MODEL.init(jax.random.key(3), np.ones((8, 4), np.float32)))
+    restored = fs.CheckpointFileReader(tmp_path).restore(inference)
+    assert int(restored.step) == 4
+    assert_trees_equal(restored.params, recs[-1].state.params)
+    assert_trees_equal(restored.flax_mutables, recs[-1].state.flax_mutables)
+    # A training state needs the optimizer, which is gone: that checkpoint is damaged for it.
+    with pytest.raises(fs.CheckpointError, match="every checkpoint .* is damaged"):
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+
+
+def damage(step_dir, how):
+    files = sorted(p for p in (step_dir / "model").rglob("*") if p.is_file() and p.parent.name == "d")
+    assert files, list((step_dir / "model").rglob("*"))
+    if how == "truncate":
+        with open(files[0], "r+b") as handle:
+            handle.truncate(os.path.getsize(files[0]) // 2)
+    else:
+        files[0].unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, how, caplog):
+    recs = records()
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+    for record in recs:
+        writer(record)
+    damage(tmp_path / "6", how)
+    with caplog.at_level(logging.WARNING, logger="flaxstate"):
+        restored = fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+    assert int(restored.step) == 4
+    assert_trees_equal(restored, recs[1].state)
+    assert f"{tmp_path}/6 is damaged" in caplog.text
+
+
+def test_when_every_checkpoint_is_damaged_the_error_says_so(tmp_path):
+    fs.CheckpointFileWriter(tmp_path)(records(2, 2)[-1])
+    damage(tmp_path / "2", "delete")
+    with pytest.raises(fs.CheckpointError, match=f"every checkpoint in {tmp_path} is damaged"):
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+
+
+def test_bad_directories_are_named(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(fs.CheckpointError, match=f"{missing} does not exist"):
+        fs.CheckpointFileReader(missing).restore(fresh_state())
+    with pytest.raises(fs.CheckpointError, match=f"{tmp_path} holds no checkpoint"):
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+    assert fs.CheckpointFileReader(missing, target=MODEL.init).read(fs.CheckpointFile(fresh_state(), 0)) is None
+    junk = tmp_path / "junk"
+    (junk / "3").mkdir(parents=True)
+    (junk / "3" / "something.txt").write_text("not a checkpoint")
+    with pytest.raises(fs.CheckpointError, match=f"{junk}"):
+        fs.CheckpointFileReader(junk, target=MODEL.init).read(fs.CheckpointFile(fresh_state(), 0))
+    fs.CheckpointFileWriter(tmp_path / "run")(records(2, 2)[-1])
+    with pytest.raises(fs.CheckpointError, match="no checkpoint at step 7; it has steps \\[2\\]"):
+        fs.CheckpointFileReader(tmp_path / "run", step=7).restore(fresh_state())
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp_path, monkeypatch):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+    recs = records()
+    writer(recs[0])
+    writer.wait()
+    original = ocp.PyTreeCheckpointHandler.async_save
+
+    class FailingWrite:
+        def result(self, timeout=None):
+            raise OSError("No space left on device (injected)")
+
+    async def failing_async_save(self, directory, *args, **kwargs):
+        return [*(await original(self, directory, *args, **kwargs) or []), FailingWrite()]
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", failing_async_save)
+    writer(recs[1])  # returns at once: the bytes are written in the background, and fail there
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", original)
+    with pytest.raises(fs.CheckpointSaveError, match=f"step 4 to {tmp_path} failed in the background.*No space left"):
+        writer(recs[2])
+    # What was saved before is intact, and the failed step is never restored.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_format_1_checkpoints_are_upgraded_on_read(tmp_path):
+    record = records(2, 2)[-1]
+    manager = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"))
+    manager.save(
+        2,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(record.state.state_dict()),
+            meta=ocp.args.JsonSave({"format_version": 1, "step": 2}),
+        ),
+    )
+    manager.wait_until_finished()
+    restored = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
+    assert restored.format_version == 1 and restored.step == 2
+    assert_trees_equal(restored.state, record.state)
+
+
+def test_restored_state_is_donated_without_a_copy(tmp_path):
+    writer = fs.CheckpointFileWriter(tmp_path)
+    writer(records(2, 2)[-1])
+    restored = fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+    before = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(restored.params)]
+    grads = jax.tree.map(jnp.zeros_like, restored.params)
+    updated = jax.jit(lambda s, g: s.apply_gradient(g), donate_argnums=0)(restored, grads)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(restored.params))
+    after = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(updated.params)]
+    assert set(before) & set(after), "no restored buffer was reused by the donated update"
