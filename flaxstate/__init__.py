@@ -19,6 +19,7 @@ from flaxstate.checkpoint import (
     SummaryLogger,
     SummaryWriter,
 )
+from flaxstate.nnx import nnx_functions
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
@@ -45,6 +46,7 @@ __all__ = [
     "TrainLoop",
     "TrainState",
     "TrainTask",
+    "nnx_functions",
 ]
 
 __version__ = "0.1.0"

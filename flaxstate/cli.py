@@ -1,25 +1,156 @@
-"""The `flaxstate` command line."""
+"""The `flaxstate` command line: inspect a run's checkpoints and plot its metrics.
+
+flaxstate ls DIR                  a table of the checkpoints (best marked per writer)
+flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes; metadata
+flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import math
 import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from flaxstate.checkpoint.catalog import describe_state, list_checkpoints
+from flaxstate.checkpoint.storage import CheckpointError
+from flaxstate.training.progress import format_bytes
+
+
+class UsageError(Exception):
+    """Bad input on the command line: one line on stderr, exit status 2."""
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def _time(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def command_ls(args: argparse.Namespace) -> None:
+    infos = list_checkpoints(args.dir)
+    names = sorted({f"{group}/{name}" for info in infos for group, values in info.metrics.items() for name in values})
+    rows = [["writer", "step", "time", *names, "bytes", "best"]]
+    for info in infos:
+        values = [
+            f"{info.metrics[g][n]:.4g}" if n in info.metrics.get(g, {}) else "-"
+            for g, n in (name.split("/", 1) for name in names)
+        ]
+        rows.append(
+            [info.writer, str(info.step), _time(info.time), *values, format_bytes(info.bytes), "*" if info.best else ""]
+        )
+    print(_table(rows))
+
+
+def command_show(args: argparse.Namespace) -> None:
+    step, leaves, meta = describe_state(args.dir, args.step)
+    rows = [["path", "shape", "dtype", "bytes"]]
+    rows += [[leaf.path, str(list(leaf.shape)), leaf.dtype, format_bytes(leaf.bytes)] for leaf in leaves]
+    n_params = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.startswith("target/"))
+    param_bytes = sum(leaf.bytes for leaf in leaves if leaf.path.startswith("target/"))
+    print(f"checkpoint {Path(args.dir) / str(step)} (format {meta['format_version']})")
+    print(_table(rows))
+    print(
+        f"parameters: {n_params:,} ({format_bytes(param_bytes)}); "
+        f"state: {format_bytes(sum(leaf.bytes for leaf in leaves))}"
+    )
+    print("metrics: " + json.dumps(meta.get("metrics", {})))
+    print("metadata: " + json.dumps(meta.get("metadata"), indent=2, sort_keys=True))
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Returns `{tag: [(step, value), ...]}` from the run's TensorBoard event files."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as error:
+        raise UsageError("flaxstate plot needs tensorboard and matplotlib: pip install 'flaxstate[plot]'") from error
+    if not list(run_dir.glob("events.out.tfevents.*")):
+        raise UsageError(f"{run_dir} holds no TensorBoard event files; write them with flaxstate.SummaryWriter.")
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def command_plot(args: argparse.Namespace) -> None:
+    run_dir = Path(args.dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir} does not exist or is not a directory.")
+    scalars = read_scalars(run_dir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise UsageError("flaxstate plot needs matplotlib: pip install 'flaxstate[plot]'") from error
+    by_metric: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(dict)
+    for tag, points in scalars.items():
+        group, _, name = tag.partition("/")
+        by_metric[name or group][group] = points
+    names = sorted(by_metric)
+    figure, axes = plt.subplots(len(names), 1, figsize=(7, 2.6 * len(names)), squeeze=False)
+    for axis, name in zip(axes[:, 0], names, strict=True):
+        for group, points in sorted(by_metric[name].items()):
+            steps, values = zip(*sorted(points), strict=True)
+            axis.plot(steps, values, marker="o", markersize=3, label=group)
+        axis.set_title(name)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"flaxstate run {run_dir}")
+    figure.tight_layout()
+    figure.savefig(args.output, dpi=100)
+    print(f"wrote {args.output} ({', '.join(sorted(scalars))})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of the `flaxstate` command."""
     parser = argparse.ArgumentParser(prog="flaxstate", description="Inspect flaxstate runs and checkpoints.")
-    parser.add_subparsers(dest="command")
+    commands = parser.add_subparsers(dest="command")
+    ls = commands.add_parser("ls", help="a table of the checkpoints: step, time, metrics, bytes")
+    ls.add_argument("dir")
+    ls.set_defaults(run=command_ls)
+    show = commands.add_parser("show", help="the state tree of a checkpoint and its metadata")
+    show.add_argument("dir")
+    show.add_argument("--step", type=int, default=None)
+    show.set_defaults(run=command_show)
+    plot = commands.add_parser("plot", help="metric curves from the run's TensorBoard event files")
+    plot.add_argument("dir")
+    plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
+    plot.set_defaults(run=command_plot)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line.
+
+    Args:
+        argv: the arguments (`sys.argv[1:]` by default).
+
+    Returns:
+        the exit status: 0, or 2 for bad input (one line on stderr).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    try:
+        args.run(args)
+    except (CheckpointError, UsageError) as error:
+        print(f"flaxstate {args.command}: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,3 +2,28 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+
+def run_example(output_dir, steps, timeout=300):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", str(steps), "--output-dir", str(output_dir)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """The README's example run for 20 steps, then resumed to 40: its directory and both outputs."""
+    output_dir = tmp_path_factory.mktemp("digits") / "run"
+    return output_dir, run_example(output_dir, 20), run_example(output_dir, 40)
