@@ -23,6 +23,9 @@ ACCEPTED_FORMS = "(x, y), ((x, ...), (y, ...)) or ((x, ...), ())"
 Batch = tuple[tuple[Any, ...], tuple[Any, ...]]
 
 
+_ARRAY_TYPES = (np.ndarray, jax.Array)
+
+
 def _is_array(value: Any) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
@@ -41,6 +44,9 @@ def normalize(batch: Any, task_name: str) -> Batch:
     Raises:
         ValueError: the batch has none of the accepted forms.
     """
+    if type(batch) is tuple and len(batch) == 2 and isinstance(batch[0], _ARRAY_TYPES):
+        if isinstance(batch[1], _ARRAY_TYPES):
+            return (batch[0],), (batch[1],)
     if isinstance(batch, tuple | list) and len(batch) == 2:
         parts = []
         for part in batch:
@@ -97,19 +103,26 @@ def stack(batches: Sequence[Batch]) -> Batch:
 def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
     """Puts a per-host batch on the mesh, split along its batch axis (asynchronously).
 
+    On CPU devices of one process the batch stays in host memory: the compiled
+    step, which states its input shardings, places it itself at dispatch, which
+    measured several times faster there than `jax.device_put` ahead of use
+    (benchmarks/RESULTS.md); accelerators get their batches put ahead of use.
+
     Args:
         batch: this process's batch (numpy or jax arrays).
         mesh: the loop's mesh.
         stacked: whether the batch has a leading axis of steps.
 
     Returns:
-        the batch as global arrays sharded along the batch axis.
+        the batch as global arrays sharded along the batch axis, or as host
+        arrays for the compiled step to place.
     """
-    spec = PartitionSpec(None, AXIS) if stacked else PartitionSpec(AXIS)
-    sharding = NamedSharding(mesh, spec)
-    if jax.process_count() == 1:
-        return jax.device_put(batch, sharding)
-    return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
+    if jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu":
+        return batch
+    sharding = NamedSharding(mesh, batch_spec(stacked))
+    if jax.process_count() > 1:
+        return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
+    return jax.device_put(batch, sharding)
 
 
 def batch_spec(stacked: bool) -> PartitionSpec:

@@ -138,12 +138,13 @@ class TrainLoop:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
             self._data.restore(multihost.local_position(restored.data_position), int(restored.step))
             self._progress.log(f"Resumed from the checkpoint at step {restored.step}.")
-        self._state = state
+        self._state_leaves, self._treedef = jax.tree.flatten(state)
         self._step = int(jax.device_get(state.step))
         self._first_nonfinite = jax.device_put(np.int32(-1), self._replicated)
         self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections, self._mesh.size)
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._record_next_step = False
+        self._checked_shapes: set[tuple[Any, ...]] = set()
         n_params, n_bytes = count_parameters(state.params)
         self._progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
         self._generator = self._records()
@@ -196,7 +197,10 @@ class TrainLoop:
     @property
     def state(self) -> FlaxOptimTrainState:
         """A copy of the current state (the loop's own is donated at each step)."""
-        return self._copy(self._state)
+        return self._copy(self._current_state())
+
+    def _current_state(self) -> FlaxOptimTrainState:
+        return jax.tree.unflatten(self._treedef, self._state_leaves)
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`."""
@@ -244,14 +248,17 @@ class TrainLoop:
 
     def _compiled_steps(self, n_steps: int) -> Callable[..., Any]:
         if n_steps not in self._compiled:
-            self._compiled[n_steps] = compile_train_steps(self._train_step, self._mesh, n_steps)
+            self._compiled[n_steps] = compile_train_steps(self._train_step, self._mesh, n_steps, self._treedef)
         return self._compiled[n_steps]
 
     def _host_batch(self, n_steps: int) -> Any:
         batches = []
         for _ in range(n_steps):
             batch = batching.normalize(self._data.next(step=self._step + 1), "TrainTask")
-            batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+            shapes = tuple(array.shape for part in batch for array in part)
+            if shapes not in self._checked_shapes:
+                batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+                self._checked_shapes.add(shapes)
             batches.append(batch)
         return batches[0] if n_steps == 1 else batching.stack(batches)
 
@@ -269,10 +276,11 @@ class TrainLoop:
         self._progress.start(self._step, self._n_steps)
         prefetch()
         grads = loss = None
+        compiled = {n: self._compiled_steps(n) for n in {per_dispatch, 1}}
         while queue:
             n, batch = queue.popleft()
-            self._state, grads, loss, self._first_nonfinite = self._compiled_steps(n)(
-                self._state, batch, self._rng, self._first_nonfinite
+            self._state_leaves, grads, loss, self._first_nonfinite = compiled[n](
+                self._state_leaves, batch, self._rng, self._first_nonfinite
             )
             self._step += n
             prefetch()
@@ -287,7 +295,7 @@ class TrainLoop:
         loss = float(jax.device_get(loss))
         self._progress.record(loss)
         return Checkpoint(
-            state=self._copy(self._state),
+            state=self._copy(self._current_state()),
             grads=grads,
             loss=loss,
             n_completed_steps=self._step - start_step,

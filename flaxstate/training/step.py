@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import CollectionFilter
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxstate.training.batching import AXIS, Batch, batch_spec
 
@@ -103,14 +103,16 @@ def make_eval_step(
 
 
 def compile_train_steps(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, n_steps: int
-) -> Callable[..., tuple[PyTree, PyTree, jax.Array, jax.Array]]:
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, n_steps: int, treedef: Any
+) -> Callable[..., tuple[list[jax.Array], PyTree, jax.Array, jax.Array]]:
     """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
 
-    The call is `(state, batches, rng, first_nonfinite_step) -> (state, grads,
-    loss, first_nonfinite_step)`: `grads` and `loss` are the last step's; the
-    step of the first non-finite loss is tracked on the devices, so the host
-    checks it only when it needs the loss anyway.
+    The call is `(state_leaves, batches, rng, first_nonfinite_step) ->
+    (state_leaves, grads, loss, first_nonfinite_step)`: the state travels as
+    its flat list of leaves (`treedef` rebuilds it inside), which keeps the
+    per-step dispatch off Python's pytree flattening; `grads` and `loss` are
+    the last step's; the step of the first non-finite loss is tracked on the
+    devices, so the host checks it only when it needs the loss anyway.
     """
 
     def track(state: PyTree, loss: jax.Array, first_bad: jax.Array) -> jax.Array:
@@ -135,7 +137,13 @@ def compile_train_steps(
             carry = (state, zeros, jnp.zeros((), jnp.float32), first_bad)
             return lax.scan(body, carry, batches, length=n_steps)[0]
 
-    return _map_over(mesh, steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec(), PartitionSpec()), donate=(0, 3))
+    def flat_steps(leaves: list[jax.Array], batches: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
+        state, grads, loss, first_bad = steps(jax.tree.unflatten(treedef, leaves), batches, rng, first_bad)
+        return jax.tree.leaves(state), grads, loss, first_bad
+
+    return _map_over(
+        mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec(), PartitionSpec()), donate=(0, 3)
+    )
 
 
 def _map_over(
@@ -143,12 +151,16 @@ def _map_over(
 ) -> Callable[..., Any]:
     """Compiles `per_device(state, *rest)` over the mesh: the state and outputs replicated.
 
-    On a single device the function is compiled as it is: no collective is
-    needed, and the update is the same XLA program a hand-written jit loop runs.
+    The compiled call states where its inputs live, so it takes host arrays
+    (placed by the call itself, the fastest path on a CPU) as well as arrays
+    already on the devices. On a single device the function is compiled as
+    it is: no collective is needed, and the update is the XLA program a
+    hand-written jit loop runs.
     """
-    if mesh.size == 1:
-        return jax.jit(per_device, donate_argnums=donate)
     replicated = PartitionSpec()
+    in_shardings = tuple(NamedSharding(mesh, spec) for spec in (replicated, *in_specs))
+    if mesh.size == 1:
+        return jax.jit(per_device, in_shardings=in_shardings, donate_argnums=donate)
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
@@ -158,7 +170,7 @@ def _map_over(
         # parameter would already be summed over devices before our explicit pmean.
         check_vma=False,
     )
-    return jax.jit(mapped, donate_argnums=donate)
+    return jax.jit(mapped, in_shardings=in_shardings, donate_argnums=donate)
 
 
 def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:

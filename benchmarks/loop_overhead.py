@@ -1,0 +1,276 @@
+"""flaxstate's TrainLoop against hand-written loops and the seed's flax_extra loop.
+
+Same model, data, optimizer and devices in one process; the contenders run in
+alternating rounds of the same number of steps, each round ending with the
+host waiting for the devices; the table gives median microseconds a step and
+the throughput ratio to the hand-written pmap loop.
+
+    python benchmarks/loop_overhead.py [--rounds 7] [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import flaxstate as fs
+
+
+class MLP(nn.Module):
+    width: int
+    depth: int = 2
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_data(batch: int, features: int, n: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.RandomState(0)
+    return [
+        (rng.randn(batch, features).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)) for _ in range(n)
+    ]
+
+
+Runner = Callable[[int], None]
+"""Trains n steps and returns when the devices are done."""
+
+
+def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: int) -> Runner:
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
+    # One record a round: the host waits for the devices once, at its end, as the other loops do.
+    loop = fs.TrainLoop(
+        model.init,
+        task,
+        jax.random.key(0),
+        input_sample=data[0][0],
+        n_steps=10**9,
+        n_steps_per_checkpoint=steps,
+        n_steps_per_dispatch=n_steps_per_dispatch,
+        stdout=False,
+    )
+
+    def run(n_steps: int) -> None:
+        assert n_steps == steps
+        loop.next_checkpoint()
+
+    return run
+
+
+def handwritten_pmap_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runner:
+    """The minimal data-parallel loop a careful user writes by hand with jax.pmap."""
+    devices = jax.local_devices()
+    n = len(devices)
+    tx = optax.adam(1e-3)
+    params = model.init(jax.random.key(0), data[0][0])["params"]
+
+    def one_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, x), y))(params)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    if n_steps_per_dispatch == 1:
+        step = one_step
+    else:
+
+        def step(params, opt_state, xs, ys):
+            def body(carry, batch):
+                params, opt_state, _ = one_step(*carry[:2], *batch)
+                return (params, opt_state, _), None
+
+            return jax.lax.scan(body, (params, opt_state, jnp.zeros(())), (xs, ys))[0]
+
+    p_step = jax.pmap(step, axis_name="batch", donate_argnums=(0, 1))
+    state = jax.pmap(lambda _: (params, tx.init(params)))(jnp.arange(n))
+    batches = itertools.cycle(data)
+
+    def split(batch, k):
+        return tuple(a.reshape(n, a.shape[0] // n, *a.shape[1:]) if k == 1 else a for a in batch)
+
+    def run(n_steps: int) -> None:
+        nonlocal state
+        loss = None
+        for _ in range(n_steps // n_steps_per_dispatch):
+            if n_steps_per_dispatch == 1:
+                x, y = split(next(batches), 1)
+            else:
+                group = [next(batches) for _ in range(n_steps_per_dispatch)]
+                x = np.stack([b[0].reshape(n, -1, b[0].shape[1]) for b in group], axis=1)
+                y = np.stack([b[1].reshape(n, -1) for b in group], axis=1)
+            params_, opt_state_, loss = p_step(*state, x, y)
+            state = (params_, opt_state_)
+        jax.block_until_ready(loss)
+
+    return run
+
+
+def handwritten_jit_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runner:
+    """The tougher hand-written baseline: jit over shard_map (plain jit on one device)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(jax.local_devices()), ("batch",))
+    tx = optax.adam(1e-3)
+    params = model.init(jax.random.key(0), data[0][0])["params"]
+
+    def one_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, x), y))(params)
+        if mesh.size > 1:
+            grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    spec = PartitionSpec("batch") if n_steps_per_dispatch == 1 else PartitionSpec(None, "batch")
+    if n_steps_per_dispatch == 1:
+        step = one_step
+    else:
+
+        def step(params, opt_state, xs, ys):
+            def body(carry, batch):
+                return one_step(*carry[:2], *batch), None
+
+            return jax.lax.scan(body, (params, opt_state, jnp.zeros(())), (xs, ys))[0]
+
+    mapped = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), spec, spec),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    shardings = (NamedSharding(mesh, PartitionSpec()),) * 2 + (NamedSharding(mesh, spec),) * 2
+    jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=(0, 1))
+    state = jax.device_put((params, tx.init(params)), shardings[0])
+    batches = itertools.cycle(data)
+
+    def run(n_steps: int) -> None:
+        nonlocal state
+        loss = None
+        for _ in range(n_steps // n_steps_per_dispatch):
+            if n_steps_per_dispatch == 1:
+                x, y = next(batches)
+            else:
+                group = [next(batches) for _ in range(n_steps_per_dispatch)]
+                x, y = np.stack([b[0] for b in group]), np.stack([b[1] for b in group])
+            *state, loss = jitted(*state, x, y)
+        jax.block_until_ready(loss)
+
+    return run
+
+
+def flax_extra_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runner:
+    """The seed's TrainLoop step, shimmed for today's JAX (device_put_replicated is gone).
+
+    Per step, as flax_extra did: a host-side key split, a per-device key
+    split, a batch reshaped per device, and a pmap'ed update that returns the
+    optimizer state, params, model state, grads and loss.
+    """
+    devices = jax.local_devices()
+    n = len(devices)
+    tx = optax.adam(1e-3)
+    variables = model.init(jax.random.key(0), data[0][0])
+    params, model_state = variables["params"], {}
+
+    def update(opt_state, params, model_state, batch, rng):
+        x, y = batch
+
+        def forward(params):
+            logits = model.apply({"params": params, **model_state}, x, rngs={"dropout": rng})
+            return loss_fn(logits, y)
+
+        loss, grads = jax.value_and_grad(forward)(params)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return opt_state, optax.apply_updates(params, updates), model_state, grads, loss
+
+    p_update = jax.pmap(update, axis_name="batch")
+
+    def replicate(tree):
+        return jax.pmap(lambda _: tree)(jnp.arange(n))
+
+    state = [replicate(tx.init(params)), replicate(params), replicate(model_state)]
+    key = jax.random.key(1)
+    batches = itertools.cycle(data)
+
+    def run(n_steps: int) -> None:
+        nonlocal key
+        loss = None
+        for _ in range(n_steps):
+            key, step_key = jax.random.split(key)
+            device_keys = jax.random.split(step_key, n)
+            x, y = next(batches)
+            batch = (jnp.reshape(x, (n, -1, x.shape[1])), jnp.reshape(y, (n, -1)))
+            opt_state, params_, model_state_, _, loss = p_update(*state, batch, device_keys)
+            state[:] = [opt_state, params_, model_state_]
+        jax.block_until_ready(loss)
+
+    return run
+
+
+def measure(runners: dict[str, Runner], rounds: int, steps: int) -> dict[str, float]:
+    """Median microseconds a step of each runner over alternating rounds (after a warm-up)."""
+    for run in runners.values():
+        run(steps)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for round_index in range(rounds):
+        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
+        for name in order:
+            start = time.perf_counter()
+            runners[name](steps)
+            times[name].append((time.perf_counter() - start) / steps * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=400, help="steps a round, small model (larger: a tenth)")
+    args = parser.parse_args()
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"{args.rounds} alternating rounds"
+    )
+    configs = [
+        ("small MLP (width 64, batch 64)", MLP(64), make_data(64, 64), args.steps),
+        ("larger MLP (width 1024, batch 256)", MLP(1024), make_data(256, 512), max(10, args.steps // 100 * 10)),
+    ]
+    rows = []
+    for title, model, data, steps in configs:
+        runners = {
+            "hand-written pmap, K=1": handwritten_pmap_runner(model, data, 1),
+            "hand-written jit, K=1": handwritten_jit_runner(model, data, 1),
+            "flaxstate TrainLoop, K=1": flaxstate_runner(model, data, 1, steps),
+            "flax_extra TrainLoop (shim)": flax_extra_runner(model, data, 1),
+            "hand-written pmap + scan, K=10": handwritten_pmap_runner(model, data, 10),
+            "hand-written jit + scan, K=10": handwritten_jit_runner(model, data, 10),
+            "flaxstate TrainLoop, K=10": flaxstate_runner(model, data, 10, steps),
+        }
+        medians = measure(runners, args.rounds, steps)
+        pmap = medians["hand-written pmap, K=1"]
+        jit = medians["hand-written jit, K=1"]
+        rows += [(title, name, us, pmap / us, jit / us) for name, us in medians.items()]
+    print(
+        "\n| model | loop | us/step (median) | throughput vs hand-written pmap K=1 | vs hand-written jit K=1 |"
+        "\n|---|---|---:|---:|---:|"
+    )
+    for title, name, us, pmap_ratio, jit_ratio in rows:
+        print(f"| {title} | {name} | {us:.1f} | {pmap_ratio:.2f}x | {jit_ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
