@@ -205,23 +205,18 @@ class CheckpointStore:
             raise CheckpointError(f"{step_dir} is not a flaxstate checkpoint (its meta has no format_version).")
         return meta
 
-    def item_metadata(self, step: int, item: str) -> Any:
-        """Returns the tree of array metadata (shapes, dtypes) of one item."""
-        metadata = self._manager.item_metadata(step)[item]
-        return metadata.tree if hasattr(metadata, "tree") else metadata
+    def item_trees(self, step: int) -> dict[str, Any]:
+        """Returns each item's tree of array metadata (shapes, dtypes), read once."""
+        metadata = self._manager.item_metadata(step)
+        return {
+            name: item.tree if hasattr(item, "tree") else item
+            for name, item in metadata.items()
+            if item is not None and name != META
+        }
 
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
         """Returns the stored state-dict layout with array metadata as leaves."""
-        meta = self.read_meta(step)
-        if meta["format_version"] < 2:
-            tree = dict(self.item_metadata(step, LEGACY_STATE))
-        else:
-            model = self.item_metadata(step, MODEL)
-            tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
-            tree["state"] = dict(self.item_metadata(step, OPTIMIZER)) if with_optimizer else {}
-        if not with_optimizer:
-            tree["state"] = {}
-        return tree
+        return _layout(self.read_meta(step), self.item_trees(step), with_optimizer)
 
     def read(
         self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True
@@ -246,7 +241,8 @@ class CheckpointStore:
         """
         meta = self.read_meta(step)
         legacy = meta["format_version"] < 2
-        stored = self.stored_tree(step, with_optimizer)
+        trees = self.item_trees(step)
+        stored = _layout(meta, trees, with_optimizer)
         stored_flat = tree_paths.flatten(stored)
         renamed = tree_paths.rename(stored_flat, rename)
         new_path = dict(zip(stored_flat, renamed, strict=True))
@@ -275,11 +271,11 @@ class CheckpointStore:
             return ocp.args.PyTreeRestore(restore_args=args)
 
         if legacy:
-            items = {LEGACY_STATE: item_args("", self.item_metadata(step, LEGACY_STATE))}
+            items = {LEGACY_STATE: item_args("", trees[LEGACY_STATE])}
         else:
-            items = {MODEL: item_args("", self.item_metadata(step, MODEL))}
+            items = {MODEL: item_args("", trees[MODEL])}
             if with_optimizer:
-                items[OPTIMIZER] = item_args("state/", self.item_metadata(step, OPTIMIZER))
+                items[OPTIMIZER] = item_args("state/", trees[OPTIMIZER])
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         if legacy:
             flat = tree_paths.flatten(restored[LEGACY_STATE])
@@ -292,6 +288,19 @@ class CheckpointStore:
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=meta)
+
+
+def _layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
+    """The stored items' trees in the state-dict layout (format 1's single item as it is)."""
+    if meta["format_version"] < 2:
+        tree = dict(trees[LEGACY_STATE])
+    else:
+        model = trees[MODEL]
+        tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
+        tree["state"] = dict(trees[OPTIMIZER]) if with_optimizer else {}
+    if not with_optimizer:
+        tree["state"] = {}
+    return tree
 
 
 def is_empty_or_missing(directory: Path) -> bool:

@@ -103,10 +103,14 @@ def stack(batches: Sequence[Batch]) -> Batch:
 def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
     """Puts a per-host batch on the mesh, split along its batch axis (asynchronously).
 
-    On CPU devices of one process the batch stays in host memory: the compiled
-    step, which states its input shardings, places it itself at dispatch, which
-    measured several times faster there than `jax.device_put` ahead of use
-    (benchmarks/RESULTS.md); accelerators get their batches put ahead of use.
+    In one process the batch stays in host memory: the compiled step, which
+    states its input shardings, splits and places it itself at dispatch, in
+    JAX's C++ dispatch path. That measured faster on both a CPU and an H100
+    than putting batches on the devices ahead of use with `jax.device_put`,
+    whose Python path costs more per step than a small model's whole update
+    (benchmarks/batch_placement.py, benchmarks/RESULTS.md). Several processes
+    must build global arrays from their per-host parts, which is done here,
+    ahead of use.
 
     Args:
         batch: this process's batch (numpy or jax arrays).
@@ -117,12 +121,10 @@ def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
         the batch as global arrays sharded along the batch axis, or as host
         arrays for the compiled step to place.
     """
-    if jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu":
+    if jax.process_count() == 1:
         return batch
     sharding = NamedSharding(mesh, batch_spec(stacked))
-    if jax.process_count() > 1:
-        return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
-    return jax.device_put(batch, sharding)
+    return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
 
 
 def batch_spec(stacked: bool) -> PartitionSpec:

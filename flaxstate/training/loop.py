@@ -248,7 +248,9 @@ class TrainLoop:
 
     def _compiled_steps(self, n_steps: int) -> Callable[..., Any]:
         if n_steps not in self._compiled:
-            self._compiled[n_steps] = compile_train_steps(self._train_step, self._mesh, n_steps, self._treedef)
+            self._compiled[n_steps] = compile_train_steps(
+                self._train_step, self._mesh, n_steps, self._treedef, jax.random.key_impl(self._rng)
+            )
         return self._compiled[n_steps]
 
     def _host_batch(self, n_steps: int) -> Any:
@@ -277,10 +279,11 @@ class TrainLoop:
         prefetch()
         grads = loss = None
         compiled = {n: self._compiled_steps(n) for n in {per_dispatch, 1}}
+        rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         while queue:
             n, batch = queue.popleft()
             self._state_leaves, grads, loss, self._first_nonfinite = compiled[n](
-                self._state_leaves, batch, self._rng, self._first_nonfinite
+                self._state_leaves, batch, rng_data, self._first_nonfinite
             )
             self._step += n
             prefetch()

@@ -103,14 +103,19 @@ def make_eval_step(
 
 
 def compile_train_steps(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, n_steps: int, treedef: Any
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
+    mesh: Mesh,
+    n_steps: int,
+    treedef: Any,
+    rng_impl: Any,
 ) -> Callable[..., tuple[list[jax.Array], PyTree, jax.Array, jax.Array]]:
     """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
 
-    The call is `(state_leaves, batches, rng, first_nonfinite_step) ->
+    The call is `(state_leaves, batches, rng_data, first_nonfinite_step) ->
     (state_leaves, grads, loss, first_nonfinite_step)`: the state travels as
-    its flat list of leaves (`treedef` rebuilds it inside), which keeps the
-    per-step dispatch off Python's pytree flattening; `grads` and `loss` are
+    its flat list of leaves (`treedef` rebuilds it inside) and the key as its
+    raw data (`rng_impl` rewraps it), which keeps the per-step dispatch in
+    JAX's C++ path, off Python's pytree flattening; `grads` and `loss` are
     the last step's; the step of the first non-finite loss is tracked on the
     devices, so the host checks it only when it needs the loss anyway.
     """
@@ -137,7 +142,10 @@ def compile_train_steps(
             carry = (state, zeros, jnp.zeros((), jnp.float32), first_bad)
             return lax.scan(body, carry, batches, length=n_steps)[0]
 
-    def flat_steps(leaves: list[jax.Array], batches: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
+    def flat_steps(
+        leaves: list[jax.Array], batches: Batch, rng_data: jax.Array, first_bad: jax.Array
+    ) -> tuple[Any, ...]:
+        rng = jax.random.wrap_key_data(rng_data, impl=rng_impl)
         state, grads, loss, first_bad = steps(jax.tree.unflatten(treedef, leaves), batches, rng, first_bad)
         return jax.tree.leaves(state), grads, loss, first_bad
 

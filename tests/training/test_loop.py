@@ -34,6 +34,15 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def assert_trees_match_handwritten(a, b):
+    """Bit for bit on the CPU (what CI runs); on a GPU, XLA fuses the two programs differently."""
+    if jax.default_backend() == "cpu":
+        assert_trees_equal(a, b)
+    else:
+        for x, y in zip(leaves(a), leaves(b), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
 def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
     data = toy.batches(10, 8)
     tx = optax.adam(1e-2)
@@ -56,9 +65,9 @@ def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
     for x, y in data:
         params, opt_state, loss, grads = step(params, opt_state, x, y)
     assert final.step == 10
-    assert_trees_equal(final.state.params, params)
-    assert_trees_equal(final.grads, grads)
-    assert final.loss == float(loss)
+    assert_trees_match_handwritten(final.state.params, params)
+    assert_trees_match_handwritten(final.grads, grads)
+    np.testing.assert_allclose(final.loss, float(loss), rtol=0 if jax.default_backend() == "cpu" else 1e-6)
 
 
 def test_records_at_multiples_of_n_and_at_the_last_step():
@@ -126,8 +135,11 @@ def test_state_is_available_from_construction_and_survives_donation():
 
 @pytest.mark.parametrize("model", [MLP, MODEL], ids=["mlp", "batchnorm_dropout"])
 def test_steps_per_dispatch_equals_one_step_per_dispatch(model):
-    one = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=1))
-    four = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=4))
+    # SGD: adam's update m / sqrt(v) turns an ulp of a near-zero gradient into a step of
+    # the learning rate's size, which would test XLA's fusion rather than the loop.
+    sgd = optax.sgd(0.05, momentum=0.9)
+    one = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=1, optimizer=sgd))
+    four = list(make_loop(model=model, n_steps=10, every=4, per_dispatch=4, optimizer=sgd))
     assert [r.step for r in four] == [4, 8, 10]
     for a, b in zip(one, four, strict=True):
         for x, y in zip(leaves(a.state), leaves(b.state), strict=True):
