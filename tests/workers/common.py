@@ -18,5 +18,6 @@ def setup() -> dict:
             num_processes=config["n_processes"],
             process_id=config["process_id"],
             initialization_timeout=60,
+            heartbeat_timeout_seconds=config.get("heartbeat_timeout", 100),
         )
     return config

@@ -31,10 +31,20 @@ loop = fs.TrainLoop(
     stdout=False,
 )
 records = list(loop)
-final = records[-1]
+evaluate = fs.EvalLoop(
+    fs.EvalTask(
+        apply=model.apply,
+        metrics={"loss": toy.mse},
+        data=toy.shard(toy.batches(2, config["global_batch"], seed=7), jax.process_index(), jax.process_count()),
+    ),
+    rng=jax.random.key(1),
+    n_steps=2,
+)
+final = evaluate(records[-1])
 flat = {f"params/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.params).items()}
 flat.update({f"mutables/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.flax_mutables).items()})
 flat.update({f"grads/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.grads).items()})
 flat["loss"] = np.asarray(final.loss)
+flat["eval_loss"] = np.asarray(final.metrics["eval"]["loss"])
 np.savez(Path(config["out"]) / f"process_{jax.process_index()}.npz", **flat)
 print("done", jax.process_index(), final.step, final.loss)
