@@ -34,13 +34,19 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+# On a GPU, float32 matmuls run in TF32 by default, and XLA may pick other algorithms for
+# programs fused differently: results agree to about 1e-4 there, exactly on the CPU.
+ON_CPU = jax.default_backend() == "cpu"
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-7} if ON_CPU else {"rtol": 1e-3, "atol": 1e-5}
+
+
 def assert_trees_match_handwritten(a, b):
-    """Bit for bit on the CPU (what CI runs); on a GPU, XLA fuses the two programs differently."""
-    if jax.default_backend() == "cpu":
+    """Bit for bit on the CPU (what CI runs); to TF32 tolerance on a GPU."""
+    if ON_CPU:
         assert_trees_equal(a, b)
     else:
         for x, y in zip(leaves(a), leaves(b), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(x, y, **TOLERANCE)
 
 
 def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
@@ -67,7 +73,7 @@ def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
     assert final.step == 10
     assert_trees_match_handwritten(final.state.params, params)
     assert_trees_match_handwritten(final.grads, grads)
-    np.testing.assert_allclose(final.loss, float(loss), rtol=0 if jax.default_backend() == "cpu" else 1e-6)
+    np.testing.assert_allclose(final.loss, float(loss), rtol=0 if ON_CPU else TOLERANCE["rtol"])
 
 
 def test_records_at_multiples_of_n_and_at_the_last_step():
@@ -143,8 +149,8 @@ def test_steps_per_dispatch_equals_one_step_per_dispatch(model):
     assert [r.step for r in four] == [4, 8, 10]
     for a, b in zip(one, four, strict=True):
         for x, y in zip(leaves(a.state), leaves(b.state), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(a.loss, b.loss, rtol=1e-6)
+            np.testing.assert_allclose(x, y, **TOLERANCE)
+        np.testing.assert_allclose(a.loss, b.loss, rtol=TOLERANCE["rtol"])
 
 
 def test_dropout_rngs_make_the_run_reproducible_from_its_seed():
