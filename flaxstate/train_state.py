@@ -156,7 +156,19 @@ def _restore_leaves(template: PyTree, merged: Mapping[str, Any]) -> PyTree:
     return jax.tree_util.tree_map_with_path(pick, template)
 
 
-class FlaxOptimTrainState(struct.PyTreeNode):
+class _ReplaceMethods:
+    """`replace_params` and `replace_step`, shared by both states (flax structs with `replace`)."""
+
+    def replace_params(self, params: PyTree) -> Any:
+        """Returns the state with other params (same tree)."""
+        return self.replace(params=params)  # type: ignore[attr-defined]
+
+    def replace_step(self, step: jax.Array | int) -> Any:
+        """Returns the state at another step."""
+        return self.replace(step=jnp.asarray(step, dtype=jnp.int32))  # type: ignore[attr-defined]
+
+
+class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
     """An immutable train state: step, params, optax state and mutable collections.
 
     Example:
@@ -250,14 +262,6 @@ class FlaxOptimTrainState(struct.PyTreeNode):
             flax_mutables=self.flax_mutables if flax_mutables is _UNSET else flax_mutables,
         )
 
-    def replace_params(self, params: PyTree) -> FlaxOptimTrainState:
-        """Returns the state with other params (same tree)."""
-        return self.replace(params=params)
-
-    def replace_step(self, step: jax.Array | int) -> FlaxOptimTrainState:
-        """Returns the state at another step."""
-        return self.replace(step=jnp.asarray(step, dtype=jnp.int32))
-
     def state_dict(self) -> dict[str, Any]:
         """Returns the state as plain nested dicts in the checkpoint layout."""
         return {
@@ -327,7 +331,7 @@ def _mutables_axes(flax_mutables: PyTree, axes: FrozenDict | None) -> PyTree:
     }
 
 
-class InferenceState(struct.PyTreeNode):
+class InferenceState(_ReplaceMethods, struct.PyTreeNode):
     """A state for inference: step, params and mutable collections, no optimizer.
 
     Restores from a training state dict (or checkpoint) and ignores its
@@ -381,14 +385,6 @@ class InferenceState(struct.PyTreeNode):
         raise NotImplementedError(
             "InferenceState.apply_gradient: an inference state holds no optimizer; train a FlaxOptimTrainState instead."
         )
-
-    def replace_params(self, params: PyTree) -> InferenceState:
-        """Returns the state with other params (same tree)."""
-        return self.replace(params=params)
-
-    def replace_step(self, step: jax.Array | int) -> InferenceState:
-        """Returns the state at another step."""
-        return self.replace(step=jnp.asarray(step, dtype=jnp.int32))
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the state in the checkpoint layout, without `param_states`."""
