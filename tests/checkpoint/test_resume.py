@@ -63,13 +63,14 @@ def run_and_kill(tmp_path, name, after_record, delay, **config):
 # well into the training steps after it. A wide model makes each save take a while.
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, delay):
-    config = {"data": "grain", "n_steps": 40, "every": 10, "width": 200_000, "keep": 2}
+    # 100 steps: the run goes on well past every kill point, so the kill always lands mid-run.
+    config = {"data": "grain", "n_steps": 100, "every": 10, "width": 200_000, "keep": 2}
     reference, _ = run(tmp_path, "reference", resume=False, **config)
     run_and_kill(tmp_path, "killed", after_record=20, delay=delay, **config)
     entries = sorted(p.name for p in (tmp_path / "killed").iterdir())
     print("after kill -9:", entries)
     steps = sorted(int(name) for name in entries if name.isdigit())
-    assert steps and steps[-1] in (10, 20, 30), steps
+    assert steps and 10 <= steps[-1] < 100, steps
     resumed, output = run(tmp_path, "killed", **config)
     start = int(output.split("start ")[1].split()[0])
     assert start == steps[-1], output
