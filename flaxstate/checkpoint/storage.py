@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,8 +31,6 @@ import orbax.checkpoint as ocp
 from flaxstate import tree_paths
 from flaxstate.checkpoint.records import FORMAT_VERSION
 from flaxstate.train_state import StateMismatchError
-
-logger = logging.getLogger("flaxstate")
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
 LEGACY_STATE = "state"
@@ -173,13 +170,6 @@ class CheckpointStore:
             raise CheckpointSaveError(
                 f"saving the checkpoint of step {step} to {self.directory} failed in the background: {error}"
             ) from error
-
-    def close(self) -> None:
-        """Waits for the pending save and releases orbax's resources."""
-        try:
-            self.wait()
-        finally:
-            self._manager.close()
 
     # Reading.
 
