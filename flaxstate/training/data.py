@@ -38,11 +38,14 @@ class DataStream:
         self._iterator = _prepend(first, self._iterator)
         return first
 
+    def _empty(self) -> ValueError:
+        return ValueError(f"{self._task_name}.data is empty: it yielded no batch at the first step.")
+
     def _first(self, iterator: Iterator[Any]) -> Any:
         try:
             return next(iterator)
         except StopIteration:
-            raise ValueError(f"{self._task_name}.data is empty: it yielded no batch at the first step.") from None
+            raise self._empty() from None
 
     def next(self, step: int) -> Any:
         """Returns the next batch.
@@ -54,7 +57,7 @@ class DataStream:
             batch = next(self._iterator)
         except StopIteration:
             if self._n_batches == 0:
-                raise ValueError(f"{self._task_name}.data is empty: it yielded no batch at the first step.") from None
+                raise self._empty() from None
             raise ValueError(
                 f"{self._task_name}.data ran out after {self._n_batches} batches, at step {step}; "
                 "repeat it (e.g. grain's .repeat()) or lower n_steps."
