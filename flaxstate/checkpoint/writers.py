@@ -9,22 +9,12 @@ subdirectory (`output_dir/lowest-eval-loss/<step>/`), so writers sharing
 
 from __future__ import annotations
 
-import atexit
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from flaxstate.checkpoint.records import Checkpoint
 from flaxstate.checkpoint.storage import CheckpointStore, encode_rng, to_json
-
-_LIVE_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()
-
-
-@atexit.register
-def _wait_for_pending_saves() -> None:
-    for writer in list(_LIVE_WRITERS):
-        writer.wait()
 
 
 def best_subdir(metric: str, group: str, mode: str) -> str:
@@ -52,7 +42,6 @@ class _Writer:
         self._metadata = to_json(metadata)
         self._best = best
         self._store = CheckpointStore(directory, keep=keep, best=best)
-        _LIVE_WRITERS.add(self)
 
     def _metrics(self, checkpoint: Checkpoint) -> Mapping[str, float] | None:
         return None

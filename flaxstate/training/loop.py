@@ -16,8 +16,9 @@ from flaxstate.checkpoint.records import Checkpoint, CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, multihost
 from flaxstate.training.data import DataStream
+from flaxstate.training.nonfinite import LossWatch
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
-from flaxstate.training.step import compile_train_steps, make_train_step
+from flaxstate.training.step import compile_gradients, compile_train_steps, make_train_step
 from flaxstate.training.task import TrainTask
 
 PyTree = Any
@@ -139,10 +140,11 @@ class TrainLoop:
             self._data.restore(multihost.local_position(restored.data_position), int(restored.step))
             self._progress.log(f"Resumed from the checkpoint at step {restored.step}.")
         self._state_leaves, self._treedef = jax.tree.flatten(state)
+        self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         self._step = int(jax.device_get(state.step))
-        self._first_nonfinite = jax.device_put(np.int32(-1), self._replicated)
         self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections, self._mesh.size)
         self._compiled: dict[int, Callable[..., Any]] = {}
+        self._compiled_gradients: Callable[..., Any] | None = None
         self._record_next_step = False
         self._checked_shapes: set[tuple[Any, ...]] = set()
         n_params, n_bytes = count_parameters(state.params)
@@ -253,22 +255,32 @@ class TrainLoop:
             )
         return self._compiled[n_steps]
 
+    def _gradients(self) -> Callable[..., Any]:
+        if self._compiled_gradients is None:
+            self._compiled_gradients = compile_gradients(
+                self._train_step, self._mesh, self._treedef, jax.random.key_impl(self._rng)
+            )
+        return self._compiled_gradients
+
     def _host_batch(self, n_steps: int) -> Any:
-        batches = []
-        for _ in range(n_steps):
-            batch = batching.normalize(self._data.next(step=self._step + 1), "TrainTask")
-            shapes = tuple(array.shape for part in batch for array in part)
-            if shapes not in self._checked_shapes:
-                batching.check_divisible(batch, self._n_local_devices, "TrainTask")
-                self._checked_shapes.add(shapes)
-            batches.append(batch)
-        return batches[0] if n_steps == 1 else batching.stack(batches)
+        if n_steps == 1:
+            return self._next_batch()
+        return batching.stack([self._next_batch() for _ in range(n_steps)])
+
+    def _next_batch(self) -> Any:
+        batch = batching.normalize(self._data.next(step=self._step + 1), "TrainTask")
+        shapes = tuple([array.shape for part in batch for array in part])
+        if shapes not in self._checked_shapes:
+            batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+            self._checked_shapes.add(shapes)
+        return batch
 
     def _train_until(self, target: int) -> Checkpoint:
         start_step, start_time = self._step, time.perf_counter()
         per_dispatch = self._n_steps_per_dispatch
         remaining = target - start_step
-        chunks = iter([per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch))
+        sizes = [per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch)
+        chunks = iter(sizes)
         queue: collections.deque[tuple[int, Any]] = collections.deque()
 
         def prefetch() -> None:
@@ -277,25 +289,27 @@ class TrainLoop:
 
         self._progress.start(self._step, self._n_steps)
         prefetch()
-        grads = loss = None
         compiled = {n: self._compiled_steps(n) for n in {per_dispatch, 1}}
-        rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
-        while queue:
+        watch = LossWatch(start_step)
+        for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
-            self._state_leaves, grads, loss, self._first_nonfinite = compiled[n](
-                self._state_leaves, batch, rng_data, self._first_nonfinite
-            )
+            if n > 1:
+                self._state_leaves, grads, losses = compiled[n](self._state_leaves, batch, self._rng_data)
+            else:
+                if n_left == 0:  # the record's gradients: the last step's, before the update donates its state
+                    grads = self._gradients()(self._state_leaves, batch, self._rng_data)
+                self._state_leaves, losses = compiled[1](self._state_leaves, batch, self._rng_data)
+            watch.add(losses)
             self._step += n
             prefetch()
             self._progress.advance(n)
 
-        first_nonfinite = int(jax.device_get(self._first_nonfinite))
-        if first_nonfinite >= 0:
+        first_nonfinite, loss = watch.result()
+        if first_nonfinite is not None:
             raise FloatingPointError(
                 f"the training loss became non-finite (nan or inf) at step {first_nonfinite}; no record "
                 "was yielded after it. Lower the learning rate, clip gradients, or check the data."
             )
-        loss = float(jax.device_get(loss))
         self._progress.record(loss)
         return Checkpoint(
             state=self._copy(self._current_state()),

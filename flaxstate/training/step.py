@@ -108,50 +108,61 @@ def compile_train_steps(
     n_steps: int,
     treedef: Any,
     rng_impl: Any,
-) -> Callable[..., tuple[list[jax.Array], PyTree, jax.Array, jax.Array]]:
+) -> Callable[..., tuple[Any, ...]]:
     """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
 
-    The call is `(state_leaves, batches, rng_data, first_nonfinite_step) ->
-    (state_leaves, grads, loss, first_nonfinite_step)`: the state travels as
-    its flat list of leaves (`treedef` rebuilds it inside) and the key as its
-    raw data (`rng_impl` rewraps it), which keeps the per-step dispatch in
-    JAX's C++ path, off Python's pytree flattening; `grads` and `loss` are
-    the last step's; the step of the first non-finite loss is tracked on the
-    devices, so the host checks it only when it needs the loss anyway.
+    The call is `(state_leaves, batch, rng_data) -> (state_leaves, loss)` for
+    one step, and `(state_leaves, batches, rng_data) -> (state_leaves, grads,
+    losses)` for several (a `lax.scan`; `grads` are the last step's, `losses`
+    has shape `(n_steps,)`). The state travels as its flat list of leaves
+    (`treedef` rebuilds it inside) and the key as its raw data (`rng_impl`
+    rewraps it), which keeps the per-step dispatch in JAX's C++ path, off
+    Python's pytree flattening. A single step returns no gradients: they
+    would be one more output buffer per parameter every step, and a record
+    computes its last step's with `compile_gradients` instead; every step
+    still runs the one same XLA program, so where records fall never moves
+    a result by an ulp.
     """
-
-    def track(state: PyTree, loss: jax.Array, first_bad: jax.Array) -> jax.Array:
-        return jnp.where((first_bad < 0) & ~jnp.isfinite(loss), state.step, first_bad)
 
     if n_steps == 1:
 
-        def steps(state: PyTree, batch: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
-            state, grads, loss = train_step(state, batch, rng)
-            return state, grads, loss, track(state, loss, first_bad)
+        def steps(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[Any, ...]:
+            state, _, loss = train_step(state, batch, rng)
+            return state, loss
 
     else:
 
-        def steps(state: PyTree, batches: Batch, rng: jax.Array, first_bad: jax.Array) -> tuple[Any, ...]:
-            def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], None]:
-                state, _, _, first_bad = carry
-                state, grads, loss = train_step(state, batch, rng)
-                loss = loss.astype(jnp.float32)
-                return (state, grads, loss, track(state, loss, first_bad)), None
+        def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[Any, ...]:
+            def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
+                state, grads, loss = train_step(carry[0], batch, rng)
+                return (state, grads), loss.astype(jnp.float32)
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            carry = (state, zeros, jnp.zeros((), jnp.float32), first_bad)
-            return lax.scan(body, carry, batches, length=n_steps)[0]
+            (state, grads), losses = lax.scan(body, (state, zeros), batches, length=n_steps)
+            return state, grads, losses
 
-    def flat_steps(
-        leaves: list[jax.Array], batches: Batch, rng_data: jax.Array, first_bad: jax.Array
-    ) -> tuple[Any, ...]:
+    def flat_steps(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
         rng = jax.random.wrap_key_data(rng_data, impl=rng_impl)
-        state, grads, loss, first_bad = steps(jax.tree.unflatten(treedef, leaves), batches, rng, first_bad)
-        return jax.tree.leaves(state), grads, loss, first_bad
+        state, *outputs = steps(jax.tree.unflatten(treedef, leaves), batches, rng)
+        return jax.tree.leaves(state), *outputs
 
-    return _map_over(
-        mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec(), PartitionSpec()), donate=(0, 3)
-    )
+    return _map_over(mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec()), donate=(0,))
+
+
+def compile_gradients(
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, treedef: Any, rng_impl: Any
+) -> Callable[..., PyTree]:
+    """Maps `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated) over the mesh.
+
+    The gradients that the update of that state on that batch applies (the
+    same per-device function; XLA drops the update itself).
+    """
+
+    def gradients(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
+        rng = jax.random.wrap_key_data(rng_data, impl=rng_impl)
+        return train_step(jax.tree.unflatten(treedef, leaves), batch, rng)[1]
+
+    return _map_over(mesh, gradients, in_specs=(batch_spec(False), PartitionSpec()), donate=())
 
 
 def _map_over(

@@ -2,6 +2,9 @@ import dataclasses
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import threading
 
 import flax.linen as nn
 import jax
@@ -228,26 +231,65 @@ def test_bad_directories_are_named(tmp_path):
         fs.CheckpointFileReader(tmp_path / "run", step=7).restore(fresh_state())
 
 
+def patch_async_save(monkeypatch, before_write):
+    """Runs `before_write()` in each orbax array write (in the save's thread), then writes."""
+    original = ocp.PyTreeCheckpointHandler.async_save
+
+    async def patched(self, directory, *args, **kwargs):
+        before_write()
+        return await original(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", patched)
+
+
 def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp_path, monkeypatch):
     writer = fs.CheckpointFileWriter(tmp_path, keep=3)
     recs = records()
     writer(recs[0])
     writer.wait()
-    original = ocp.PyTreeCheckpointHandler.async_save
+    failures = iter([OSError("No space left on device (injected)")])
 
-    class FailingWrite:
-        def result(self, timeout=None):
-            raise OSError("No space left on device (injected)")
+    def fail_once():
+        if (error := next(failures, None)) is not None:
+            raise error
 
-    async def failing_async_save(self, directory, *args, **kwargs):
-        return [*(await original(self, directory, *args, **kwargs) or []), FailingWrite()]
-
-    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", failing_async_save)
+    patch_async_save(monkeypatch, fail_once)
     writer(recs[1])  # returns at once: the bytes are written in the background, and fail there
-    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", original)
     with pytest.raises(fs.CheckpointSaveError, match=f"step 4 to {tmp_path} failed in the background.*No space left"):
         writer(recs[2])
     # What was saved before is intact, and the failed step is never restored.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+    # The writer goes on: the next save works.
+    writer(recs[2])
+    writer.wait()
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
+
+
+def test_a_save_returns_before_its_bytes_are_written(tmp_path, monkeypatch):
+    recs = records()
+    release = threading.Event()
+    patch_async_save(monkeypatch, lambda: release.wait(timeout=60))
+    writer = fs.CheckpointFileWriter(tmp_path)
+    assert writer(recs[0]) is recs[0]  # returns while the write is held back
+    assert not (tmp_path / "2").exists()
+    release.set()
+    writer.wait()
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_pending_save_completes_when_the_script_ends(tmp_path):
+    script = f"""
+import jax, optax, toy, flaxstate as fs
+model = toy.BatchNormNet()
+task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
+loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=False)
+fs.CheckpointFileWriter({str(tmp_path)!r})(loop.next_checkpoint())  # not the final record: nothing waits
+"""
+    path = os.pathsep.join([os.path.dirname(toy.__file__), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "failed" not in result.stderr
     assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
 
 
