@@ -49,6 +49,10 @@ class _Writer:
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         """Saves the record (asynchronously; waits for the final record) and returns it.
 
+        In one process the record's arrays are read by a background thread:
+        do not donate or delete them before `wait()` (TrainLoop's records
+        hold copies that nothing donates).
+
         Raises:
             CheckpointSaveError: this save or the previous one failed, naming the step.
         """
