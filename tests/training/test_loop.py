@@ -154,6 +154,10 @@ def test_steps_per_dispatch_equals_one_step_per_dispatch(model):
     for a, b in zip(one, four, strict=True):
         for x, y in zip(leaves(a.state), leaves(b.state), strict=True):
             np.testing.assert_allclose(x, y, **TOLERANCE)
+        # The record's gradients are its last step's either way: computed beside a single step
+        # (K=1, and K=4's last two steps), or returned by the scan (K=4 at steps 4 and 8).
+        for x, y in zip(leaves(a.grads), leaves(b.grads), strict=True):
+            np.testing.assert_allclose(x, y, **TOLERANCE)
         np.testing.assert_allclose(a.loss, b.loss, rtol=TOLERANCE["rtol"])
 
 
