@@ -47,7 +47,7 @@ class DataStream:
         except StopIteration:
             raise self._empty() from None
 
-    def next(self, step: int) -> Any:
+    def next(self) -> Any:
         """Returns the next batch.
 
         Raises:
@@ -59,7 +59,7 @@ class DataStream:
             if self._n_batches == 0:
                 raise self._empty() from None
             raise ValueError(
-                f"{self._task_name}.data ran out after {self._n_batches} batches, at step {step}; "
+                f"{self._task_name}.data ran out after {self._n_batches} batches, at step {self._n_batches + 1}; "
                 "repeat it (e.g. grain's .repeat()) or lower n_steps."
             ) from None
         self._n_batches += 1
@@ -84,7 +84,7 @@ class DataStream:
             self._iterator = iter(self._data)
         self._n_batches = 0
         for _ in range(n_batches):
-            self.next(step=self._n_batches + 1)
+            self.next()
 
 
 def _prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

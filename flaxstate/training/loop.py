@@ -268,7 +268,7 @@ class TrainLoop:
         return batching.stack([self._next_batch() for _ in range(n_steps)])
 
     def _next_batch(self) -> Any:
-        batch = batching.normalize(self._data.next(step=self._step + 1), "TrainTask")
+        batch = batching.normalize(self._data.next(), "TrainTask")
         shapes = tuple([array.shape for part in batch for array in part])
         if shapes not in self._checked_shapes:
             batching.check_divisible(batch, self._n_local_devices, "TrainTask")

@@ -224,6 +224,10 @@ def test_data_that_runs_out_names_the_step():
     assert [loop.next_checkpoint().step for _ in range(3)] == [1, 2, 3]
     with pytest.raises(ValueError, match="ran out after 3 batches, at step 4"):
         loop.next_checkpoint()
+    # Batches fetched ahead of use, and several steps a dispatch, still name the step that lacks one.
+    loop = make_loop(data=toy.batches(7, 8), n_steps=12, every=12, per_dispatch=2)
+    with pytest.raises(ValueError, match="ran out after 7 batches, at step 8"):
+        loop.next_checkpoint()
 
 
 def test_wrong_batch_structure_shows_the_accepted_forms():
