@@ -102,6 +102,11 @@ def make_eval_step(
     return eval_step
 
 
+def _rebuild(treedef: Any, leaves: list[jax.Array], rng_impl: Any, rng_data: jax.Array) -> tuple[PyTree, jax.Array]:
+    """The state and the key inside a compiled call, from the flat leaves and raw key data it was given."""
+    return jax.tree.unflatten(treedef, leaves), jax.random.wrap_key_data(rng_data, impl=rng_impl)
+
+
 def compile_train_steps(
     train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
     mesh: Mesh,
@@ -142,8 +147,8 @@ def compile_train_steps(
             return state, grads, losses
 
     def flat_steps(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
-        rng = jax.random.wrap_key_data(rng_data, impl=rng_impl)
-        state, *outputs = steps(jax.tree.unflatten(treedef, leaves), batches, rng)
+        state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
+        state, *outputs = steps(state, batches, rng)
         return jax.tree.leaves(state), *outputs
 
     return _map_over(mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec()), donate=(0,))
@@ -159,8 +164,8 @@ def compile_gradients(
     """
 
     def gradients(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
-        rng = jax.random.wrap_key_data(rng_data, impl=rng_impl)
-        return train_step(jax.tree.unflatten(treedef, leaves), batch, rng)[1]
+        state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
+        return train_step(state, batch, rng)[1]
 
     return _map_over(mesh, gradients, in_specs=(batch_spec(False), PartitionSpec()), donate=())
 
