@@ -5,9 +5,8 @@ generator, and checkpoints that survive crashes and restore anywhere.
 """
 
 from flaxstate.checkpoint import (
-    Checkpoint,
+    BestPolicy,
     CheckpointError,
-    CheckpointFile,
     CheckpointFileReader,
     CheckpointFileWriter,
     CheckpointSaveError,
@@ -15,15 +14,15 @@ from flaxstate.checkpoint import (
     HighestCheckpointFileWriter,
     LowestCheckpointFileReader,
     LowestCheckpointFileWriter,
-    Summary,
-    SummaryLogger,
-    SummaryWriter,
 )
 from flaxstate.nnx import nnx_functions
+from flaxstate.records import Checkpoint, CheckpointFile, Summary
+from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
 __all__ = [
+    "BestPolicy",
     "Checkpoint",
     "CheckpointError",
     "CheckpointFile",

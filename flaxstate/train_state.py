@@ -44,7 +44,13 @@ class StateMismatchError(ValueError):
 
 @runtime_checkable
 class TrainState(Protocol):
-    """What a training loop and a checkpoint need of a state, as in T5X."""
+    """What a checkpoint needs of a state, as in T5X: the interface both states share.
+
+    Readers restore any state that implements it (`FlaxOptimTrainState`, and
+    `InferenceState`, whose `param_states` is `None`); `TrainLoop` trains a
+    `FlaxOptimTrainState`. `isinstance(state, TrainState)` checks the names
+    only, as `typing.runtime_checkable` does.
+    """
 
     step: jax.Array
     params: PyTree
@@ -374,9 +380,9 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
         )
 
     @property
-    def param_states(self) -> PyTree:
-        """Raises: an inference state holds no optimizer state."""
-        raise NotImplementedError("InferenceState has no optimizer state (param_states); use FlaxOptimTrainState.")
+    def param_states(self) -> None:
+        """`None`: an inference state holds no optimizer state."""
+        return None
 
     def apply_gradient(
         self, grads: PyTree, learning_rate: float | jax.Array | None = None, flax_mutables: PyTree = _UNSET

@@ -1,12 +1,8 @@
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-import subprocess  # noqa: E402
-
-import pytest  # noqa: E402
+import pytest
 
 ROOT = Path(__file__).parents[1]
 

@@ -2,8 +2,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import toy
 from flax import nnx
+from flaxstate_testing import toy
 
 import flaxstate as fs
 

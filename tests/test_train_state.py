@@ -239,8 +239,14 @@ def test_inference_state_cannot_train():
     inference = InferenceState.create(net_variables())
     with pytest.raises(NotImplementedError, match="no optimizer"):
         inference.apply_gradient(inference.params)
-    with pytest.raises(NotImplementedError, match="param_states"):
-        _ = inference.param_states
+    assert inference.param_states is None
+
+
+def test_both_states_answer_isinstance_of_the_protocol():
+    # On Python 3.11 runtime_checkable evaluates properties: param_states must not raise.
+    assert isinstance(InferenceState.create(net_variables()), TrainState)
+    assert isinstance(FlaxOptimTrainState.create(optax.sgd(0.1), net_variables()), TrainState)
+    assert not isinstance(net_variables(), TrainState)
 
 
 def test_inference_state_restore_names_differing_paths():

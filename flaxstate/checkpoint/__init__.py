@@ -1,13 +1,12 @@
-"""Checkpoints: records, what lands on disk, writers, readers and summaries."""
+"""Checkpoints on orbax: writers, readers, the best-checkpoint policy, and what a run directory holds."""
 
+from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.readers import (
     CheckpointFileReader,
     HighestCheckpointFileReader,
     LowestCheckpointFileReader,
 )
-from flaxstate.checkpoint.records import Checkpoint, CheckpointFile, Summary
 from flaxstate.checkpoint.storage import CheckpointError, CheckpointSaveError
-from flaxstate.checkpoint.summaries import SummaryLogger, SummaryWriter
 from flaxstate.checkpoint.writers import (
     CheckpointFileWriter,
     HighestCheckpointFileWriter,
@@ -15,9 +14,8 @@ from flaxstate.checkpoint.writers import (
 )
 
 __all__ = [
-    "Checkpoint",
+    "BestPolicy",
     "CheckpointError",
-    "CheckpointFile",
     "CheckpointFileReader",
     "CheckpointFileWriter",
     "CheckpointSaveError",
@@ -25,7 +23,4 @@ __all__ = [
     "HighestCheckpointFileWriter",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
-    "Summary",
-    "SummaryLogger",
-    "SummaryWriter",
 ]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flaxstate import tree_paths
+from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.storage import CheckpointError, CheckpointStore, is_empty_or_missing
 
 NEWEST = "newest"
@@ -36,11 +37,10 @@ class LeafInfo:
 
 
 def _writer_dirs(run_dir: Path) -> list[tuple[str, Path]]:
+    """The run's own checkpoints, then every subdirectory that holds checkpoints (a best writer's)."""
     writers = [(NEWEST, run_dir)]
     writers += [
-        (child.name, child)
-        for child in sorted(run_dir.iterdir())
-        if child.is_dir() and child.name.startswith(("lowest-", "highest-"))
+        (child.name, child) for child in sorted(run_dir.iterdir()) if child.is_dir() and not child.name.isdigit()
     ]
     return [(name, path) for name, path in writers if not is_empty_or_missing(path)]
 
@@ -58,12 +58,6 @@ def _size(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
-def _best_value(writer: str, metrics: dict[str, dict[str, float]]) -> float | None:
-    mode, group, name = writer.split("-", 2)
-    value = metrics.get(group, {}).get(name)
-    return None if value is None else (value if mode == "lowest" else -value)
-
-
 def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
     """Returns the run's checkpoints, newest writer first, each writer's by step.
 
@@ -72,16 +66,16 @@ def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
     """
     infos = []
     for writer, directory in _check_run_dir(Path(run_dir)):
-        store = CheckpointStore(directory, read_only=True)
-        entries = []
-        for step in store.steps():
-            meta = store.read_meta(step)
-            entries.append(
-                CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics", {}), _size(directory / str(step)))
-            )
-        if writer != NEWEST and entries:
-            scores = [_best_value(writer, entry.metrics) for entry in entries]
-            best = min(range(len(entries)), key=lambda i: math.inf if scores[i] is None else scores[i])
+        with CheckpointStore(directory, read_only=True) as store:
+            metas = {step: store.read_meta(step) for step in store.steps()}
+        entries = [
+            CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics", {}), _size(directory / str(step)))
+            for step, meta in metas.items()
+        ]
+        # The policy the writer stored (checkpoints of format 2 and older have none: nothing is marked).
+        policy = next((BestPolicy.from_json(meta.get("best")) for meta in metas.values() if meta.get("best")), None)
+        if policy is not None and entries:
+            best = min(range(len(entries)), key=lambda i: policy.rank(entries[i].metrics))
             entries[best] = dataclasses.replace(entries[best], best=True)
         infos.extend(entries)
     return infos
@@ -99,14 +93,14 @@ def describe_state(run_dir: str | Path, step: int | None = None) -> tuple[int, l
     """
     writers = dict(_check_run_dir(Path(run_dir)))
     directory = writers.get(NEWEST) or next(iter(writers.values()))
-    store = CheckpointStore(directory, read_only=True)
-    steps = store.steps()
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
-    leaves = []
-    for path, leaf in tree_paths.flatten(store.stored_tree(step)).items():
-        shape, dtype = tree_paths.shape_and_dtype(leaf)
-        leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize))
-    return step, leaves, store.read_meta(step)
+    with CheckpointStore(directory, read_only=True) as store:
+        steps = store.steps()
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
+        leaves = []
+        for path, leaf in tree_paths.flatten(store.stored_tree(step)).items():
+            shape, dtype = tree_paths.shape_and_dtype(leaf)
+            leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize))
+        return step, leaves, store.read_meta(step)

@@ -10,32 +10,76 @@ state from disk).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flaxstate.checkpoint.records import CheckpointFile
+from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.storage import (
+    LEGACY_RUN_ID,
     CheckpointError,
     CheckpointStore,
     Rename,
+    damage_summary,
     decode_rng,
+    is_damage,
     is_empty_or_missing,
 )
-from flaxstate.checkpoint.writers import best_subdir
-from flaxstate.train_state import StateMismatchError
+from flaxstate.records import CheckpointFile
 
 logger = logging.getLogger("flaxstate")
+
+
+class _DamagedReadFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of a damaged checkpoint's reads.
+
+    When one array of a damaged checkpoint fails to read, orbax's restore
+    stops, and the other reads of that step that failed too are reported by
+    asyncio one by one with tensorstore's whole spec. The reader has already
+    said, in one line, which step is damaged and that it falls back.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and "never retrieved" in record.getMessage() and is_damage(error))
+
+
+logging.getLogger("asyncio").addFilter(_DamagedReadFilter())
+
+
+def _quiet_late_reads() -> None:
+    """After a damaged read, drops the reports of its other reads finishing into orbax's closed event loop.
+
+    Those reads complete on tensorstore's threads after orbax has closed the
+    restore's event loop; each reports `RuntimeError: Event loop is closed`
+    through `sys.unraisablehook`, sometimes before the restore has even
+    raised. Installed once, before a reader's first read; every other report
+    goes on to the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "flaxstate_quiet_late_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.flaxstate_quiet_late_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class CheckpointFileReader:
     """Restores the newest complete checkpoint of `output_dir` (or the one at `step`).
 
     Example:
-        >>> reader = CheckpointFileReader("runs/mlp", target=model.init)  # doctest: +SKIP
-        >>> loop = TrainLoop(init=reader, task=task, rng=jax.random.key(0))  # doctest: +SKIP
+        >>> import tempfile
+        >>> reader = CheckpointFileReader(tempfile.mkdtemp(), target=lambda rngs, x: {"params": {}})
+        >>> reader.read(None) is None  # no checkpoint yet, and a target: TrainLoop(init=reader) starts fresh
+        True
     """
 
     def __init__(
@@ -59,6 +103,12 @@ class CheckpointFileReader:
         self.target = target
         self.step = step
         self.rename = rename
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.output_dir)!r}{self._repr_extra()})"
+
+    def _repr_extra(self) -> str:
+        return f", step={self.step}" if self.step is not None else ""
 
     def _directory(self) -> Path:
         return self.output_dir
@@ -89,11 +139,17 @@ class CheckpointFileReader:
             if self.target is not None and self.step is None:
                 return None
             what = "does not exist" if not directory.exists() else "holds no checkpoint"
-            raise CheckpointError(
-                f"{directory} {what}; give the reader target=model.init to start fresh, "
-                "or point it at a directory that a CheckpointFileWriter wrote."
+            fix = (
+                "drop step= to start fresh from target"
+                if self.target is not None
+                else "give the reader target=model.init to start fresh"
             )
-        store = CheckpointStore(directory, read_only=True)
+            raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
+        with CheckpointStore(directory, read_only=True) as store:
+            return self._read(store, template)
+
+    def _read(self, store: CheckpointStore, template: CheckpointFile | None) -> CheckpointFile:
+        directory = store.directory
         steps = self._candidates(store)
         if not steps:
             raise CheckpointError(f"{directory} holds no complete flaxstate checkpoint.")
@@ -107,14 +163,18 @@ class CheckpointFileReader:
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
         errors = []
+        _quiet_late_reads()
         for step in steps:
             try:
                 stored = store.read(step, state_dict, self.rename, with_optimizer=with_optimizer)
-            except (StateMismatchError, CheckpointError):
-                raise
-            except Exception as error:  # a damaged checkpoint: say which, then fall back to an older one
-                logger.warning("the checkpoint %s/%d is damaged (%s); trying an older one.", directory, step, error)
-                errors.append(f"step {step}: {type(error).__name__}: {error}")
+            except Exception as error:
+                if not is_damage(error):
+                    raise  # out of memory, a wrong template, a bug: never a reason to go back in time
+                summary = damage_summary(error)
+                logger.warning(
+                    "the checkpoint %s is damaged (%s); trying an older one.", directory / str(step), summary
+                )
+                errors.append(f"step {step}: {summary}")
                 continue
             restored = stored.state_dict
             if not with_optimizer:
@@ -127,6 +187,7 @@ class CheckpointFileReader:
                 metrics=stored.meta.get("metrics", {}),
                 metadata=stored.meta.get("metadata"),
                 format_version=int(stored.meta["format_version"]),
+                run_id=stored.meta.get("run_id", LEGACY_RUN_ID),
             )
         raise CheckpointError(
             f"every checkpoint in {directory} is damaged and none could be restored:\n  " + "\n  ".join(errors)
@@ -147,10 +208,6 @@ class CheckpointFileReader:
             raise CheckpointError(f"{self._directory()} holds no checkpoint to restore.")
         return restored.state
 
-    def __call__(self, template: CheckpointFile | None = None) -> CheckpointFile | None:
-        """The same as `read`."""
-        return self.read(template)
-
 
 class _BestReader(CheckpointFileReader):
     mode = "min"
@@ -166,15 +223,17 @@ class _BestReader(CheckpointFileReader):
     ) -> None:
         super().__init__(output_dir, target=target, step=step, rename=rename)
         self.metric, self.group = metric, group
+        self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
+
+    def _repr_extra(self) -> str:
+        return f", metric={self.metric!r}, group={self.group!r}" + super()._repr_extra()
 
     def _directory(self) -> Path:
-        return self.output_dir / best_subdir(self.metric, self.group, self.mode)
+        return self.output_dir / self.policy.subdir
 
     def _candidates(self, store: CheckpointStore) -> list[int]:
-        def value(step: int) -> float:
-            return float(store.read_meta(step)["metrics"][self.group][self.metric])
-
-        return sorted(store.steps(), key=value, reverse=self.mode == "max")
+        """The best first; nan, infinite and missing metrics last."""
+        return sorted(store.steps(), key=lambda step: self.policy.rank(store.read_meta(step).get("metrics", {})))
 
 
 class LowestCheckpointFileReader(_BestReader):

@@ -17,20 +17,19 @@ processes orbax's own asynchronous save is used, whose synchronous part (the
 device-to-host copy and the cross-process barriers) runs in the caller: a
 barrier or a collective in a second thread could pair up with a different one
 on another process. A failed save is raised, naming its step, at the next
-save or when the writer waits. Arrays
+save or when the writer waits (see `flaxstate.background` for the end of a
+script). Only missing or damaged files count as damage (`is_damage`). Arrays
 are stored uncompressed: zstd took 2.2x the CPU time of a save and gained 6%
 of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import dataclasses
 import json
-import logging
+import re
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,13 +38,17 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from flaxstate import tree_paths
-from flaxstate.checkpoint.records import FORMAT_VERSION
+from flaxstate import background, tree_paths
+from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.records import FORMAT_VERSION
 from flaxstate.train_state import StateMismatchError
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
 LEGACY_STATE = "state"
 """Format 1 stored the whole state dict as one item, `state`; it is upgraded on read."""
+
+LEGACY_RUN_ID = "format-2"
+"""The run id that checkpoints of formats 1 and 2 (written before runs had ids) read as."""
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -58,6 +61,41 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint save that failed (in the background or not), naming its step and directory."""
 
 
+_STATUS = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT|UNKNOWN): ")
+"""The tensorstore status codes of a read that met missing or damaged files (never RESOURCE_EXHAUSTED)."""
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether a read failed on missing or damaged files, rather than for any other reason.
+
+    Missing files and folders (`OSError`), undecodable JSON, and tensorstore's
+    read errors (a `ValueError` with a status such as `NOT_FOUND` or
+    `DATA_LOSS`), anywhere in the exception's chain. Out of memory, a
+    template of the wrong type or a bug is not damage: a reader must not
+    silently go back in time for those.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError | json.JSONDecodeError):
+            return True
+        if (
+            isinstance(current, ValueError)
+            and _STATUS.search(str(current))
+            and "RESOURCE_EXHAUSTED" not in str(current)
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def damage_summary(error: BaseException) -> str:
+    """One line that names what was damaged: the first line of the error, without tensorstore's spec."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"\s*\[?(source locations|tensorstore_spec)[=:].*$", "", line)[:300]
+
+
 def _handlers() -> dict[str, Any]:
     return {
         MODEL: ocp.PyTreeCheckpointHandler(use_compression=False),
@@ -67,36 +105,24 @@ def _handlers() -> dict[str, Any]:
     }
 
 
-_log = logging.getLogger("flaxstate")
-_STORES: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
-
-
-def _finish_pending_saves() -> None:
-    """Waits for every pending save when the interpreter exits.
-
-    It runs before Python joins its threads and before `concurrent.futures`
-    refuses new work (exit hooks run newest first), which orbax still needs
-    to finish a save.
-    """
-    for store in list(_STORES):
-        try:
-            store.wait()
-        except CheckpointSaveError as error:
-            _log.error("%s", error)
-
-
-threading._register_atexit(_finish_pending_saves)  # noqa: SLF001 - the hook that runs before thread joins
-
-
 class _OrbaxAsyncSave:
     """A save that orbax finishes in its own background thread."""
 
     def __init__(self, step: int, manager: ocp.CheckpointManager) -> None:
         self.step = step
         self._manager = manager
+        self._error: BaseException | None = None
+        self._done = False
 
     def join(self) -> None:
-        self._manager.wait_until_finished()
+        if not self._done:
+            try:
+                self._manager.wait_until_finished()
+            except BaseException as error:  # noqa: BLE001 - kept, so that join() raises it every time
+                self._error = error
+            self._done = True
+        if self._error is not None:
+            raise self._error
 
 
 class _BackgroundSave:
@@ -164,22 +190,23 @@ class CheckpointStore:
     Args:
         directory: the orbax `CheckpointManager` directory.
         keep: how many checkpoints to keep (the newest, or with `best`, the best).
-        best: `(group, name, mode)` to keep the best by a metric (`mode` "min" or "max").
+        best: keep the best by a metric instead of the newest.
         read_only: open for reading; nothing is created.
+
+    Close it (`close()`, or `with CheckpointStore(...) as store:`) when done.
     """
 
     def __init__(
         self,
         directory: str | Path,
         keep: int | None = None,
-        best: tuple[str, str, str] | None = None,
+        best: BestPolicy | None = None,
         read_only: bool = False,
     ) -> None:
         self.directory = Path(directory).absolute()
         best_options: dict[str, Any] = {}
         if best is not None:
-            group, name, mode = best
-            best_options = {"best_fn": lambda metrics: metrics[f"{group}/{name}"], "best_mode": mode}
+            best_options = {"best_fn": lambda metrics: best.score(metrics[best.key]), "best_mode": best.mode}
         # In one process the asynchrony is ours (a thread runs a synchronous orbax save); else orbax's.
         self._own_thread = jax.process_count() == 1
         options = ocp.CheckpointManagerOptions(
@@ -190,7 +217,26 @@ class CheckpointStore:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._pending: _BackgroundSave | _OrbaxAsyncSave | None = None
-        _STORES.add(self)
+        if not read_only:
+            background.track(self)
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the pending save, then closes orbax's manager.
+
+        Raises:
+            CheckpointSaveError: the pending save failed.
+        """
+        try:
+            self.wait()
+        finally:
+            background.untrack(self)
+            self._manager.close()
 
     # Writing.
 
@@ -200,23 +246,20 @@ class CheckpointStore:
         state_dict: Mapping[str, Any],
         meta: Mapping[str, Any],
         metrics: Mapping[str, float] | None = None,
-    ) -> bool:
+    ) -> None:
         """Starts an asynchronous, atomic save of one checkpoint.
 
         In one process the arrays are read in the background: they must not
         be donated or deleted until the save is done (`wait`). TrainLoop's
         records hold copies that nothing donates.
 
-        Returns:
-            whether it was started (`False` when `step` is already saved: nothing
-            saved is ever overwritten).
-
         Raises:
             CheckpointSaveError: this save, or the previous one, failed.
+            CheckpointError: `step` is already saved (nothing saved is ever overwritten).
         """
         self.wait()
         if step in self._manager.all_steps():
-            return False
+            raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
         items = {
             MODEL: ocp.args.PyTreeSave({"target": state_dict["target"], "flax_mutables": state_dict["flax_mutables"]}),
             OPTIMIZER: ocp.args.PyTreeSave(dict(state_dict["state"])),
@@ -225,7 +268,7 @@ class CheckpointStore:
         args, metrics = ocp.args.Composite(**items), dict(metrics or {}) or None
         if self._own_thread:
             self._pending = _BackgroundSave(step, lambda: self._manager.save(step, args=args, metrics=metrics))
-            return True
+            return
         try:
             self._manager.save(step, args=args, metrics=metrics)
         except Exception as error:
@@ -233,7 +276,14 @@ class CheckpointStore:
                 f"saving the checkpoint of step {step} to {self.directory} failed: {error}"
             ) from error
         self._pending = _OrbaxAsyncSave(step, self._manager)
-        return True
+
+    def settle(self) -> None:
+        """Waits for the pending save without raising; a failure is raised by the next `wait()`."""
+        if self._pending is not None:
+            try:
+                self._pending.join()
+            except Exception:  # noqa: BLE001, S110 - kept in the pending save for wait()
+                pass
 
     def wait(self) -> None:
         """Waits for the pending save.
@@ -276,7 +326,19 @@ class CheckpointStore:
         meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
         if not isinstance(meta, dict) or "format_version" not in meta:
             raise CheckpointError(f"{step_dir} is not a flaxstate checkpoint (its meta has no format_version).")
+        if int(meta["format_version"]) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{step_dir} was written by a newer flaxstate (checkpoint format {meta['format_version']}); "
+                f"this flaxstate reads formats 1 to {FORMAT_VERSION}. Upgrade flaxstate to read it."
+            )
         return meta
+
+    def delete(self, steps: list[int]) -> None:
+        """Removes whole checkpoints (orbax deletes them on the primary process)."""
+        self.wait()
+        for step in steps:
+            self._manager.delete(step)
+        self._manager.reload()
 
     def item_trees(self, step: int) -> dict[str, Any]:
         """Returns each item's tree of array metadata (shapes, dtypes), read once."""
@@ -315,7 +377,7 @@ class CheckpointStore:
         meta = self.read_meta(step)
         legacy = meta["format_version"] < 2
         trees = self.item_trees(step)
-        stored = _layout(meta, trees, with_optimizer)
+        stored = _layout({**meta, "step": step}, trees, with_optimizer)
         stored_flat = tree_paths.flatten(stored)
         renamed = tree_paths.rename(stored_flat, rename)
         new_path = dict(zip(stored_flat, renamed, strict=True))
@@ -364,7 +426,15 @@ class CheckpointStore:
 
 
 def _layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
-    """The stored items' trees in the state-dict layout (format 1's single item as it is)."""
+    """The stored items' trees in the state-dict layout (format 1's single item as it is).
+
+    Raises:
+        FileNotFoundError: an item the layout needs is missing (damage).
+    """
+    needed = [LEGACY_STATE] if meta["format_version"] < 2 else [MODEL, OPTIMIZER] if with_optimizer else [MODEL]
+    missing = [name for name in needed if name not in trees]
+    if missing:
+        raise FileNotFoundError(f"the checkpoint of step {meta['step']} has no item {', '.join(missing)}")
     if meta["format_version"] < 2:
         tree = dict(trees[LEGACY_STATE])
     else:

@@ -5,43 +5,102 @@
 `HighestCheckpointFileWriter` keep the best by a metric in their own
 subdirectory (`output_dir/lowest-eval-loss/<step>/`), so writers sharing
 `output_dir` never collide and resume never picks a best checkpoint.
+
+A writer writes one run. Every record carries its run's id (created when a
+run starts fresh, restored on resume); at its first save a writer checks the
+directory: checkpoints of another run, or of this run at or after the
+record's step (a run resumed from an earlier checkpoint), are refused with an
+error that says how to resume or where else to write, unless the writer was
+made with `overwrite=True`, which removes them first. One directory has one
+open writer at a time.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flaxstate.checkpoint.records import Checkpoint
-from flaxstate.checkpoint.storage import CheckpointStore, encode_rng, to_json
+import jax
+
+from flaxstate import tree_paths
+from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.storage import (
+    LEGACY_RUN_ID,
+    CheckpointError,
+    CheckpointStore,
+    encode_rng,
+    is_damage,
+    to_json,
+)
+from flaxstate.records import Checkpoint
+
+logger = logging.getLogger("flaxstate")
+
+_OPEN: weakref.WeakValueDictionary[Path, _Writer] = weakref.WeakValueDictionary()
+"""The open writer of each directory (by resolved path)."""
 
 
-def best_subdir(metric: str, group: str, mode: str) -> str:
-    """Returns the subdirectory name of a best-metric writer, e.g. `lowest-eval-loss`."""
-    return f"{'lowest' if mode == 'min' else 'highest'}-{group}-{metric}"
-
-
-def record_meta(checkpoint: Checkpoint, metadata: Any) -> dict[str, Any]:
+def record_meta(checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None) -> dict[str, Any]:
     """Returns what a record stores as JSON beside its arrays."""
     return {
         "step": int(checkpoint.step),
+        "run_id": checkpoint.run_id,
         "loss": float(checkpoint.loss),
         "rng": encode_rng(checkpoint.rng),
         "data_position": checkpoint.data_position,
-        "metrics": {g: dict(v) for g, v in getattr(checkpoint, "metrics", {}).items()},
+        "metrics": {group: dict(values) for group, values in checkpoint.metrics.items()},
         "metadata": metadata,
+        "best": best.to_json() if best is not None else None,
     }
 
 
+def metadata_changes(old: Any, new: Any) -> list[str]:
+    """Returns one line per metadata key whose value differs: `key: old -> new`."""
+    old_flat = tree_paths.flatten(old) if isinstance(old, Mapping) else {"": old}
+    new_flat = tree_paths.flatten(new) if isinstance(new, Mapping) else {"": new}
+    missing = object()
+    return [
+        f"{key or 'metadata'}: {old_flat.get(key, '(absent)')!r} -> {new_flat.get(key, '(absent)')!r}"
+        for key in sorted(old_flat.keys() | new_flat.keys())
+        if old_flat.get(key, missing) != new_flat.get(key, missing)
+    ]
+
+
 class _Writer:
-    def __init__(self, directory: Path, keep: int, metadata: Any, best: tuple[str, str, str] | None) -> None:
+    def __init__(
+        self, directory: Path, keep: int, metadata: Any, best: BestPolicy | None, overwrite: bool, description: str
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         self.output_dir = directory
+        self._description = description
+        key = directory.absolute().resolve()
+        first = _OPEN.get(key)
+        if first is not None:
+            raise CheckpointError(
+                f"{directory} is already written by {first!r}; two writers on one directory would save the "
+                "same steps twice. Give each writer its own directory, or close() the first one."
+            )
         self._metadata = to_json(metadata)
         self._best = best
+        self._overwrite = overwrite
+        self._claimed = False
         self._store = CheckpointStore(directory, keep=keep, best=best)
+        _OPEN[key] = self
+        self._key = key
+
+    def __repr__(self) -> str:
+        return self._description
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _metrics(self, checkpoint: Checkpoint) -> Mapping[str, float] | None:
         return None
@@ -54,15 +113,71 @@ class _Writer:
         hold copies that nothing donates).
 
         Raises:
+            CheckpointError: (at the first save) the directory holds another
+                run's checkpoints, or this run's at or after the record's step,
+                and the writer was not made with `overwrite=True`.
             CheckpointSaveError: this save or the previous one failed, naming the step.
         """
         metrics = self._metrics(checkpoint)
+        if not self._claimed:
+            self._claim(checkpoint)
+            self._claimed = True
         self._store.save(
-            int(checkpoint.step), checkpoint.state.state_dict(), record_meta(checkpoint, self._metadata), metrics
+            int(checkpoint.step),
+            checkpoint.state.state_dict(),
+            record_meta(checkpoint, self._metadata, self._best),
+            metrics,
         )
         if checkpoint.final:
             self.wait()
         return checkpoint
+
+    def _claim(self, checkpoint: Checkpoint) -> None:
+        """Checks (or, with `overwrite`, clears) the directory before the first save."""
+        metas: dict[int, dict[str, Any] | None] = {}
+        for step in self._store.steps():
+            try:
+                metas[step] = self._store.read_meta(step)
+            except Exception as error:
+                if not is_damage(error) and not isinstance(error, CheckpointError):
+                    raise
+                metas[step] = None
+        run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
+        others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
+        ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
+        if others or ahead:
+            if not self._overwrite:
+                raise CheckpointError(self._refusal(checkpoint, others, ahead, run_of))
+            if jax.process_index() == 0:
+                logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others + ahead, self.output_dir)
+            self._store.delete(others + ahead)
+        own = sorted(step for step in metas if step not in others and step < checkpoint.step)
+        if own and self._best is None and jax.process_index() == 0:
+            stored = metas[own[-1]] or {}
+            changes = metadata_changes(stored.get("metadata"), self._metadata)
+            if changes:
+                logger.warning(
+                    "the resumed run's metadata differs from the checkpoint at step %d in %s:\n  %s",
+                    own[-1],
+                    self.output_dir,
+                    "\n  ".join(changes),
+                )
+
+    def _refusal(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> str:
+        if others:
+            runs = sorted({run_of[step] for step in others})
+            return (
+                f"{self.output_dir} holds checkpoints of another run (steps {others}, run {', '.join(runs)}); "
+                f"this run ({checkpoint.run_id}) would mix with them and its checkpoints would not be the "
+                f"newest. To resume that run, give TrainLoop init=CheckpointFileReader({str(self.output_dir)!r}, "
+                "target=model.init); to replace it, make the writer with overwrite=True (its checkpoints are "
+                "removed first); or write to another directory."
+            )
+        return (
+            f"{self.output_dir} already holds steps {ahead} of this run, at or after the record's step "
+            f"{checkpoint.step} (was it resumed from an earlier checkpoint?); saving would mix two histories. "
+            "Make the writer with overwrite=True to remove those steps first, or write to another directory."
+        )
 
     def wait(self) -> None:
         """Waits until the pending save is on disk.
@@ -72,49 +187,89 @@ class _Writer:
         """
         self._store.wait()
 
+    def close(self) -> None:
+        """Waits for the pending save and releases the directory (`with writer:` does this).
+
+        Raises:
+            CheckpointSaveError: the pending save failed, naming its step.
+        """
+        try:
+            self._store.close()
+        finally:
+            if _OPEN.get(self._key) is self:
+                del _OPEN[self._key]
+
 
 class CheckpointFileWriter(_Writer):
     """Saves each record to `output_dir/<step>/` and keeps the newest `keep`.
 
     Example:
-        >>> writer = CheckpointFileWriter("runs/mlp", keep=3)  # doctest: +SKIP
-        >>> checkpoint = writer(checkpoint)  # returns its input: compose with redex  # doctest: +SKIP
+        >>> import tempfile
+        >>> with CheckpointFileWriter(tempfile.mkdtemp(), keep=3) as writer:
+        ...     print(writer)
+        CheckpointFileWriter(..., keep=3)
     """
 
-    def __init__(self, output_dir: str | Path, keep: int = 1, metadata: Any = None) -> None:
+    def __init__(self, output_dir: str | Path, keep: int = 1, metadata: Any = None, overwrite: bool = False) -> None:
         """Opens (or creates) the directory.
 
         Args:
             output_dir: the run's directory.
             keep: how many of the newest checkpoints to keep.
-            metadata: a dict or dataclass (e.g. the run's config) stored as JSON.
+            metadata: a dict or dataclass (e.g. the run's config) stored as JSON;
+                a resumed run logs each key that differs from the stored one.
+            overwrite: remove another run's checkpoints (and this run's at or
+                after the first record's step) at the first save, instead of
+                refusing to save.
+
+        Raises:
+            CheckpointError: another open writer writes `output_dir`, or
+                `metadata` is not JSON-serializable.
         """
-        super().__init__(Path(output_dir), keep, metadata, best=None)
+        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep})"
+        super().__init__(Path(output_dir), keep, metadata, None, overwrite, description)
 
 
 class _BestWriter(_Writer):
     mode = "min"
 
     def __init__(
-        self, output_dir: str | Path, metric: str, group: str = "eval", keep: int = 1, metadata: Any = None
+        self,
+        output_dir: str | Path,
+        metric: str,
+        group: str = "eval",
+        keep: int = 1,
+        metadata: Any = None,
+        overwrite: bool = False,
     ) -> None:
         self.metric, self.group = metric, group
-        directory = Path(output_dir) / best_subdir(metric, group, self.mode)
-        super().__init__(directory, keep, metadata, best=(group, metric, self.mode))
+        self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
+        description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"
+        super().__init__(Path(output_dir) / self.policy.subdir, keep, metadata, self.policy, overwrite, description)
 
     def _metrics(self, checkpoint: Checkpoint) -> Mapping[str, float]:
-        metrics = getattr(checkpoint, "metrics", None) or {}
-        if self.metric not in metrics.get(self.group, {}):
-            found = {group: sorted(values) for group, values in metrics.items()}
+        value = self.policy.value(checkpoint.metrics)
+        if value is None:
+            found = {group: sorted(values) for group, values in checkpoint.metrics.items()}
             raise ValueError(
                 f"{type(self).__name__} needs the metric {self.metric!r} in group {self.group!r}, but the "
                 f"record has {found or 'no metrics'}; put an EvalLoop before it, or name a metric it has."
             )
-        return {f"{self.group}/{self.metric}": float(metrics[self.group][self.metric])}
+        if not math.isfinite(value):
+            logger.warning(
+                "step %d: %s is %s; %s never counts it better than a finite value.",
+                checkpoint.step,
+                self.policy.key,
+                value,
+                type(self).__name__,
+            )
+        return {self.policy.key: value}
 
 
 class LowestCheckpointFileWriter(_BestWriter):
     """Keeps the `keep` checkpoints with the lowest metric in `output_dir/lowest-<group>-<metric>/`.
+
+    A nan or infinite metric is never better than a finite one.
 
     Args:
         output_dir: the run's directory.
@@ -122,6 +277,7 @@ class LowestCheckpointFileWriter(_BestWriter):
         group: the metric's group, e.g. "eval".
         keep: how many of the best to keep.
         metadata: a dict or dataclass stored as JSON.
+        overwrite: remove another run's checkpoints at the first save instead of refusing.
 
     Raises:
         ValueError: (when called) the record has no such metric, naming what it has.
@@ -133,12 +289,15 @@ class LowestCheckpointFileWriter(_BestWriter):
 class HighestCheckpointFileWriter(_BestWriter):
     """Keeps the `keep` checkpoints with the highest metric in `output_dir/highest-<group>-<metric>/`.
 
+    A nan or infinite metric is never better than a finite one.
+
     Args:
         output_dir: the run's directory.
         metric: the metric's name, e.g. "acc".
         group: the metric's group, e.g. "eval".
         keep: how many of the best to keep.
         metadata: a dict or dataclass stored as JSON.
+        overwrite: remove another run's checkpoints at the first save instead of refusing.
 
     Raises:
         ValueError: (when called) the record has no such metric, naming what it has.

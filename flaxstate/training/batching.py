@@ -95,9 +95,26 @@ def local_device_count(mesh: Mesh) -> int:
     return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
 
 
-def stack(batches: Sequence[Batch]) -> Batch:
-    """Stacks K batches along a new leading axis, for K steps in one dispatch."""
-    return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
+def stack(batches: Sequence[Batch], first_step: int) -> Batch:
+    """Stacks K batches along a new leading axis, for K steps in one dispatch.
+
+    Raises:
+        ValueError: the batches differ in shape (a ragged last batch), naming
+            the steps and the shapes.
+    """
+    try:
+        return jax.tree.map(lambda *arrays: np.stack(arrays), *batches)
+    except ValueError:
+        shapes = [[list(np.shape(array)) for array in jax.tree.leaves(batch)] for batch in batches]
+        if all(shape == shapes[0] for shape in shapes):
+            raise
+        odd = next(index for index, shape in enumerate(shapes) if shape != shapes[0])
+        raise ValueError(
+            f"TrainTask.data yielded batches of different shapes for one dispatch of {len(batches)} steps "
+            f"(steps {first_step}-{first_step + len(batches) - 1}): step {first_step} has {shapes[0]}, step "
+            f"{first_step + odd} has {shapes[odd]}. n_steps_per_dispatch > 1 stacks equal batches: drop the "
+            "ragged last batch (e.g. grain's batch(..., drop_remainder=True)), or use n_steps_per_dispatch=1."
+        ) from None
 
 
 def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flaxstate.checkpoint.records import Checkpoint, Summary
+from flaxstate.records import Checkpoint, Summary
+from flaxstate.train_state import InferenceState  # noqa: F401 - the docstring's example
 from flaxstate.training import batching
 from flaxstate.training.step import compile_eval_step, make_eval_step
 from flaxstate.training.task import EvalTask
@@ -20,12 +21,21 @@ class EvalLoop:
     Returns the record as a `Summary` with `{"eval": {name: mean}}` (averaged
     over all batches and devices) and `{"train": {"loss": record.loss}}`.
     The evaluation data is iterated on across calls and started again when it
-    runs out.
+    runs out. The model runs with no rngs and nothing mutable, unless
+    `rng_collections` names rng collections (e.g. for a model that samples):
+    their keys come from `rng`, folded with the record's step and the batch's
+    index, so an evaluation is reproducible.
 
     Example:
-        >>> evaluate = EvalLoop(EvalTask(apply=model.apply, metrics={"acc": acc},  # doctest: +SKIP
-        ...                              data=eval_batches), rng=jax.random.key(1), n_steps=10)
-        >>> summary = evaluate(checkpoint)  # doctest: +SKIP
+        >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+        >>> model = nn.Dense(1)
+        >>> state = InferenceState.create(model.init(jax.random.key(0), jnp.ones((1, 3))))
+        >>> data = [(np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32))]
+        >>> evaluate = EvalLoop(EvalTask(apply=model.apply, metrics={"mse": lambda y, t: jnp.mean((y - t) ** 2)},
+        ...                              data=data), rng=jax.random.key(1))
+        >>> record = Checkpoint(state=state, grads=None, loss=0.0, n_completed_steps=0, elapsed_time=0.0, step=0)
+        >>> sorted(evaluate(record).metrics)
+        ['eval', 'train']
     """
 
     def __init__(
@@ -35,16 +45,18 @@ class EvalLoop:
         n_steps: int = 1,
         devices: Sequence[jax.Device] | None = None,
         group: str = "eval",
+        rng_collections: Sequence[str] = (),
     ) -> None:
         """Prepares the compiled evaluation.
 
         Args:
             task: what to evaluate.
-            rng: the evaluation's random key (kept for models that sample; the
-                apply runs without rngs).
+            rng: the evaluation's random key, for `rng_collections`.
             n_steps: batches per evaluation.
             devices: the devices (all devices of all processes by default).
             group: the metrics' group name in the summary.
+            rng_collections: rng collections to give the model at evaluation
+                (none by default, so dropout is off).
 
         Raises:
             ValueError: `n_steps` below 1, or no metrics.
@@ -54,13 +66,17 @@ class EvalLoop:
         if not task.metrics:
             raise ValueError("EvalTask.metrics is empty; give at least one {name: metric} to evaluate.")
         self._task = task
-        self._rng = rng
+        self._rng = jax.random.key(rng) if isinstance(rng, int) else rng
+        self._rng_collections = tuple(rng_collections)
         self._n_steps = n_steps
         self._group = group
         self._mesh = batching.mesh_of(devices)
         self._n_local_devices = batching.local_device_count(self._mesh)
         self._iterator = iter(task.data)
-        self._evaluate = compile_eval_step(make_eval_step(task.apply, task.metrics, self._mesh.size), self._mesh)
+        self._rng_data = jax.random.key_data(self._rng)
+        self._rng_impl = jax.random.key_impl(self._rng)
+        eval_step = make_eval_step(task.apply, task.metrics, self._rng_collections, self._mesh.size, self._rng_impl)
+        self._evaluate = compile_eval_step(eval_step, self._mesh)
 
     def _next_batch(self) -> Any:
         try:
@@ -87,10 +103,18 @@ class EvalLoop:
         """
         state = jax.device_put(checkpoint.state, batching.replicated(self._mesh))
         totals = None
-        for _ in range(self._n_steps):
+        for index in range(self._n_steps):
             batch = batching.normalize(self._next_batch(), "EvalTask")
             batching.check_divisible(batch, self._n_local_devices, "EvalTask")
-            values = self._evaluate(state, batching.to_devices(batch, self._mesh, stacked=False))
+            rng_data = self._batch_rng_data(int(checkpoint.step), index)
+            values = self._evaluate(state, batching.to_devices(batch, self._mesh, stacked=False), rng_data)
             totals = values if totals is None else jax.tree.map(jnp.add, totals, values)
         metrics = {name: float(value) / self._n_steps for name, value in jax.device_get(totals).items()}
-        return Summary.of(checkpoint, {self._group: metrics, "train": {"loss": checkpoint.loss}})
+        return checkpoint.with_metrics({self._group: metrics, "train": {"loss": checkpoint.loss}})
+
+    def _batch_rng_data(self, step: int, index: int) -> jax.Array:
+        """The raw key of one evaluation batch (unused without rng collections)."""
+        if not self._rng_collections:
+            return self._rng_data
+        key = jax.random.wrap_key_data(self._rng_data, impl=self._rng_impl)
+        return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, step), index))

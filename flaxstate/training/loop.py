@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import CollectionFilter, DenyList
 
-from flaxstate.checkpoint.records import Checkpoint, CheckpointFile
+from flaxstate import background
+from flaxstate.records import Checkpoint, CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, multihost
 from flaxstate.training.data import DataStream
@@ -23,7 +25,8 @@ from flaxstate.training.task import TrainTask
 
 PyTree = Any
 PREFETCH = 2
-"""How many dispatches' batches are put on the devices ahead of use."""
+"""How many dispatches' batches are drawn from the data ahead of use (under several processes,
+also placed on the devices ahead of use), within one record's segment."""
 
 
 @runtime_checkable
@@ -41,7 +44,14 @@ class CheckpointSource(Protocol):
     def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
 
 
-def _as_key(rng: jax.Array) -> jax.Array:
+def _as_key(rng: jax.Array | int) -> jax.Array:
+    """A typed key from a key, raw key data (uint32), or an int seed."""
+    if isinstance(rng, int | np.integer) and not isinstance(rng, bool):
+        return jax.random.key(int(rng))
+    if not hasattr(rng, "dtype"):
+        raise TypeError(
+            f"TrainLoop rng must be a random key (jax.random.key(0)) or an int seed, got {type(rng).__name__}."
+        )
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return rng
     return jax.random.wrap_key_data(jnp.asarray(rng, dtype=jnp.uint32))
@@ -63,21 +73,26 @@ class TrainLoop:
     """Trains a model data-parallel and yields a `Checkpoint` every N steps.
 
     Iterate it (`for checkpoint in loop:`), or call `next_checkpoint()` cell
-    by cell; both advance the same generator, and stopping early then going on
-    continues exactly where it stopped.
+    by cell; both train from where the loop stands, so stopping early then
+    going on continues exactly where it stopped.
 
     Example:
-        >>> loop = TrainLoop(init=model.init, task=task, rng=jax.random.key(0),  # doctest: +SKIP
-        ...                  n_steps=1000, n_steps_per_checkpoint=100)
-        >>> for checkpoint in loop:  # doctest: +SKIP
-        ...     print(checkpoint.step, checkpoint.loss)
+        >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax
+        >>> model = nn.Dense(1)
+        >>> data = [(np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32))] * 4
+        >>> task = TrainTask(apply=model.apply, optimizer=optax.sgd(0.1),
+        ...                  loss=lambda y, t: jnp.mean((y - t) ** 2), data=data)
+        >>> loop = TrainLoop(init=model.init, task=task, rng=0, n_steps=4,
+        ...                  n_steps_per_checkpoint=2, stdout=False)
+        >>> [checkpoint.step for checkpoint in loop]
+        [2, 4]
     """
 
     def __init__(
         self,
         init: Callable[..., Any] | CheckpointSource,
         task: TrainTask,
-        rng: jax.Array,
+        rng: jax.Array | int,
         input_sample: Any = None,
         n_steps_per_checkpoint: int = 1,
         n_steps: int = 0,
@@ -93,7 +108,8 @@ class TrainLoop:
             init: a linen module's `init`, or a checkpoint reader (e.g.
                 `CheckpointFileReader(dir, target=model.init)`) to resume from.
             task: what to train.
-            rng: the run's random key: model init and per-step, per-device rngs.
+            rng: the run's random key (or an int seed): model init and per-step,
+                per-device rngs. On resume the checkpoint's key is used.
             input_sample: the model's inputs for `init`; the first batch's by default.
             n_steps_per_checkpoint: N; a record is yielded at steps N, 2N, ...
             n_steps: the total number of steps; the last step always yields.
@@ -106,7 +122,10 @@ class TrainLoop:
 
         Raises:
             ValueError: bad settings, or a batch that is empty, of the wrong
-                structure, or not divisible by the local device count.
+                structure, or not divisible by the local device count; a
+                resume whose data cannot be moved to the examples already
+                trained (see `TrainTask.data`).
+            TypeError: `rng` is neither a key nor an int.
         """
         if n_steps_per_dispatch < 1 or n_steps_per_checkpoint < 1:
             raise ValueError(
@@ -128,28 +147,37 @@ class TrainLoop:
         self._data = DataStream(task.data, "TrainTask")
         init_names, apply_names = _rng_names(collections)
 
+        first_batch = batching.normalize(self._data.peek(), "TrainTask")
+        self._batch_size = int(np.shape(first_batch[0][0])[0]) * jax.process_count() if first_batch[0] else 0
         if input_sample is None:
-            inputs = batching.normalize(self._data.peek(), "TrainTask")[0]
+            inputs = first_batch[0]
         else:
             inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
         self._rng = _as_key(rng)
         self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self._replicated)
         state, restored = self._initial_state(init, task, inputs, init_names)
+        self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
-            self._data.restore(multihost.local_position(restored.data_position), int(restored.step))
-            self._progress.log(f"Resumed from the checkpoint at step {restored.step}.")
+            self._run_id = restored.run_id or multihost.agree(uuid.uuid4().hex[:12])
+            message = self._data.restore(
+                multihost.local_position(restored.data_position), int(restored.step), self._batch_size
+            )
+            self._progress.log(
+                f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else "")
+            )
+        else:
+            self._run_id = multihost.agree(uuid.uuid4().hex[:12])
         self._state_leaves, self._treedef = jax.tree.flatten(state)
         self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         self._step = int(jax.device_get(state.step))
         self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections, self._mesh.size)
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._compiled_gradients: Callable[..., Any] | None = None
-        self._record_next_step = False
         self._checked_shapes: set[tuple[Any, ...]] = set()
+        self._said_nothing_to_train = False
         n_params, n_bytes = count_parameters(state.params)
         self._progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
-        self._generator = self._records()
 
     def _initial_state(
         self, init: Any, task: TrainTask, inputs: tuple[Any, ...], init_names: tuple[str, ...]
@@ -172,7 +200,10 @@ class TrainLoop:
         if reader is None:
             return state, None
         restored = reader.read(CheckpointFile(state=state, step=0, rng=self._rng))
-        return (state, None) if restored is None else (restored.state, restored)
+        if restored is None:
+            self._progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
+            return state, None
+        return restored.state, restored
 
     def _state_from_state_dict(self, task: TrainTask, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
         def create() -> FlaxOptimTrainState:
@@ -197,6 +228,11 @@ class TrainLoop:
         return self._n_steps_per_checkpoint
 
     @property
+    def run_id(self) -> str:
+        """The run's id: created when a run starts fresh, restored on resume, carried by every record."""
+        return self._run_id
+
+    @property
     def state(self) -> FlaxOptimTrainState:
         """A copy of the current state (the loop's own is donated at each step)."""
         return self._copy(self._current_state())
@@ -205,23 +241,41 @@ class TrainLoop:
         return jax.tree.unflatten(self._treedef, self._state_leaves)
 
     def __iter__(self) -> Iterator[Checkpoint]:
-        """Yields the records up to `n_steps`."""
-        while (record := next(self._generator)) is not None:
-            yield record
+        """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
+        while (record := self.next_checkpoint()) is not None:
+            try:
+                yield record
+            except GeneratorExit:
+                background.settle_all()  # a save's failure is kept for its writer's next wait (or exit)
+                raise
 
     def next_checkpoint(self) -> Checkpoint | None:
-        """Trains up to the next record and returns it; `None` once `n_steps` is reached."""
-        return next(self._generator)
+        """Trains up to the next record and returns it.
+
+        Returns:
+            the record, or `None` once `n_steps` is reached (after waiting
+            for every writer's pending save).
+
+        Raises:
+            CheckpointSaveError: (at the end) a pending save failed.
+        """
+        if self._step >= self._n_steps:
+            self._progress.close()
+            if self._restored_step == self._step and not self._said_nothing_to_train:
+                self._said_nothing_to_train = True
+                self._progress.log(
+                    f"The checkpoint's step {self._step} is at or past n_steps ({self._n_steps}): nothing to "
+                    "train. Raise n_steps to train on."
+                )
+            background.wait_all()
+            return None
+        every = self._n_steps_per_checkpoint
+        return self._train_until(min(self._n_steps, (self._step // every + 1) * every))
 
     def next_step(self) -> Checkpoint:
         """Trains one step and returns its record (extending `n_steps` if it is passed)."""
-        self._record_next_step = True
-        try:
-            record = next(self._generator)
-        finally:
-            self._record_next_step = False
-        assert record is not None
-        return record
+        self._n_steps = max(self._n_steps, self._step + 1)
+        return self._train_until(self._step + 1)
 
     def run(self, n_steps: int) -> Iterator[Checkpoint]:
         """Sets the total to `n_steps` and yields the records up to it.
@@ -235,18 +289,6 @@ class TrainLoop:
         """
         self._n_steps = n_steps
         return iter(self)
-
-    def _records(self) -> Iterator[Checkpoint | None]:
-        while True:
-            if self._record_next_step:
-                self._n_steps = max(self._n_steps, self._step + 1)
-                yield self._train_until(self._step + 1)
-            elif self._step >= self._n_steps:
-                self._progress.close()
-                yield None
-            else:
-                every = self._n_steps_per_checkpoint
-                yield self._train_until(min(self._n_steps, (self._step // every + 1) * every))
 
     def _compiled_steps(self, n_steps: int) -> Callable[..., Any]:
         if n_steps not in self._compiled:
@@ -265,7 +307,7 @@ class TrainLoop:
     def _host_batch(self, n_steps: int) -> Any:
         if n_steps == 1:
             return self._next_batch()
-        return batching.stack([self._next_batch() for _ in range(n_steps)])
+        return batching.stack([self._next_batch() for _ in range(n_steps)], self._data.n_batches - n_steps + 1)
 
     def _next_batch(self) -> Any:
         batch = batching.normalize(self._data.next(), "TrainTask")
@@ -319,6 +361,7 @@ class TrainLoop:
             elapsed_time=time.perf_counter() - start_time,
             step=self._step,
             rng=self._rng,
-            data_position=multihost.gather_position(self._data.position(self._step)),
+            data_position=multihost.gather_position(self._data.position(self._step), self._batch_size),
             final=self._step >= self._n_steps,
+            run_id=self._run_id,
         )

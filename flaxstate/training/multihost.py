@@ -29,17 +29,23 @@ def _allgather_json(value: Any) -> list[Any]:
     ]
 
 
-def gather_position(local: Mapping[str, Any]) -> dict[str, Any]:
+def agree(value: Any) -> Any:
+    """Returns the primary process's `value` on every process (JSON-serializable; a collective)."""
+    return value if jax.process_count() == 1 else _allgather_json(value)[0]
+
+
+def gather_position(local: Mapping[str, Any], batch_size: int) -> dict[str, Any]:
     """Returns the run's data position from this process's (a collective in multi-process runs).
 
     Args:
         local: `{"n_batches": n, "iterator_state": ...}` of this process.
+        batch_size: the global batch size that `n_batches` counts in.
 
     Returns:
-        `{"n_batches": n, "iterator_states": [one per process]}` (the last key
-        only when the data has iterator states).
+        `{"n_batches": n, "batch_size": b, "iterator_states": [one per
+        process]}` (the last key only when the data has iterator states).
     """
-    position: dict[str, Any] = {"n_batches": int(local["n_batches"])}
+    position: dict[str, Any] = {"n_batches": int(local["n_batches"]), "batch_size": int(batch_size)}
     if "iterator_state" in local:
         state = local["iterator_state"]
         position["iterator_states"] = [state] if jax.process_count() == 1 else _allgather_json(state)
@@ -55,6 +61,8 @@ def local_position(position: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if position is None:
         return None
     local: dict[str, Any] = {"n_batches": int(position["n_batches"])}
+    if position.get("batch_size") is not None:
+        local["batch_size"] = int(position["batch_size"])
     states = position.get("iterator_states")
     if states is not None and len(states) == jax.process_count():
         local["iterator_state"] = states[jax.process_index()]

@@ -42,7 +42,7 @@ class ProgressDisplay:
     def log(self, message: str) -> None:
         """Prints one line."""
         if self._enabled:
-            self._console.print(message, highlight=False)
+            self._console.print(message, highlight=False, soft_wrap=True)
 
     def start(self, step: int, total: int) -> None:
         """Shows the bar at `step` of `total` (again, after a record, with a new total)."""

@@ -31,9 +31,9 @@ def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str], n_devices
     Derived from the loop's key, the step and the device's index on the mesh,
     so a run is reproducible from its seed and masks differ per device.
     """
-    index = lax.axis_index(AXIS) if n_devices > 1 else 0
-    key = jax.random.fold_in(jax.random.fold_in(rng, step), index)
-    return {name: jax.random.fold_in(key, index) for index, name in enumerate(names)}
+    device = lax.axis_index(AXIS) if n_devices > 1 else 0
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), device)
+    return {name: jax.random.fold_in(key, position) for position, name in enumerate(names)}
 
 
 def _as_tuple(outputs: Any) -> tuple[Any, ...]:
@@ -86,13 +86,25 @@ def make_train_step(
 
 
 def make_eval_step(
-    apply: Callable[..., Any], metrics: Mapping[str, Callable[..., Any]], n_devices: int
-) -> Callable[[PyTree, Batch], dict[str, jax.Array]]:
-    """Returns the per-device evaluation `(state, batch) -> {name: mean over devices}`."""
+    apply: Callable[..., Any],
+    metrics: Mapping[str, Callable[..., Any]],
+    rng_names: Sequence[str],
+    n_devices: int,
+    rng_impl: Any = None,
+) -> Callable[[PyTree, Batch, jax.Array], dict[str, jax.Array]]:
+    """Returns the per-device evaluation `(state, batch, rng_data) -> {name: mean over devices}`.
 
-    def eval_step(state: PyTree, batch: Batch) -> dict[str, jax.Array]:
+    The model gets rngs only for `rng_names` (none: no rngs at all).
+    """
+
+    def eval_step(state: PyTree, batch: Batch, rng_data: jax.Array) -> dict[str, jax.Array]:
         inputs, targets = batch
-        outputs = _as_tuple(apply({"params": state.params, **state.flax_mutables}, *inputs))
+        variables = {"params": state.params, **state.flax_mutables}
+        if rng_names:
+            rngs = device_rngs(jax.random.wrap_key_data(rng_data, impl=rng_impl), state.step, rng_names, n_devices)
+            outputs = _as_tuple(apply(variables, *inputs, rngs=rngs))
+        else:
+            outputs = _as_tuple(apply(variables, *inputs))
         values = {
             name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]")
             for name, metric in metrics.items()
@@ -199,4 +211,4 @@ def _map_over(
 
 def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:
     """Maps the evaluation over the mesh (nothing donated: the state is the record's)."""
-    return _map_over(mesh, eval_step, in_specs=(batch_spec(False),), donate=())
+    return _map_over(mesh, eval_step, in_specs=(batch_spec(False), PartitionSpec()), donate=())

@@ -4,16 +4,16 @@ Devices of one process here run no collective (PLATFORM.md: those deadlock on
 several CPU devices in one process); processes join over gloo.
 """
 
-import multiprocess
 import pytest
+from flaxstate_testing import processes
 
 
 def save(tmp_path, n_devices=1, n_processes=1, width=64):
     config = {"mode": "save", "output_dir": str(tmp_path / "run"), "out": str(tmp_path / "state.npz"), "width": width}
     if n_processes > 1:
-        outputs = multiprocess.run("devices.py", config, n_processes=n_processes, timeout=180)
+        outputs = processes.run("devices.py", config, n_processes=n_processes, timeout=180)
     else:
-        outputs = multiprocess.run("devices.py", config, timeout=180, n_devices=n_devices)
+        outputs = processes.run("devices.py", config, timeout=180, n_devices=n_devices)
     return int(outputs[0].split("state_bytes ")[1].split()[0])
 
 
@@ -25,9 +25,9 @@ def restore(tmp_path, n_devices=1, n_processes=1, width=64):
         "width": width,
     }
     if n_processes > 1:
-        outputs = multiprocess.run("devices.py", config, n_processes=n_processes, timeout=180)
+        outputs = processes.run("devices.py", config, n_processes=n_processes, timeout=180)
     else:
-        outputs = multiprocess.run("devices.py", config, timeout=180, n_devices=n_devices)
+        outputs = processes.run("devices.py", config, timeout=180, n_devices=n_devices)
     assert f"restored on {n_devices * n_processes} devices" in outputs[0], outputs
 
 

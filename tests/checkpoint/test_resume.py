@@ -3,15 +3,15 @@
 import signal
 import time
 
-import multiprocess
 import numpy as np
 import pytest
+from flaxstate_testing import processes
 
 
 def run(tmp_path, name, **config):
     out = tmp_path / f"{name}.npz"
     config = {"output_dir": str(tmp_path / name), "out": str(out), "every": 5, **config}
-    outputs = multiprocess.run("resume.py", config, timeout=180)
+    outputs = processes.run("resume.py", config, timeout=180)
     return dict(np.load(out)), outputs[0]
 
 
@@ -42,7 +42,7 @@ def test_resume_with_steps_per_dispatch(tmp_path):
 def run_and_kill(tmp_path, name, after_record, delay, **config):
     """Starts a run, waits for a record line, then kills it with SIGKILL after `delay` seconds."""
     config = {"output_dir": str(tmp_path / name), "out": str(tmp_path / f"{name}.npz"), **config}
-    process = multiprocess.start("resume.py", config)
+    process = processes.start("resume.py", config)
     lines = []
     deadline = time.monotonic() + 120
     try:
@@ -54,7 +54,7 @@ def run_and_kill(tmp_path, name, after_record, delay, **config):
                 break
             assert time.monotonic() < deadline, "".join(lines)
     finally:
-        multiprocess.kill(process)
+        processes.kill(process)
         process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL, "".join(lines) + process.stdout.read()
 

@@ -2,7 +2,7 @@ import io
 
 import jax
 import optax
-import toy
+from flaxstate_testing import toy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import flaxstate as fs

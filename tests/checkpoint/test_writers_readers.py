@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import toy
+from flaxstate_testing import processes, toy
 
 import flaxstate as fs
 
@@ -72,7 +72,7 @@ def test_reader_restores_the_newest_state_rng_and_metadata(tmp_path):
     for record in recs:
         writer(record)
     restored = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(state=fresh_state(), step=0))
-    assert restored.step == 6 and restored.format_version == fs.checkpoint.records.FORMAT_VERSION
+    assert restored.step == 6 and restored.format_version == fs.records.FORMAT_VERSION
     assert_trees_equal(restored.state, recs[-1].state)
     assert restored.metadata == {"learning_rate": 0.01, "name": "mlp"}
     assert jax.random.key_impl(restored.rng) == jax.random.key_impl(recs[-1].rng)
@@ -277,20 +277,77 @@ def test_a_save_returns_before_its_bytes_are_written(tmp_path, monkeypatch):
     assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
 
 
-def test_a_pending_save_completes_when_the_script_ends(tmp_path):
-    script = f"""
-import jax, optax, toy, flaxstate as fs
+SCRIPT_START = """
+import time, jax, optax, orbax.checkpoint as ocp, flaxstate as fs
+from flaxstate_testing import processes, toy
 model = toy.BatchNormNet()
-task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
-loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=False)
-fs.CheckpointFileWriter({str(tmp_path)!r})(loop.next_checkpoint())  # not the final record: nothing waits
+task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(6, 8))
+loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=2, stdout=False)
+original = ocp.PyTreeCheckpointHandler.async_save
+async def slow(self, *args, **kwargs):  # every array write starts 1 s late, so a save outlives a short script
+    time.sleep(1.0)
+    return await original(self, *args, **kwargs)
 """
-    path = os.pathsep.join([os.path.dirname(toy.__file__), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr
-    assert "failed" not in result.stderr
+
+
+def run_script(body, timeout=240):
+    env = processes.worker_env()
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT_START + body], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_a_writer_used_as_a_context_manager_finishes_its_save(tmp_path):
+    code, output = run_script(f"""
+ocp.PyTreeCheckpointHandler.async_save = slow
+with fs.CheckpointFileWriter({str(tmp_path)!r}) as writer:
+    writer(loop.next_checkpoint())  # not the final record: only the with block waits for it
+""")
+    assert code == 0, output
     assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_leaving_the_loop_early_finishes_the_pending_save(tmp_path):
+    code, output = run_script(f"""
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer = fs.CheckpointFileWriter({str(tmp_path)!r})
+for checkpoint in loop:
+    writer(checkpoint)
+    break
+""")
+    assert code == 0, output
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_save_still_running_when_the_script_ends_exits_1_and_names_it(tmp_path):
+    code, output = run_script(f"""
+writer = fs.CheckpointFileWriter({str(tmp_path)!r}, keep=3)
+writer(loop.next_checkpoint())
+writer.wait()
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer(loop.next_checkpoint())  # step 4: nothing waits for it before the script ends
+""")
+    assert code == 1, output
+    assert f"step 4 to {tmp_path}" in output and "writer.wait()" in output, output
+    # What was saved before is intact, and the unfinished step is never restored.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_save_that_fails_at_the_last_record_exits_non_zero(tmp_path):
+    code, output = run_script(f"""
+async def failing(self, *args, **kwargs):
+    raise OSError("No space left on device (injected)")
+writer = fs.CheckpointFileWriter({str(tmp_path)!r}, keep=3)
+for checkpoint in loop:
+    if checkpoint.final:
+        writer.wait()  # step 4 is on disk; the final save fails
+        ocp.PyTreeCheckpointHandler.async_save = failing
+    writer(checkpoint)
+""")
+    assert code != 0, output
+    assert "step 6" in output and "No space left on device" in output, output
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 4
 
 
 def test_format_1_checkpoints_are_upgraded_on_read(tmp_path):

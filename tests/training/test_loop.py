@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-import toy
+from flaxstate_testing import processes, toy
 
 import flaxstate as fs
 
@@ -255,12 +255,10 @@ def test_non_finite_loss_names_the_step_and_yields_nothing_after_it():
 
 
 def test_batch_not_divisible_by_device_count_names_both_numbers(tmp_path):
-    import multiprocess
-
     script = tmp_path / "check.py"
     script.write_text(
-        f"import sys; sys.path.insert(0, {str(multiprocess.WORKERS.parent)!r})\n"
-        "import jax, optax, toy, flaxstate as fs\n"
+        "import jax, optax, flaxstate as fs\n"
+        "from flaxstate_testing import toy\n"
         "assert jax.device_count() == 2\n"
         "task = fs.TrainTask(toy.MLP().apply, optax.sgd(0.1), toy.mse, toy.batches(2, 7))\n"
         "try:\n"
@@ -273,7 +271,7 @@ def test_batch_not_divisible_by_device_count_names_both_numbers(tmp_path):
 
     result = subprocess.run(
         [sys.executable, str(script)],
-        env=multiprocess.worker_env(n_devices=2),
+        env=processes.worker_env(n_devices=2),
         capture_output=True,
         text=True,
         timeout=120,
@@ -281,3 +279,38 @@ def test_batch_not_divisible_by_device_count_names_both_numbers(tmp_path):
     assert "ERROR TrainTask.data yielded a batch of size 7, which does not divide by the 2 local devices" in (
         result.stdout
     ), result.stdout + result.stderr
+
+
+def test_a_ragged_last_batch_with_several_steps_a_dispatch_names_the_steps_and_shapes():
+    data = toy.batches(7, 8) + toy.batches(1, 5, seed=9)
+    loop = make_loop(data=data, n_steps=8, every=4, per_dispatch=4)
+    assert loop.next_checkpoint().step == 4
+    with pytest.raises(ValueError) as error:
+        loop.next_checkpoint()
+    message = str(error.value)
+    assert "steps 5-8" in message and "step 5 has [[8, 4], [8]]" in message and "step 8 has [[5, 4], [5]]" in message
+    assert "drop_remainder=True" in message and "n_steps_per_dispatch=1" in message
+
+
+def test_an_int_rng_is_a_seed_and_anything_else_is_refused():
+    task = fs.TrainTask(apply=MODEL.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
+    by_seed = fs.TrainLoop(MODEL.init, task, rng=0, n_steps=4, n_steps_per_checkpoint=4, stdout=False)
+    by_key = fs.TrainLoop(MODEL.init, task, rng=jax.random.key(0), n_steps=4, n_steps_per_checkpoint=4, stdout=False)
+    assert_trees_equal(list(by_seed)[-1].state, list(by_key)[-1].state)
+    with pytest.raises(TypeError, match="rng must be a random key .* or an int seed, got str"):
+        fs.TrainLoop(MODEL.init, task, rng="0", n_steps=4, stdout=False)
+
+
+def test_every_record_carries_the_runs_id_and_a_new_run_gets_a_new_one():
+    first, second = make_loop(n_steps=4), make_loop(n_steps=4)
+    assert first.run_id != second.run_id and len(first.run_id) == 12
+    assert {record.run_id for record in first} == {first.run_id}
+
+
+def test_next_step_and_iteration_share_one_position():
+    loop = make_loop(n_steps=8, every=2)
+    iterator = iter(loop)
+    assert next(iterator).step == 2
+    loop.next_step()
+    assert loop.step == 3
+    assert [record.step for record in loop] == [4, 6, 8]  # plain methods: no private generator to break

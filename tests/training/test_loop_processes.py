@@ -1,15 +1,15 @@
-"""Two devices as two processes (one CPU device each, gloo): see tests/multiprocess.py."""
+"""Two devices as two processes (one CPU device each, gloo): see tests/processes.py."""
 
-import multiprocess
 import numpy as np
 import pytest
+from flaxstate_testing import processes
 
 
 def train(tmp_path, name, model, n_processes, n_steps, global_batch=16):
     out = tmp_path / name
     out.mkdir()
     config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out)}
-    multiprocess.run("train.py", config, n_processes=n_processes, timeout=240)
+    processes.run("train.py", config, n_processes=n_processes, timeout=240)
     return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
 
 

@@ -1,13 +1,13 @@
 """Multi-host: the same loop across processes, checkpoints saved by all, restored by any number.
 
-Processes have one CPU device each and join over gloo (tests/multiprocess.py);
+Processes have one CPU device each and join over gloo (tests/processes.py);
 every run has a hard timeout, and a failure shows every process's output.
 """
 
 import time
 
-import multiprocess
 import numpy as np
+from flaxstate_testing import processes
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8}
 
@@ -20,7 +20,7 @@ def run(tmp_path, name, n_processes, n_steps, **extra):
         "n_steps": n_steps,
         **extra,
     }
-    outputs = multiprocess.run("resume.py", config, n_processes=n_processes, timeout=240)
+    outputs = processes.run("resume.py", config, n_processes=n_processes, timeout=240)
     return dict(np.load(tmp_path / f"{name}.npz")), outputs
 
 
@@ -51,25 +51,25 @@ def test_killing_one_process_ends_the_other_and_both_resume(tmp_path):
         "n_steps": 200,
         "heartbeat_timeout": 10,
     }
-    port = multiprocess.free_port()
-    processes = [multiprocess.start("resume.py", config, i, 2, port) for i in range(2)]
+    port = processes.free_port()
+    workers = [processes.start("resume.py", config, i, 2, port) for i in range(2)]
     try:
         seen = []
-        for line in processes[0].stdout:
+        for line in workers[0].stdout:
             seen.append(line)
             if line.strip() == "record 50":
                 break
         assert seen and seen[-1].strip() == "record 50", "".join(seen)
         killed_at = time.monotonic()
-        multiprocess.kill(processes[1])
+        processes.kill(workers[1])
         # The survivor must not hang: it exits, with an error, within a bounded time.
-        output = processes[0].communicate(timeout=120)[0]
+        output = workers[0].communicate(timeout=120)[0]
         waited = time.monotonic() - killed_at
     finally:
-        for process in processes:
-            multiprocess.kill(process)
+        for process in workers:
+            processes.kill(process)
             process.wait(timeout=30)
-    assert processes[0].returncode != 0, output[-3000:]
+    assert workers[0].returncode != 0, output[-3000:]
     assert "done" not in output
     assert waited < 120
     steps = sorted(int(p.name) for p in (tmp_path / "killed").iterdir() if p.name.isdigit())

@@ -9,11 +9,11 @@ from typing import TextIO
 import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
-from flaxstate.checkpoint.records import Checkpoint
+from flaxstate.records import Checkpoint
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
-    metrics = {group: dict(values) for group, values in getattr(checkpoint, "metrics", {}).items()}
+    metrics = {group: dict(values) for group, values in checkpoint.metrics.items()}
     metrics.setdefault("train", {}).setdefault("loss", float(checkpoint.loss))
     return metrics
 
@@ -22,8 +22,10 @@ class SummaryLogger:
     """Prints one line per record: step, metrics by group, steps/s. Returns the record.
 
     Example:
-        >>> SummaryLogger()(summary)  # doctest: +SKIP
-        step 500: train/loss 0.1203  eval/loss 0.1311  eval/acc 0.9632  (812.4 steps/s)
+        >>> record = Checkpoint(state=None, grads=None, loss=0.1203, n_completed_steps=500,
+        ...                     elapsed_time=0.5, step=500)
+        >>> _ = SummaryLogger()(record.with_metrics({"eval": {"loss": 0.1311, "acc": 0.9632}}))
+        step 500: eval/loss 0.1311  eval/acc 0.9632  train/loss 0.1203  (1000.0 steps/s)
     """
 
     def __init__(self, stream: TextIO | None = None) -> None:
@@ -53,8 +55,12 @@ class SummaryWriter:
     process writes.
 
     Example:
-        >>> writer = SummaryWriter("runs/mlp")  # doctest: +SKIP
-        >>> summary = writer(summary)  # doctest: +SKIP
+        >>> import tempfile
+        >>> writer = SummaryWriter(tempfile.mkdtemp())
+        >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10, elapsed_time=1.0, step=10)
+        >>> writer(record) is record
+        True
+        >>> writer.close()
     """
 
     def __init__(self, output_dir: str | Path) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from common import setup  # noqa: E402
+from flaxstate_testing.workers.common import setup
 
 config = setup()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import toy  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
 
 model = toy.MODELS[config["model"]]()
 data = toy.shard(toy.batches(config["n_steps"], config["global_batch"]), jax.process_index(), jax.process_count())

@@ -1,4 +1,8 @@
-"""The records a loop yields (`Checkpoint`, `Summary`) and what lands on disk (`CheckpointFile`)."""
+"""The records a loop yields (`Checkpoint`, `Summary`) and what lands on disk (`CheckpointFile`).
+
+`training` produces these records; `checkpoint` and the summary sinks consume
+them. Neither side imports the other: this module is what they share.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,12 @@ import jax
 PyTree = Any
 Metrics = Mapping[str, Mapping[str, float]]
 
-FORMAT_VERSION = 2
-"""The version of the on-disk layout that this flaxstate writes (older ones are upgraded on read)."""
+FORMAT_VERSION = 3
+"""The version of the on-disk layout that this flaxstate writes and the newest it reads.
+
+Version 3 added the run id, the global batch size of the data position and
+the best writers' policy to `meta`; versions 1 and 2 are upgraded on read.
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +37,17 @@ class Checkpoint:
         rng: the loop's random key (restored on resume).
         data_position: where the training data stands after this step (JSON).
         final: whether this is the loop's last record (writers wait for their saves).
+        metrics: `{group: {name: value}}`, e.g. `{"eval": {"loss": 0.1}}`; an
+            `EvalLoop` adds its group.
+        run_id: the run this record belongs to: created when a run starts
+            fresh, restored on resume, stored with every checkpoint, so a
+            writer never mixes two runs in one directory.
+
+    Example:
+        >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
+        ...                     elapsed_time=1.0, step=10)
+        >>> record.with_metrics({"eval": {"acc": 0.9}}).metrics
+        {'eval': {'acc': 0.9}}
     """
 
     state: PyTree
@@ -40,6 +59,8 @@ class Checkpoint:
     rng: jax.Array | None = None
     data_position: Mapping[str, Any] | None = None
     final: bool = False
+    metrics: Metrics = dataclasses.field(default_factory=dict)
+    run_id: str | None = None
 
     @property
     def model_params(self) -> PyTree:
@@ -56,21 +77,23 @@ class Checkpoint:
         """The optax state."""
         return self.state.param_states
 
+    def with_metrics(self, metrics: Metrics) -> Summary:
+        """Returns this record as a `Summary` whose metrics extend its own by `metrics`."""
+        merged = {group: dict(values) for group, values in self.metrics.items()}
+        for group, values in metrics.items():
+            merged.setdefault(group, {}).update(values)
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(Checkpoint)}
+        return Summary(**{**fields, "metrics": merged})
+
 
 @dataclasses.dataclass(frozen=True)
 class Summary(Checkpoint):
-    """A checkpoint with metrics: `{group: {name: value}}`, e.g. `{"eval": {"loss": 0.1}}`."""
-
-    metrics: Metrics = dataclasses.field(default_factory=dict)
+    """A record that an evaluation added metrics to (the same fields as `Checkpoint`)."""
 
     @classmethod
     def of(cls, checkpoint: Checkpoint, metrics: Metrics) -> Summary:
-        """Returns a summary of `checkpoint` whose metrics extend any it already has."""
-        merged = {group: dict(values) for group, values in getattr(checkpoint, "metrics", {}).items()}
-        for group, values in metrics.items():
-            merged.setdefault(group, {}).update(values)
-        fields = {field.name: getattr(checkpoint, field.name) for field in dataclasses.fields(Checkpoint)}
-        return cls(**fields, metrics=merged)
+        """Returns `checkpoint.with_metrics(metrics)`."""
+        return checkpoint.with_metrics(metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +105,10 @@ class CheckpointFile:
         step: the step the state was saved at.
         rng: the training loop's random key.
         data_position: the training data's position (JSON), see `TrainLoop`.
-        metrics: the record's metrics, if it was a `Summary`.
+        metrics: the record's metrics.
         metadata: the user's metadata (JSON), e.g. the run's config.
         format_version: the on-disk layout's version.
+        run_id: the run that saved it (checkpoints of format 1 and 2 read as `"format-2"`).
     """
 
     state: PyTree
@@ -94,3 +118,4 @@ class CheckpointFile:
     metrics: Metrics = dataclasses.field(default_factory=dict)
     metadata: Any = None
     format_version: int = FORMAT_VERSION
+    run_id: str | None = None

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-WORKERS = Path(__file__).parent / "workers"
+TESTS = Path(__file__).parents[1]
+"""The folder that holds `flaxstate_testing`: workers import it from PYTHONPATH."""
 
 
 def free_port() -> int:
@@ -30,6 +31,7 @@ def worker_env(n_devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env.pop("XLA_FLAGS", None)
     if n_devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
@@ -39,7 +41,7 @@ def worker_env(n_devices: int = 1) -> dict[str, str]:
 def start(script: str, config: dict, process_id: int = 0, n_processes: int = 1, port: int = 0, n_devices: int = 1):
     config = dict(config, process_id=process_id, n_processes=n_processes, port=port)
     return subprocess.Popen(
-        [sys.executable, str(WORKERS / script), json.dumps(config)],
+        [sys.executable, "-m", f"flaxstate_testing.workers.{script.removesuffix('.py')}", json.dumps(config)],
         env=worker_env(n_devices),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from common import setup  # noqa: E402
+from flaxstate_testing.workers.common import setup
 
 config = setup()
 
@@ -16,9 +13,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import redex  # noqa: E402
-import toy  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
 
 model = toy.BatchNormNet() if config.get("width") is None else toy.MLP(width=config["width"])
 global_batches = toy.batches(64, config.get("global_batch", 8), seed=1)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from common import setup  # noqa: E402
+from flaxstate_testing.workers.common import setup
 
 config = setup()
 
@@ -15,10 +10,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import toy  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
 
 model = toy.MLP(width=config["width"])
 mesh = Mesh(np.asarray(jax.devices()), ("devices",))

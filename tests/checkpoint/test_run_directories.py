@@ -1,0 +1,198 @@
+"""A directory holds one run: writers refuse to mix runs, readers tell damage from other faults."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flaxstate_testing import processes, toy
+
+import flaxstate as fs
+
+MODEL = toy.BatchNormNet()
+TX = optax.adam(1e-2)
+
+
+def make_loop(init, n_steps=4, every=2, seed=0):
+    task = fs.TrainTask(apply=MODEL.apply, optimizer=TX, loss=toy.mse, data=toy.batches(8, 8))
+    return fs.TrainLoop(init, task, jax.random.key(seed), n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False)
+
+
+def fresh_state():
+    return fs.FlaxOptimTrainState.create(TX, MODEL.init(jax.random.key(3), np.ones((8, 4), np.float32)))
+
+
+def steps_in(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def train_into(directory, loop, **writer_options):
+    with fs.CheckpointFileWriter(directory, keep=5, **writer_options) as writer:
+        for record in loop:
+            writer(record)
+    return loop
+
+
+def test_a_fresh_run_into_another_runs_directory_is_refused_and_nothing_is_lost(tmp_path):
+    first = train_into(tmp_path, make_loop(MODEL.init))
+    before = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
+    second = make_loop(MODEL.init, seed=1)  # a new init, not resumed
+    assert second.run_id != first.run_id
+    with fs.CheckpointFileWriter(tmp_path, keep=5) as writer:
+        with pytest.raises(fs.CheckpointError) as error:
+            writer(second.next_checkpoint())
+    message = str(error.value)
+    assert str(tmp_path) in message and "another run" in message and first.run_id in message
+    assert "CheckpointFileReader" in message and "overwrite=True" in message
+    after = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
+    assert steps_in(tmp_path) == [2, 4] and after.run_id == first.run_id
+    for a, b in zip(jax.tree.leaves(before.state), jax.tree.leaves(after.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_overwrite_removes_the_other_runs_checkpoints_first(tmp_path, caplog):
+    train_into(tmp_path, make_loop(MODEL.init, n_steps=6))
+    second = make_loop(MODEL.init, seed=1)
+    with caplog.at_level(logging.WARNING, logger="flaxstate"):
+        train_into(tmp_path, second, overwrite=True)
+    assert "removing steps [2, 4, 6]" in caplog.text
+    assert steps_in(tmp_path) == [2, 4]  # step 6 of the other run is gone too: it would have been the newest
+    restored = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
+    assert restored.run_id == second.run_id and restored.step == 4
+
+
+def test_a_resumed_run_writes_on_into_its_own_directory(tmp_path):
+    first = train_into(tmp_path, make_loop(MODEL.init, n_steps=4))
+    resumed = train_into(tmp_path, make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), n_steps=8))
+    assert resumed.run_id == first.run_id
+    assert steps_in(tmp_path) == [2, 4, 6, 8]
+
+
+def test_a_run_resumed_from_an_earlier_step_does_not_mix_two_histories(tmp_path):
+    train_into(tmp_path, make_loop(MODEL.init, n_steps=6))
+    earlier = make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init, step=2), n_steps=6)
+    with fs.CheckpointFileWriter(tmp_path, keep=5) as writer:
+        with pytest.raises(fs.CheckpointError, match=r"already holds steps \[4, 6\] of this run.*overwrite=True"):
+            writer(earlier.next_checkpoint())
+    assert steps_in(tmp_path) == [2, 4, 6]
+    train_into(tmp_path, earlier, overwrite=True)
+    assert steps_in(tmp_path) == [2, 4, 6]
+    assert fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0)).step == 6
+
+
+def test_a_second_writer_on_one_directory_is_refused_at_construction(tmp_path):
+    first = fs.CheckpointFileWriter(tmp_path, keep=2)
+    with pytest.raises(fs.CheckpointError, match=f"{tmp_path} is already written by CheckpointFileWriter"):
+        fs.CheckpointFileWriter(tmp_path)
+    with pytest.raises(fs.CheckpointError, match="already written"):
+        fs.CheckpointFileWriter(tmp_path / "." / "")  # the same directory, spelled differently
+    # The best writers keep their own subdirectories: they do not collide with it.
+    fs.LowestCheckpointFileWriter(tmp_path, metric="loss").close()
+    first.close()
+    fs.CheckpointFileWriter(tmp_path).close()  # released: a new writer may write it
+
+
+def meta_file(step_dir):
+    return step_dir / "meta" / "metadata"
+
+
+def test_a_checkpoint_of_a_newer_format_is_a_clear_error_not_damage(tmp_path):
+    train_into(tmp_path, make_loop(MODEL.init))
+    meta = json.loads(meta_file(tmp_path / "4").read_text())
+    meta["format_version"] = 99
+    meta_file(tmp_path / "4").write_text(json.dumps(meta))
+    current = fs.records.FORMAT_VERSION
+    with pytest.raises(
+        fs.CheckpointError,
+        match=f"newer flaxstate \\(checkpoint format 99\\); this flaxstate reads formats 1 to {current}",
+    ):
+        fs.CheckpointFileReader(tmp_path).restore(fresh_state())  # not a fallback to step 2
+
+
+def test_only_damage_makes_a_reader_fall_back(tmp_path, monkeypatch, caplog):
+    train_into(tmp_path, make_loop(MODEL.init))
+    original = ocp.CheckpointManager.restore
+
+    def out_of_memory(self, step, *args, **kwargs):
+        if step == 4 and "model" in kwargs.get("args", {}).keys():
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96.00MiB.")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="flaxstate"):
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+    assert "damaged" not in caplog.text
+    # A template of the wrong type is a bug of the caller, not damage either.
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", original)
+    with pytest.raises(AttributeError):
+        fs.CheckpointFileReader(tmp_path).restore(object())
+
+
+def test_a_fallback_says_one_line_and_nothing_after(tmp_path):
+    script = f"""
+import jax, optax, numpy as np, pathlib, flaxstate as fs
+from flaxstate_testing import toy
+model = toy.BatchNormNet()
+task = fs.TrainTask(model.apply, optax.adam(1e-2), toy.mse, toy.batches(4, 8))
+loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=False)
+with fs.CheckpointFileWriter({str(tmp_path)!r}, keep=3) as writer:
+    for record in loop:
+        writer(record)
+for file in pathlib.Path({str(tmp_path / "4" / "model")!r}).rglob("*"):
+    if file.is_file() and file.parent.name == "d":
+        file.unlink()
+state = fs.FlaxOptimTrainState.create(optax.adam(1e-2), model.init(jax.random.key(3), np.ones((8, 4), np.float32)))
+print("restored", int(fs.CheckpointFileReader({str(tmp_path)!r}).restore(state).step))
+"""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script],
+        env={**processes.worker_env(), "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "restored 2" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    damaged = [line for line in lines if "is damaged" in line]
+    assert len(damaged) == 1 and f"{tmp_path}/4 is damaged" in damaged[0], result.stderr
+    assert "tensorstore_spec" not in result.stderr
+    assert "Event loop is closed" not in result.stderr and "never retrieved" not in result.stderr, result.stderr
+
+
+def test_the_resumed_runs_changed_metadata_is_logged_key_by_key(tmp_path, caplog):
+    train_into(tmp_path, make_loop(MODEL.init), metadata={"learning_rate": 0.01, "batch_size": 8, "model": {"w": 16}})
+    resumed = make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), n_steps=6)
+    with caplog.at_level(logging.WARNING, logger="flaxstate"):
+        train_into(tmp_path, resumed, metadata={"learning_rate": 0.003, "batch_size": 8, "model": {"w": 32}})
+    assert "metadata differs from the checkpoint at step 4" in caplog.text
+    assert "learning_rate: 0.01 -> 0.003" in caplog.text and "model/w: 16 -> 32" in caplog.text
+    assert "batch_size" not in caplog.text
+
+
+def test_the_hint_for_a_missing_step_fits_a_reader_with_a_target(tmp_path):
+    with pytest.raises(fs.CheckpointError) as error:
+        fs.CheckpointFileReader(tmp_path, target=MODEL.init, step=7).read(fs.CheckpointFile(fresh_state(), 0))
+    assert "drop step=" in str(error.value) and "give the reader target" not in str(error.value)
+
+
+def test_silent_fresh_starts_and_no_op_resumes_are_logged(tmp_path, capsys):
+    task = fs.TrainTask(apply=MODEL.apply, optimizer=TX, loss=toy.mse, data=toy.batches(8, 8))
+    reader = fs.LowestCheckpointFileReader(tmp_path, metric="los", target=MODEL.init)  # a typo in the metric
+    loop = fs.TrainLoop(reader, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2)
+    out = capsys.readouterr().out
+    assert "No checkpoint found by LowestCheckpointFileReader(" in out and "metric='los'" in out
+    assert "training starts from step 0" in out
+    train_into(tmp_path, loop)
+    capsys.readouterr()
+    past = fs.TrainLoop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), task, jax.random.key(0), n_steps=3)
+    assert past.next_checkpoint() is None
+    out = capsys.readouterr().out
+    assert "Resumed from the checkpoint at step 4" in out
+    assert "step 4 is at or past n_steps (3): nothing to train" in out
