@@ -148,7 +148,7 @@ class TrainLoop:
         init_names, apply_names = _rng_names(collections)
 
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
-        self._batch_size = int(np.shape(first_batch[0][0])[0]) * jax.process_count() if first_batch[0] else 0
+        self._batch_size = int(np.shape(first_batch[0][0])[0]) * jax.process_count()
         if input_sample is None:
             inputs = first_batch[0]
         else:
@@ -159,15 +159,14 @@ class TrainLoop:
         self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
-            self._run_id = restored.run_id or multihost.agree(uuid.uuid4().hex[:12])
             message = self._data.restore(
                 multihost.local_position(restored.data_position), int(restored.step), self._batch_size
             )
             self._progress.log(
                 f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else "")
             )
-        else:
-            self._run_id = multihost.agree(uuid.uuid4().hex[:12])
+        restored_run_id = restored.run_id if restored is not None else None
+        self._run_id = restored_run_id or multihost.agree(uuid.uuid4().hex[:12])
         self._state_leaves, self._treedef = jax.tree.flatten(state)
         self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         self._step = int(jax.device_get(state.step))
@@ -175,7 +174,6 @@ class TrainLoop:
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._compiled_gradients: Callable[..., Any] | None = None
         self._checked_shapes: set[tuple[Any, ...]] = set()
-        self._said_nothing_to_train = False
         n_params, n_bytes = count_parameters(state.params)
         self._progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
 
@@ -261,8 +259,8 @@ class TrainLoop:
         """
         if self._step >= self._n_steps:
             self._progress.close()
-            if self._restored_step == self._step and not self._said_nothing_to_train:
-                self._said_nothing_to_train = True
+            if self._restored_step == self._step:
+                self._restored_step = None  # said once
                 self._progress.log(
                     f"The checkpoint's step {self._step} is at or past n_steps ({self._n_steps}): nothing to "
                     "train. Raise n_steps to train on."
