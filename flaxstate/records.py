@@ -29,19 +29,25 @@ class Checkpoint:
 
     Attributes:
         state: the train state: one copy of ordinary (un-stacked) arrays.
-        grads: the gradients of the step's update (averaged across devices).
+        grads: the gradients of the step's update (averaged across devices);
+            `None` in a preempted record.
         loss: the step's loss (averaged across devices).
         n_completed_steps: steps run since the previous record.
         elapsed_time: seconds since the previous record.
         step: the state's step (total updates applied).
         rng: the loop's random key (restored on resume).
         data_position: where the training data stands after this step (JSON).
-        final: whether this is the loop's last record (writers wait for their saves).
+        final: whether the loop reached `n_steps` with this record (writers
+            save it and wait for the save).
         metrics: `{group: {name: value}}`, e.g. `{"eval": {"loss": 0.1}}`; an
             `EvalLoop` adds its group.
         run_id: the run this record belongs to: created when a run starts
             fresh, restored on resume, stored with every checkpoint, so a
             writer never mixes two runs in one directory.
+        preempted: whether the loop stopped here on a preemption notice
+            (SIGTERM): the loop's last record, at the dispatch boundary where
+            the notice was seen, with `grads=None`. Writers save it whatever
+            their interval and wait for the save.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -61,6 +67,7 @@ class Checkpoint:
     final: bool = False
     metrics: Metrics = dataclasses.field(default_factory=dict)
     run_id: str | None = None
+    preempted: bool = False
 
     @property
     def model_params(self) -> PyTree:

@@ -19,7 +19,7 @@ def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
 
 
 class SummaryLogger:
-    """Prints one line per record: step, metrics by group, steps/s. Returns the record.
+    """Prints one line per record: step, metrics by group, steps/s (and whether preempted). Returns the record.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.1203, n_completed_steps=500,
@@ -44,7 +44,9 @@ class SummaryLogger:
             for name, value in group_values.items()
         )
         speed = checkpoint.n_completed_steps / checkpoint.elapsed_time if checkpoint.elapsed_time > 0 else 0.0
-        print(f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s)", file=self._stream or sys.stdout, flush=True)
+        stopped = "  preempted: the last record" if checkpoint.preempted else ""
+        line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s){stopped}"
+        print(line, file=self._stream or sys.stdout, flush=True)
         return checkpoint
 
 

@@ -13,18 +13,28 @@ record's step (a run resumed from an earlier checkpoint), are refused with an
 error that says how to resume or where else to write, unless the writer was
 made with `overwrite=True`, which removes them first. One directory has one
 open writer at a time.
+
+`CheckpointFileWriter(every_seconds=...)` saves a record only when that long
+has passed since its last save (or its creation), so records can come often
+for logging while checkpoints land every few minutes. Final and preempted
+records are always saved, and the writer waits for them to be on disk
+before it returns. Under several processes the primary process's clock
+decides for all (a save is a collective).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from flaxstate import tree_paths
 from flaxstate.checkpoint.best import BestPolicy
@@ -72,10 +82,19 @@ def metadata_changes(old: Any, new: Any) -> list[str]:
 
 class _Writer:
     def __init__(
-        self, directory: Path, keep: int, metadata: Any, best: BestPolicy | None, overwrite: bool, description: str
+        self,
+        directory: Path,
+        keep: int,
+        metadata: Any,
+        best: BestPolicy | None,
+        overwrite: bool,
+        description: str,
+        every_seconds: float | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be a positive number of seconds or None, got {every_seconds}.")
         self.output_dir = directory
         self._description = description
         key = directory.absolute().resolve()
@@ -89,6 +108,9 @@ class _Writer:
         self._best = best
         self._overwrite = overwrite
         self._claimed = False
+        self._every_seconds = every_seconds
+        self._last_save_time = time.monotonic()
+        self._saved_step: int | None = None
         self._store = CheckpointStore(directory, keep=keep, best=best)
         _OPEN[key] = self
         self._key = key
@@ -106,7 +128,7 @@ class _Writer:
         return None
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
-        """Saves the record (asynchronously; waits for the final record) and returns it.
+        """Saves the record (asynchronously; a final or preempted one waits for its save) and returns it.
 
         In one process the record's arrays are read by a background thread:
         do not donate or delete them before `wait()` (TrainLoop's records
@@ -118,19 +140,48 @@ class _Writer:
                 and the writer was not made with `overwrite=True`.
             CheckpointSaveError: this save or the previous one failed, naming the step.
         """
-        metrics = self._metrics(checkpoint)
-        if not self._claimed:
-            self._claim(checkpoint)
-            self._claimed = True
-        self._store.save(
-            int(checkpoint.step),
-            checkpoint.state.state_dict(),
-            record_meta(checkpoint, self._metadata, self._best),
-            metrics,
-        )
-        if checkpoint.final:
+        last = checkpoint.final or checkpoint.preempted
+        if not last and not self._due():
+            return checkpoint
+        if not self._holds(checkpoint):
+            metrics = self._metrics(checkpoint)
+            if not self._claimed:
+                self._claim(checkpoint)
+                self._claimed = True
+            self._store.save(
+                int(checkpoint.step),
+                checkpoint.state.state_dict(),
+                record_meta(checkpoint, self._metadata, self._best),
+                metrics,
+            )
+            self._saved_step = int(checkpoint.step)
+            self._last_save_time = time.monotonic()
+        if last:
             self.wait()
         return checkpoint
+
+    def _due(self) -> bool:
+        """Whether `every_seconds` have passed since the last save (the primary process decides)."""
+        if self._every_seconds is None:
+            return True
+        due = time.monotonic() - self._last_save_time >= self._every_seconds
+        if jax.process_count() > 1:
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
+
+    def _holds(self, checkpoint: Checkpoint) -> bool:
+        """Whether the record's state is already here: this writer saved its step, or it is the step resumed from."""
+        step = int(checkpoint.step)
+        if step == self._saved_step:
+            return True
+        if checkpoint.n_completed_steps or step not in self._store.steps():
+            return False
+        try:
+            return self._store.read_meta(step).get("run_id") == checkpoint.run_id
+        except Exception as error:
+            if is_damage(error) or isinstance(error, CheckpointError):
+                return False
+            raise
 
     def _claim(self, checkpoint: Checkpoint) -> None:
         """Checks (or, with `overwrite`, clears) the directory before the first save."""
@@ -210,7 +261,14 @@ class CheckpointFileWriter(_Writer):
         CheckpointFileWriter(..., keep=3)
     """
 
-    def __init__(self, output_dir: str | Path, keep: int = 1, metadata: Any = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        keep: int = 1,
+        metadata: Any = None,
+        every_seconds: float | None = None,
+        overwrite: bool = False,
+    ) -> None:
         """Opens (or creates) the directory.
 
         Args:
@@ -218,6 +276,10 @@ class CheckpointFileWriter(_Writer):
             keep: how many of the newest checkpoints to keep.
             metadata: a dict or dataclass (e.g. the run's config) stored as JSON;
                 a resumed run logs each key that differs from the stored one.
+            every_seconds: save a record only when at least this long has
+                passed since the last save (or since the writer was made);
+                final and preempted records are always saved. `None` saves
+                every record.
             overwrite: remove another run's checkpoints (and this run's at or
                 after the first record's step) at the first save, instead of
                 refusing to save.
@@ -225,9 +287,11 @@ class CheckpointFileWriter(_Writer):
         Raises:
             CheckpointError: another open writer writes `output_dir`, or
                 `metadata` is not JSON-serializable.
+            ValueError: `keep` below 1, or `every_seconds` not positive.
         """
-        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep})"
-        super().__init__(Path(output_dir), keep, metadata, None, overwrite, description)
+        every = "" if every_seconds is None else f", every_seconds={every_seconds}"
+        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every})"
+        super().__init__(Path(output_dir), keep, metadata, None, overwrite, description, every_seconds)
 
 
 class _BestWriter(_Writer):
@@ -246,6 +310,11 @@ class _BestWriter(_Writer):
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
         description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"
         super().__init__(Path(output_dir) / self.policy.subdir, keep, metadata, self.policy, overwrite, description)
+
+    def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
+        if checkpoint.preempted and self.policy.value(checkpoint.metrics) is None:
+            return checkpoint  # not evaluated (the grace period is short): nothing to rank it by
+        return super().__call__(checkpoint)
 
     def _metrics(self, checkpoint: Checkpoint) -> Mapping[str, float]:
         value = self.policy.value(checkpoint.metrics)

@@ -13,12 +13,29 @@ batch size, as a pipeline that batches last does). Where that cannot be done
 (the examples do not divide into the new batch size, or the data is a
 one-shot iterator that cannot be re-created), the resume is refused with an
 error naming both sizes, rather than silently skipping or repeating examples.
+
+Batches are drawn ahead of use (prefetching, K steps a dispatch), so a
+batch drawn is not yet a batch trained: the stream holds every batch drawn
+until the loop `commit`s it (its step completed). After an interruption the
+loop `rewind`s the stream, and the batches drawn but not trained come again,
+in order, before new ones: none is lost or used twice. The position saved
+with a record counts committed batches only, and its iterator state is the
+one from before the first uncommitted batch.
+
+A Python generator is finished for good once an exception passes through
+it. When the data raised and its iterator then ends at once, a re-iterable
+is re-created and moved past the batches already drawn (as on resume); a
+one-shot iterator cannot be, and that is an error saying so.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+logger = logging.getLogger("flaxstate")
 
 
 def _has_state(iterator: Any) -> bool:
@@ -26,7 +43,7 @@ def _has_state(iterator: Any) -> bool:
 
 
 class DataStream:
-    """Batches drawn one by one from a task's data, with a saveable position."""
+    """Batches drawn one by one from a task's data, held until trained, with a saveable position."""
 
     def __init__(self, data: Iterable[Any], task_name: str) -> None:
         self._data = data
@@ -34,19 +51,30 @@ class DataStream:
         self._iterator: Iterator[Any] = iter(data)
         self._one_shot = self._iterator is data
         """An iterator that `iter()` gives back as it is: it cannot be re-created."""
-        self._n_batches = 0
+        self._stateful = _has_state(self._iterator)
+        self._n_committed = 0
+        """Batches trained on (the restored position's included)."""
+        self._n_drawn = 0
+        """Batches taken from the data since its start: committed, in flight, or to be drawn again."""
+        self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
+        """(the iterator's state before it, or None; batch) of each batch handed out and not committed."""
+        self._redraw: collections.deque[tuple[Any, Any]] = collections.deque()
+        """Batches handed out before a `rewind`, to hand out again before new ones."""
+        self._raised: BaseException | None = None
+        """What the data raised at the last draw, if it raised."""
 
     def peek(self) -> Any:
         """Returns the first batch without consuming it from the stream."""
         if not self._one_shot:
             return self._first(iter(self._data))
-        if _has_state(self._iterator):
+        if self._stateful:
             state = self._iterator.get_state()
             first = self._first(self._iterator)
             self._iterator.set_state(state)
             return first
         first = self._first(self._iterator)
-        self._iterator = _prepend(first, self._iterator)
+        self._n_drawn += 1
+        self._redraw.append((None, first))  # handed out first
         return first
 
     def _empty(self) -> ValueError:
@@ -59,33 +87,88 @@ class DataStream:
             raise self._empty() from None
 
     def next(self) -> Any:
-        """Returns the next batch.
+        """Hands out the next batch; it stays in flight until `commit`.
 
         Raises:
-            ValueError: the data is empty, or ran out (naming the step).
+            ValueError: the data is empty, or ran out (naming the batch), or
+                a one-shot generator ended after raising.
+            Exception: whatever the data raised (the stream stays usable).
         """
+        if self._redraw:
+            entry = self._redraw.popleft()
+        else:
+            entry = (self._iterator.get_state() if self._stateful else None, self._draw())
+        self._in_flight.append(entry)
+        return entry[1]
+
+    def commit(self, n_batches: int) -> None:
+        """Marks the oldest `n_batches` batches in flight as trained."""
+        if n_batches == 1:
+            self._in_flight.popleft()
+        else:
+            for _ in range(n_batches):
+                self._in_flight.popleft()
+        self._n_committed += n_batches
+
+    def rewind(self) -> None:
+        """Makes the batches in flight come again, in order, before new ones (after an interruption)."""
+        self._redraw.extendleft(reversed(self._in_flight))
+        self._in_flight.clear()
+
+    def _draw(self) -> Any:
         try:
             batch = next(self._iterator)
         except StopIteration:
-            if self._n_batches == 0:
+            if self._raised is not None:
+                return self._recreate_after(self._raised)
+            if self._n_drawn == 0:
                 raise self._empty() from None
             raise ValueError(
-                f"{self._task_name}.data ran out after {self._n_batches} batches, at step {self._n_batches + 1}; "
+                f"{self._task_name}.data ran out after {self._n_drawn} batches, at step {self._n_drawn + 1}; "
                 "repeat it (e.g. grain's .repeat()) or lower n_steps."
             ) from None
-        self._n_batches += 1
+        except BaseException as error:  # a KeyboardInterrupt too: a generator it passes through is finished
+            self._raised = error
+            raise
+        self._raised = None
+        self._n_drawn += 1
         return batch
 
-    @property
-    def n_batches(self) -> int:
-        """How many batches were drawn so far (the restored position's included)."""
-        return self._n_batches
+    def _recreate_after(self, error: BaseException) -> Any:
+        """Re-creates data whose iterator ended right after raising, moved past the batches drawn."""
+        self._raised = None
+        what = f"{type(error).__name__}({error})" if str(error) else type(error).__name__
+        if self._one_shot:
+            raise ValueError(
+                f"{self._task_name}.data ended right after it raised {what} (at batch {self._n_drawn + 1}): a "
+                "Python generator is finished once an exception passes through it. Give data as a re-iterable "
+                "(a list, a grain dataset, or an object whose __iter__ starts a new generator) so that it can be "
+                "re-created and moved past the batches drawn, or resume from the last checkpoint."
+            )
+        n_batches = self._n_drawn
+        logger.warning(
+            "%s.data ended right after it raised %s: re-created it and moved past the %d batches drawn.",
+            self._task_name,
+            what,
+            n_batches,
+        )
+        self._iterator = iter(self._data)
+        self._n_drawn = 0
+        for _ in range(n_batches):
+            self._draw()
+        return self._draw()
 
-    def position(self, n_batches: int) -> dict[str, Any]:
-        """Returns the position after `n_batches` consumed batches, as JSON."""
-        position: dict[str, Any] = {"n_batches": n_batches}
-        if _has_state(self._iterator):
-            position["iterator_state"] = self._iterator.get_state()
+    @property
+    def n_committed(self) -> int:
+        """How many batches were trained on (the restored position's included)."""
+        return self._n_committed
+
+    def position(self) -> dict[str, Any]:
+        """Returns the position after the committed batches, as JSON."""
+        position: dict[str, Any] = {"n_batches": self._n_committed}
+        if self._stateful:
+            pending = self._in_flight or self._redraw
+            position["iterator_state"] = pending[0][0] if pending else self._iterator.get_state()
         return position
 
     def restore(self, position: Mapping[str, Any] | None, n_batches: int, batch_size: int) -> str | None:
@@ -111,9 +194,9 @@ class DataStream:
         if saved_size is not None and int(saved_size) != batch_size:
             return self._move_by_examples(n_batches, int(saved_size), batch_size)
         state = position.get("iterator_state")
-        if state is not None and _has_state(self._iterator):
+        if state is not None and self._stateful:
             self._iterator.set_state(state)
-            self._n_batches = n_batches
+            self._n_committed = self._n_drawn = n_batches
             return None
         self._advance(n_batches)
         return None
@@ -141,14 +224,14 @@ class DataStream:
         )
 
     def _advance(self, n_batches: int) -> None:
-        """Re-creates the data (unless it is a one-shot iterator) and draws `n_batches` batches from it."""
+        """Re-creates the data (unless it is a one-shot iterator) and moves past `n_batches` batches."""
         if not self._one_shot:
             self._iterator = iter(self._data)
-        self._n_batches = 0
+            self._n_drawn = 0
+            self._redraw.clear()
         for _ in range(n_batches):
-            self.next()
-
-
-def _prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
+            if self._redraw:  # a one-shot iterator's first batch, taken to peek at it
+                self._redraw.popleft()
+            else:
+                self._draw()
+        self._n_committed = n_batches

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from flaxstate.records import Checkpoint, CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, multihost
 from flaxstate.training.data import DataStream
+from flaxstate.training.interrupts import Signals
 from flaxstate.training.nonfinite import LossWatch
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
 from flaxstate.training.step import compile_gradients, compile_train_steps, make_train_step
@@ -27,6 +29,15 @@ PyTree = Any
 PREFETCH = 2
 """How many dispatches' batches are drawn from the data ahead of use (under several processes,
 also placed on the devices ahead of use), within one record's segment."""
+
+
+@dataclasses.dataclass
+class _Segment:
+    """The steps since the last record: kept across an interruption, so the record is the same."""
+
+    start_step: int
+    watch: LossWatch
+    elapsed: float = 0.0
 
 
 @runtime_checkable
@@ -76,6 +87,19 @@ class TrainLoop:
     by cell; both train from where the loop stands, so stopping early then
     going on continues exactly where it stopped.
 
+    Interruptions: after any exception out of a call (from the data, from the
+    model, a `KeyboardInterrupt`), the loop stays usable: its state is the
+    last completed step's and the batches already drawn are kept for the
+    next call, which continues as if nothing had happened. While it trains,
+    the loop puts Ctrl-C (SIGINT) off to the next dispatch boundary, so that
+    it never lands between a dispatch and the storing of its result, nor
+    inside a data generator (see `flaxstate.training.interrupts`). A record
+    that was made when the interrupt was raised is returned by the next call.
+    On SIGTERM (with `handle_preemption`), the loop finishes the dispatch in
+    flight and yields a last record with `preempted=True`; `CheckpointFileWriter`
+    saves it and waits. Iterating the loop catches SIGTERM from the first
+    record to the last, `next_checkpoint()` while it runs.
+
     Example:
         >>> import flax.linen as nn, jax.numpy as jnp, numpy as np, optax
         >>> model = nn.Dense(1)
@@ -101,6 +125,7 @@ class TrainLoop:
         mutable_collections: CollectionFilter = DenyList("intermediates"),
         devices: Sequence[jax.Device] | None = None,
         stdout: bool = True,
+        handle_preemption: bool = True,
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
 
@@ -119,6 +144,10 @@ class TrainLoop:
             mutable_collections: which collections the update may change.
             devices: the devices to train on (all devices of all processes by default).
             stdout: print the model's size and live progress.
+            handle_preemption: on SIGTERM (a preemption notice; under several
+                processes, on a notice to any one of them), stop at the next
+                dispatch boundary and yield one last record with
+                `preempted=True`. `False` leaves SIGTERM's handling as it is.
 
         Raises:
             ValueError: bad settings, or a batch that is empty, of the wrong
@@ -144,6 +173,13 @@ class TrainLoop:
         self._n_local_devices = batching.local_device_count(self._mesh)
         self._replicated = batching.replicated(self._mesh)
         self._progress = ProgressDisplay(stdout)
+        self._signals = Signals(handle_preemption)
+        self._segment: _Segment | None = None
+        self._undelivered: Checkpoint | None = None
+        """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
+        self._preempted = False
+        """The preempted record was made: the loop has ended."""
+        self._last_loss = float("nan")
         self._data = DataStream(task.data, "TrainTask")
         init_names, apply_names = _rng_names(collections)
 
@@ -240,40 +276,66 @@ class TrainLoop:
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
-        while (record := self.next_checkpoint()) is not None:
-            try:
-                yield record
-            except GeneratorExit:
-                background.settle_all()  # a save's failure is kept for its writer's next wait (or exit)
-                raise
+        with self._signals.installed(interrupts=False):  # SIGTERM, also while the caller handles a record
+            while True:
+                self._make_next_record()
+                # No call between taking the record and yielding it: an interrupt cannot land in between.
+                record, self._undelivered = self._undelivered, None
+                if record is None:
+                    return
+                try:
+                    yield record
+                except GeneratorExit:
+                    background.settle_all()  # a save's failure is kept for its writer's next wait (or exit)
+                    raise
 
     def next_checkpoint(self) -> Checkpoint | None:
         """Trains up to the next record and returns it.
 
         Returns:
-            the record, or `None` once `n_steps` is reached (after waiting
-            for every writer's pending save).
+            the record, or `None` once `n_steps` is reached or after the
+            preempted record (after waiting for every writer's pending save).
 
         Raises:
             CheckpointSaveError: (at the end) a pending save failed.
+            KeyboardInterrupt: Ctrl-C, at a dispatch boundary; call again to go on.
         """
-        if self._step >= self._n_steps:
+        self._make_next_record()
+        record, self._undelivered = self._undelivered, None
+        return record
+
+    def next_step(self) -> Checkpoint:
+        """Trains one step and returns its record (extending `n_steps` if it is passed).
+
+        After a preemption notice it trains no more: it returns a record at
+        the same step, `preempted=True`.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C, at a dispatch boundary; call again to go on.
+        """
+        if self._undelivered is None:
+            self._n_steps = max(self._n_steps, self._step + 1)
+            self._train_until(self._step + 1)
+        record, self._undelivered = self._undelivered, None
+        assert record is not None
+        return record
+
+    def _make_next_record(self) -> None:
+        """Trains up to the next record and leaves it for the caller to take (nothing once the loop ended)."""
+        if self._undelivered is not None:  # made by a call that an interrupt stopped
+            return
+        if self._step >= self._n_steps or self._preempted:
             self._progress.close()
-            if self._restored_step == self._step:
+            if self._restored_step == self._step and not self._preempted:
                 self._restored_step = None  # said once
                 self._progress.log(
                     f"The checkpoint's step {self._step} is at or past n_steps ({self._n_steps}): nothing to "
                     "train. Raise n_steps to train on."
                 )
             background.wait_all()
-            return None
+            return
         every = self._n_steps_per_checkpoint
-        return self._train_until(min(self._n_steps, (self._step // every + 1) * every))
-
-    def next_step(self) -> Checkpoint:
-        """Trains one step and returns its record (extending `n_steps` if it is passed)."""
-        self._n_steps = max(self._n_steps, self._step + 1)
-        return self._train_until(self._step + 1)
+        self._train_until(min(self._n_steps, (self._step // every + 1) * every))
 
     def run(self, n_steps: int) -> Iterator[Checkpoint]:
         """Sets the total to `n_steps` and yields the records up to it.
@@ -302,35 +364,99 @@ class TrainLoop:
             )
         return self._compiled_gradients
 
-    def _host_batch(self, n_steps: int) -> Any:
+    def _host_batch(self, n_steps: int, first_step: int) -> Any:
         if n_steps == 1:
             return self._next_batch()
-        return batching.stack([self._next_batch() for _ in range(n_steps)], self._data.n_batches - n_steps + 1)
+        return batching.stack([self._next_batch() for _ in range(n_steps)], first_step)
 
     def _next_batch(self) -> Any:
-        batch = batching.normalize(self._data.next(), "TrainTask")
-        shapes = tuple([array.shape for part in batch for array in part])
-        if shapes not in self._checked_shapes:
-            batching.check_divisible(batch, self._n_local_devices, "TrainTask")
-            self._checked_shapes.add(shapes)
+        self._signals.in_data = True
+        try:
+            batch = batching.normalize(self._data.next(), "TrainTask")
+        finally:
+            self._signals.in_data = False
+        if self._n_local_devices > 1 or not self._checked_shapes:  # one device: any size divides
+            shapes = tuple([array.shape for part in batch for array in part])
+            if shapes not in self._checked_shapes:
+                batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+                self._checked_shapes.add(shapes)
         return batch
 
-    def _train_until(self, target: int) -> Checkpoint:
-        start_step, start_time = self._step, time.perf_counter()
+    def _train_until(self, target: int) -> None:
+        """Trains up to step `target` (or a preemption notice) and leaves the record for the caller to take.
+
+        A Ctrl-C noted while the record was made is raised when the handlers
+        are put back; the record stays for the next call.
+        """
+        self._data.rewind()  # batches drawn by an interrupted call come again
+        with self._signals.installed(interrupts=True):
+            self._undelivered = self._train_segment(target)
+
+    def _train_segment(self, target: int) -> Checkpoint:
+        segment = self._segment
+        if segment is None:
+            segment = self._segment = _Segment(self._step, LossWatch(self._step))
+        resumed_at = time.perf_counter()
+        try:
+            grads = self._dispatch_until(target, segment.watch)
+        finally:
+            segment.elapsed += time.perf_counter() - resumed_at
+        first_nonfinite, loss = segment.watch.result()
+        self._segment = None
+        if first_nonfinite is not None:
+            raise FloatingPointError(
+                f"the training loss became non-finite (nan or inf) at step {first_nonfinite}; no record "
+                "was yielded after it. Lower the learning rate, clip gradients, or check the data."
+            )
+        self._last_loss = self._last_loss if loss is None else loss
+        self._progress.record(self._last_loss)
+        self._preempted = self._signals.take_preemption()
+        return Checkpoint(
+            state=self._copy(self._current_state()),
+            grads=None if self._preempted else grads,
+            loss=self._last_loss,
+            n_completed_steps=self._step - segment.start_step,
+            elapsed_time=segment.elapsed,
+            step=self._step,
+            rng=self._rng,
+            data_position=multihost.gather_position(self._data.position(), self._batch_size),
+            final=self._step >= self._n_steps,
+            run_id=self._run_id,
+            preempted=self._preempted,
+        )
+
+    def _dispatch_until(self, target: int, watch: LossWatch) -> Any:
+        """Runs the dispatches up to step `target`; returns the last step's gradients.
+
+        Between dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`)
+        and stops early on a preemption notice (returning `None`). The state
+        and step are stored, and the batches trained committed, right after
+        each dispatch, before anything can raise.
+        """
         per_dispatch = self._n_steps_per_dispatch
-        remaining = target - start_step
+        remaining = target - self._step
         sizes = [per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch)
         chunks = iter(sizes)
         queue: collections.deque[tuple[int, Any]] = collections.deque()
+        queued_steps = 0
+        several_processes = jax.process_count() > 1  # one process hands host arrays to the compiled call
 
         def prefetch() -> None:
+            nonlocal queued_steps
             while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
-                queue.append((n, batching.to_devices(self._host_batch(n), self._mesh, stacked=n > 1)))
+                batch = self._host_batch(n, self._step + queued_steps + 1)
+                if several_processes:
+                    batch = batching.to_devices(batch, self._mesh, stacked=n > 1)
+                queue.append((n, batch))
+                queued_steps += n
 
         self._progress.start(self._step, self._n_steps)
+        signals = self._signals
+        if signals.reached_preemption():
+            return None
         prefetch()
         compiled = {n: self._compiled_steps(n) for n in {per_dispatch, 1}}
-        watch = LossWatch(start_step)
+        grads = None
         for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
             if n > 1:
@@ -339,27 +465,17 @@ class TrainLoop:
                 if n_left == 0:  # the record's gradients: the last step's, before the update donates its state
                     grads = self._gradients()(self._state_leaves, batch, self._rng_data)
                 self._state_leaves, losses = compiled[1](self._state_leaves, batch, self._rng_data)
-            watch.add(losses)
             self._step += n
-            prefetch()
+            queued_steps -= n
+            self._data.commit(n)
+            watch.add(losses, n)
             self._progress.advance(n)
-
-        first_nonfinite, loss = watch.result()
-        if first_nonfinite is not None:
-            raise FloatingPointError(
-                f"the training loss became non-finite (nan or inf) at step {first_nonfinite}; no record "
-                "was yielded after it. Lower the learning rate, clip gradients, or check the data."
-            )
-        self._progress.record(loss)
-        return Checkpoint(
-            state=self._copy(self._current_state()),
-            grads=grads,
-            loss=loss,
-            n_completed_steps=self._step - start_step,
-            elapsed_time=time.perf_counter() - start_time,
-            step=self._step,
-            rng=self._rng,
-            data_position=multihost.gather_position(self._data.position(self._step), self._batch_size),
-            final=self._step >= self._n_steps,
-            run_id=self._run_id,
-        )
+            if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
+                if signals.interrupted:
+                    signals.interrupt_now()
+                if signals.reached_preemption():
+                    return None
+                prefetch()
+        if signals.reached_preemption():
+            return None
+        return grads

@@ -39,12 +39,17 @@ class LossWatch:
     def __init__(self, step: int) -> None:
         self._next_step = step
         self._pending: list[jax.Array] = []
+        self._pending_steps = 0
+        """The steps of one dispatch in `_pending` (all its dispatches have as many)."""
         self._checks: list[tuple[int, jax.Array]] = []
+        self._last: jax.Array | None = None
 
-    def add(self, losses: jax.Array) -> None:
+    def add(self, losses: jax.Array, n_steps: int) -> None:
         """Adds one dispatch's losses: a scalar for one step, shape `(K,)` for K steps."""
-        if self._pending and self._pending[-1].shape != losses.shape:
-            self._check()  # one shape a check, so at most one compiled check per dispatch size
+        if n_steps != self._pending_steps:
+            if self._pending:
+                self._check()  # one shape a check, so at most one compiled check per dispatch size
+            self._pending_steps = n_steps
         self._pending.append(losses)
         if len(self._pending) == CHUNK:
             self._check()
@@ -52,14 +57,16 @@ class LossWatch:
     def _check(self) -> None:
         padded = self._pending + [self._pending[-1]] * (CHUNK - len(self._pending))
         self._checks.append((self._next_step, _first_bad_index(tuple(padded))))
-        self._next_step += sum(loss.size for loss in self._pending)
+        self._next_step += len(self._pending) * self._pending_steps
         self._last = self._pending[-1]
         self._pending = []
 
-    def result(self) -> tuple[int | None, float]:
-        """Waits for the devices; returns the first non-finite step (or `None`) and the last loss."""
+    def result(self) -> tuple[int | None, float | None]:
+        """Waits for the devices; returns the first non-finite step (or `None`) and the last loss (`None` if none)."""
         if self._pending:
             self._check()
+        if self._last is None:
+            return None, None
         indices, last = jax.device_get(([index for _, index in self._checks], self._last))
         for (step, _), index in zip(self._checks, indices, strict=True):
             if index >= 0:

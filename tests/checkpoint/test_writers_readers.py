@@ -61,6 +61,56 @@ def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
     assert restored.meta["step"] == 6
 
 
+def saved_steps(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("flaxstate.checkpoint.writers.time", clock)
+    recs = records(n_steps=12, every=2)  # steps 2, 4, ..., 12 (final)
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every_seconds=60)
+    writer(recs[0])  # 0 s since the writer was made
+    clock.now += 59
+    writer(recs[1])  # 59 s
+    assert saved_steps(tmp_path) == []
+    clock.now += 1
+    writer(recs[2])  # 60 s: saved, and the clock starts again
+    clock.now += 30
+    writer(recs[3])
+    writer.wait()
+    assert saved_steps(tmp_path) == [6]
+    preempted = dataclasses.replace(recs[4], preempted=True)
+    writer(preempted)  # 30 s after the last save, but preempted: saved, and on disk when the call returns
+    assert saved_steps(tmp_path) == [6, 10]
+    writer(recs[5])  # final
+    assert saved_steps(tmp_path) == [6, 10, 12]
+    writer.close()
+
+
+def test_a_preempted_record_at_a_step_already_saved_is_not_saved_twice(tmp_path):
+    recs = records(n_steps=4, every=2)
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        writer(recs[0])
+        writer(dataclasses.replace(recs[0], preempted=True, n_completed_steps=0))
+    assert saved_steps(tmp_path) == [2]
+
+
+def test_every_seconds_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="every_seconds must be a positive number of seconds or None, got 0"):
+        fs.CheckpointFileWriter(tmp_path, every_seconds=0)
+
+
 def test_reader_restores_the_newest_state_rng_and_metadata(tmp_path):
     @dataclasses.dataclass
     class Config:

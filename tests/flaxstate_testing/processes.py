@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,3 +87,55 @@ def run(script: str, config: dict, n_processes: int = 1, timeout: float = 180, n
     port = free_port()
     processes = [start(script, config, i, n_processes, port, n_devices) for i in range(n_processes)]
     return wait_all(processes, timeout)
+
+
+class Watched:
+    """A started worker whose output is read as it comes, so that a test can act on a line (send a signal).
+
+    Args:
+        process: a worker from `start`.
+    """
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._ended = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Waits until a line starts with `text`; kills the worker and fails if it ends or times out first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not any(line.startswith(text) for line in self.lines):
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    kill(self.process)
+                    raise AssertionError(f"no line {text!r} from the worker within {timeout} s:\n{self.output[-4000:]}")
+                self._changed.wait(min(left, 1.0))
+
+    def finish(self, timeout: float) -> int:
+        """Waits for the worker to exit (killed and failed at the deadline); returns its exit status."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill(self.process)
+            self.process.wait()
+            self._reader.join(10)
+            raise AssertionError(f"the worker did not exit within {timeout} s:\n{self.output[-4000:]}") from None
+        self._reader.join(10)
+        return self.process.returncode

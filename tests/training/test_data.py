@@ -67,6 +67,16 @@ def test_a_grain_dataset_resumed_with_another_batch_size_continues_at_the_same_e
     np.testing.assert_array_equal(loop._data.next()[0], dataset(16)[5][0])  # noqa: SLF001 - where the stream stands
 
 
+def test_a_resume_after_a_resume_that_changed_the_batch_size_continues_at_the_right_example(tmp_path):
+    run(tmp_path, Examples(16), n_steps=10)  # examples 0-159
+    run(tmp_path, Examples(32), n_steps=13)  # moved to example 160 (batch 5 of 32), trains 3 batches: up to 255
+    data = Examples(32)
+    run(tmp_path, data, n_steps=14)
+    # The position counts the batches this stream served (8 of 32), not the loop's steps (13): the one
+    # step trained (the last batch drawn, after the 8 moved past) starts at example 256.
+    assert data.passes[-1] == list(range(0, 257, 32))
+
+
 def test_examples_that_do_not_divide_into_the_new_batch_size_are_refused(tmp_path):
     run(tmp_path, Examples(16), n_steps=3)  # 48 examples
     with pytest.raises(ValueError, match="batch size of 16 and this run's is 32: its 48 examples .* Resume with"):

@@ -8,7 +8,8 @@ from flaxstate.training.nonfinite import CHUNK, LossWatch
 def watch_of(start_step, losses):
     watch = LossWatch(start_step)
     for loss in losses:
-        watch.add(jnp.asarray(loss, jnp.float32))
+        loss = jnp.asarray(loss, jnp.float32)
+        watch.add(loss, loss.size)
     return watch.result()
 
 
@@ -32,3 +33,7 @@ def test_several_steps_a_dispatch_then_single_steps():
     assert watch_of(0, losses) == (14, np.inf)
     losses = [[1.0, 1.0, 1.0, 1.0], [1.0, np.nan, 1.0, 1.0], 3.0]
     assert watch_of(20, losses) == (26, 3.0)
+
+
+def test_no_losses_give_no_step_and_no_loss():
+    assert LossWatch(5).result() == (None, None)

@@ -1,7 +1,14 @@
-"""Trains with checkpoints and resumes from the newest one; prints each record as it is saved."""
+"""Trains with checkpoints and resumes from the newest one; prints each record as it is saved.
+
+For the preemption tests it can also slow its data down, send itself SIGTERM
+right after a save was started, and time-limit its writer.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 from flaxstate_testing.workers.common import setup
@@ -28,6 +35,22 @@ if config["data"] == "grain":
 else:
     data = toy.shard(global_batches * 100, jax.process_index(), jax.process_count())
 
+
+class Slow:
+    """The data, each batch `data_sleep` seconds late (so that a signal lands in training)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(config["data_sleep"])
+            yield batch
+
+
+if config.get("data_sleep"):
+    data = Slow(data)
+
 output_dir = config["output_dir"]
 optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
 loop = fs.TrainLoop(
@@ -38,12 +61,16 @@ loop = fs.TrainLoop(
     n_steps_per_checkpoint=config["every"],
     n_steps_per_dispatch=config.get("per_dispatch", 1),
     stdout=False,
+    handle_preemption=config.get("handle_preemption", True),
 )
 print("start", loop.step, flush=True)
-process = redex.combinator.serial(fs.CheckpointFileWriter(output_dir, keep=config.get("keep", 2)))
+writer = fs.CheckpointFileWriter(output_dir, keep=config.get("keep", 2), every_seconds=config.get("every_seconds"))
+process = redex.combinator.serial(writer)
 for checkpoint in loop:
     process(checkpoint)
-    print("record", checkpoint.step, flush=True)
+    print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", flush=True)
+    if checkpoint.step == config.get("sigterm_after_save"):
+        os.kill(os.getpid(), signal.SIGTERM)  # the save runs in the background now
 final = loop.state
 if jax.process_index() == 0:
     flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(final.state_dict()).items()}

@@ -1,0 +1,183 @@
+"""SIGTERM (a preemption notice): the loop stops at a dispatch boundary, the step is saved, the script exits 0.
+
+Real signals to real worker processes (`workers/resume.py`: `for c in loop:
+writer(c)`), each with a hard timeout; the restart must end bit-equal to a run
+that was never stopped.
+"""
+
+import os
+import re
+import signal
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import processes, toy
+
+import flaxstate as fs
+
+CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2}
+
+
+def newest_step(directory):
+    return max(int(path.name) for path in directory.iterdir() if path.name.isdigit())
+
+
+def preempted_steps(output):
+    return [int(step) for step in re.findall(r"^record (\d+) preempted$", output, flags=re.MULTILINE)]
+
+
+def assert_equal_files(path, reference):
+    with np.load(path) as got, np.load(reference) as want:
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def reference_run(tmp_path, n_processes=1, **settings):
+    out = tmp_path / "reference.npz"
+    config = dict(CONFIG, output_dir=str(tmp_path / "reference"), out=str(out), resume=False, **settings)
+    processes.run("resume", config, n_processes=n_processes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The parameters of a run never stopped, by settings (made once a module)."""
+    made = {}
+
+    def make(n_processes=1, **settings):
+        key = (n_processes, tuple(sorted(settings.items())))
+        if key not in made:
+            made[key] = reference_run(tmp_path_factory.mktemp("reference"), n_processes, **settings)
+        return made[key]
+
+    return make
+
+
+def restart(tmp_path, run_dir, stopped_at, n_processes=1, **settings):
+    out = tmp_path / "restarted.npz"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(out), **settings)
+    outputs = processes.run("resume", config, n_processes=n_processes)
+    for output in outputs:
+        assert f"start {stopped_at}" in output
+    return out
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 5])
+def test_sigterm_while_training_saves_the_step_it_stopped_at_exits_0_and_resumes_bit_equal(
+    tmp_path, reference, per_dispatch
+):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), per_dispatch=per_dispatch)
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker.wait_for("record 20", timeout=120)
+    worker.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert worker.finish(timeout=60) == 0, worker.output
+    print(f"SIGTERM to exit: {time.monotonic() - signalled:.2f} s")
+    [stopped_at] = preempted_steps(worker.output)
+    assert 20 <= stopped_at < CONFIG["n_steps"] and stopped_at % per_dispatch == 0
+    assert newest_step(run_dir) == stopped_at
+    restarted = restart(tmp_path, run_dir, stopped_at, per_dispatch=per_dispatch)
+    assert_equal_files(restarted, reference(per_dispatch=per_dispatch))
+
+
+def test_sigterm_during_a_background_save_waits_for_it_and_exits_0(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), sigterm_after_save=20)
+    [output] = processes.run("resume", config)
+    # The notice came between records: the loop trained no further, and the save in flight was waited for.
+    assert preempted_steps(output) == [20] and "record 30" not in output
+    assert newest_step(run_dir) == 20
+    assert_equal_files(restart(tmp_path, run_dir, 20), reference(per_dispatch=1))
+
+
+def test_a_notice_after_the_final_record_ends_the_process_once_the_loop_has_ended(tmp_path):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), sigterm_after_save=60)
+    worker = processes.Watched(processes.start("resume", config))
+    # Nothing was left to train: SIGTERM does what it did before, once the loop has put its handler back.
+    assert worker.finish(timeout=120) == -signal.SIGTERM
+    assert "record 60 \n" in worker.output and preempted_steps(worker.output) == [] and "done" not in worker.output
+    assert newest_step(run_dir) == 60  # the final record's save was waited for
+
+
+def test_a_time_based_writer_still_saves_the_preempted_step(tmp_path):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), every_seconds=3600)
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker.wait_for("record 20", timeout=120)
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.finish(timeout=60) == 0, worker.output
+    [stopped_at] = preempted_steps(worker.output)
+    assert sorted(int(path.name) for path in run_dir.iterdir() if path.name.isdigit()) == [stopped_at]
+
+
+def test_handle_preemption_false_leaves_sigterm_to_end_the_process(tmp_path):
+    config = dict(CONFIG, output_dir=str(tmp_path / "run"), out=str(tmp_path / "a.npz"), handle_preemption=False)
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker.wait_for("record 20", timeout=120)
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.finish(timeout=60) == -signal.SIGTERM
+    assert preempted_steps(worker.output) == []
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_both_resume_bit_equal(tmp_path, reference):
+    # The notice reaches the other process through JAX's coordination service in about a second, so the
+    # run is long enough to still be training then (80 steps of 50 ms after the signal at step 20).
+    settings = {"global_batch": 8, "n_steps": 100}
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), **settings)
+    port = processes.free_port()
+    workers = [
+        processes.Watched(processes.start("resume", dict(config, data_sleep=0.05), index, 2, port)) for index in (0, 1)
+    ]
+    try:
+        for worker in workers:
+            worker.wait_for("record 20", timeout=180)
+        os.kill(workers[1].process.pid, signal.SIGTERM)  # process 1 only
+        signalled = time.monotonic()
+        codes = [worker.finish(timeout=90) for worker in workers]
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+    print(f"SIGTERM to the last exit: {time.monotonic() - signalled:.2f} s")
+    assert codes == [0, 0], "\n".join(worker.output for worker in workers)
+    stopped = [preempted_steps(worker.output) for worker in workers]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+    stopped_at = stopped[0][0]
+    assert 20 <= stopped_at < settings["n_steps"]
+    assert newest_step(run_dir) == stopped_at
+    restarted = restart(tmp_path, run_dir, stopped_at, n_processes=2, **settings)
+    assert_equal_files(restarted, reference(n_processes=2, **settings))
+
+
+class NoticeAt:
+    """Batches whose generator sends SIGTERM to its own process at one batch (a notice mid-training)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __iter__(self):
+        for index, batch in enumerate(toy.batches(30, 8)):
+            if index == self.at:
+                signal.raise_signal(signal.SIGTERM)
+            yield batch
+
+
+def test_the_preempted_record_is_the_last_and_the_previous_handler_is_put_back():
+    before = signal.getsignal(signal.SIGTERM)
+    model = toy.MLP()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=NoticeAt(13))
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=30, n_steps_per_checkpoint=10, stdout=False)
+    records = list(loop)
+    assert [record.preempted for record in records] == [False, True]
+    last = records[-1]
+    assert 13 <= last.step < 20 and last.n_completed_steps == last.step - 10
+    assert last.grads is None and not last.final and records[0].grads is not None
+    assert last.data_position["n_batches"] == last.step  # the batches drawn ahead are not counted
+    assert loop.next_checkpoint() is None and loop.step == last.step
+    assert signal.getsignal(signal.SIGTERM) is before
