@@ -19,6 +19,7 @@ from flaxstate_testing import processes, toy
 import flaxstate as fs
 
 CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2}
+"""Signalled after the record of step 20, with data 50 ms a batch: 2 s of training left to stop in."""
 
 
 def newest_step(directory):
@@ -72,7 +73,7 @@ def test_sigterm_while_training_saves_the_step_it_stopped_at_exits_0_and_resumes
 ):
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), per_dispatch=per_dispatch)
-    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.05)))
     worker.wait_for("record 20", timeout=120)
     worker.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
@@ -108,7 +109,7 @@ def test_a_notice_after_the_final_record_ends_the_process_once_the_loop_has_ende
 def test_a_time_based_writer_still_saves_the_preempted_step(tmp_path):
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), every_seconds=3600)
-    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.05)))
     worker.wait_for("record 20", timeout=120)
     worker.process.send_signal(signal.SIGTERM)
     assert worker.finish(timeout=60) == 0, worker.output
@@ -118,7 +119,7 @@ def test_a_time_based_writer_still_saves_the_preempted_step(tmp_path):
 
 def test_handle_preemption_false_leaves_sigterm_to_end_the_process(tmp_path):
     config = dict(CONFIG, output_dir=str(tmp_path / "run"), out=str(tmp_path / "a.npz"), handle_preemption=False)
-    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.02)))
+    worker = processes.Watched(processes.start("resume", dict(config, data_sleep=0.05)))
     worker.wait_for("record 20", timeout=120)
     worker.process.send_signal(signal.SIGTERM)
     assert worker.finish(timeout=60) == -signal.SIGTERM
