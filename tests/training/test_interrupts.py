@@ -178,7 +178,15 @@ def test_next_step_after_an_interrupted_dispatch_of_several_steps_takes_the_kept
     assert records[-1].data_position == fresh_records[-1].data_position
 
 
-def test_handlers_are_put_back_and_a_sigint_noted_while_training_is_raised_at_the_end_of_the_block():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler, as in a terminal (a shell that starts pytest in the background ignores SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_handlers_are_put_back_and_a_sigint_noted_while_training_is_raised_at_the_end_of_the_block(python_sigint):
     before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signals = Signals(handle_preemption=True)
     with pytest.raises(KeyboardInterrupt):

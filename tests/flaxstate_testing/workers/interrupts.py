@@ -21,6 +21,9 @@ from pathlib import Path
 from flaxstate_testing.workers.common import setup
 
 config = setup()
+# As in a script run from a terminal: a shell that starts a process in the background leaves SIGINT ignored,
+# and Python then keeps it ignored (the loop leaves an ignored SIGINT alone).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
