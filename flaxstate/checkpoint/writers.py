@@ -176,23 +176,21 @@ class _Writer:
             return True
         if checkpoint.n_completed_steps or step not in self._store.steps():
             return False
+        meta = self._readable_meta(step)
+        return meta is not None and meta.get("run_id") == checkpoint.run_id
+
+    def _readable_meta(self, step: int) -> dict[str, Any] | None:
+        """A step's `meta`, or `None` where its files are damaged or not flaxstate's."""
         try:
-            return self._store.read_meta(step).get("run_id") == checkpoint.run_id
+            return self._store.read_meta(step)
         except Exception as error:
             if is_damage(error) or isinstance(error, CheckpointError):
-                return False
+                return None
             raise
 
     def _claim(self, checkpoint: Checkpoint) -> None:
         """Checks (or, with `overwrite`, clears) the directory before the first save."""
-        metas: dict[int, dict[str, Any] | None] = {}
-        for step in self._store.steps():
-            try:
-                metas[step] = self._store.read_meta(step)
-            except Exception as error:
-                if not is_damage(error) and not isinstance(error, CheckpointError):
-                    raise
-                metas[step] = None
+        metas = {step: self._readable_meta(step) for step in self._store.steps()}
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
         others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
         ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)

@@ -145,23 +145,14 @@ class DataStream:
                 "(a list, a grain dataset, or an object whose __iter__ starts a new generator) so that it can be "
                 "re-created and moved past the batches drawn, or resume from the last checkpoint."
             )
-        n_batches = self._n_drawn
         logger.warning(
             "%s.data ended right after it raised %s: re-created it and moved past the %d batches drawn.",
             self._task_name,
             what,
-            n_batches,
+            self._n_drawn,
         )
-        self._iterator = iter(self._data)
-        self._n_drawn = 0
-        for _ in range(n_batches):
-            self._draw()
+        self._recreate(self._n_drawn)
         return self._draw()
-
-    @property
-    def n_committed(self) -> int:
-        """How many batches were trained on (the restored position's included)."""
-        return self._n_committed
 
     def position(self) -> dict[str, Any]:
         """Returns the position after the committed batches, as JSON."""
@@ -226,12 +217,19 @@ class DataStream:
     def _advance(self, n_batches: int) -> None:
         """Re-creates the data (unless it is a one-shot iterator) and moves past `n_batches` batches."""
         if not self._one_shot:
-            self._iterator = iter(self._data)
-            self._n_drawn = 0
-            self._redraw.clear()
-        for _ in range(n_batches):
-            if self._redraw:  # a one-shot iterator's first batch, taken to peek at it
-                self._redraw.popleft()
-            else:
-                self._draw()
+            self._recreate(n_batches)
+        else:
+            for _ in range(n_batches):
+                if self._redraw:  # a one-shot iterator's first batch, taken to peek at it
+                    self._redraw.popleft()
+                else:
+                    self._draw()
         self._n_committed = n_batches
+
+    def _recreate(self, n_batches: int) -> None:
+        """Starts the data again with `iter(data)` and draws `n_batches` batches from it."""
+        self._iterator = iter(self._data)
+        self._n_drawn = 0
+        self._redraw.clear()
+        for _ in range(n_batches):
+            self._draw()

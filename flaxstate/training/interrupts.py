@@ -158,6 +158,11 @@ class Signals:
         """At a dispatch boundary: hands a noted SIGINT over (raising `KeyboardInterrupt` by default)."""
         self._hand_over(self._previous.get(signal.SIGINT))
 
+    @property
+    def preemption_taken(self) -> bool:
+        """Whether the loop made its preempted record (it has ended)."""
+        return self._preemption_taken
+
     def take_preemption(self) -> bool:
         """When the loop makes its record: whether it is the preempted one (the notice is then acted on)."""
         self._preemption_taken = self.preempted

@@ -177,8 +177,6 @@ class TrainLoop:
         self._segment: _Segment | None = None
         self._undelivered: Checkpoint | None = None
         """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
-        self._preempted = False
-        """The preempted record was made: the loop has ended."""
         self._last_loss = float("nan")
         self._data = DataStream(task.data, "TrainTask")
         init_names, apply_names = _rng_names(collections)
@@ -324,9 +322,10 @@ class TrainLoop:
         """Trains up to the next record and leaves it for the caller to take (nothing once the loop ended)."""
         if self._undelivered is not None:  # made by a call that an interrupt stopped
             return
-        if self._step >= self._n_steps or self._preempted:
+        ended_by_preemption = self._signals.preemption_taken
+        if self._step >= self._n_steps or ended_by_preemption:
             self._progress.close()
-            if self._restored_step == self._step and not self._preempted:
+            if self._restored_step == self._step and not ended_by_preemption:
                 self._restored_step = None  # said once
                 self._progress.log(
                     f"The checkpoint's step {self._step} is at or past n_steps ({self._n_steps}): nothing to "
@@ -410,10 +409,10 @@ class TrainLoop:
             )
         self._last_loss = self._last_loss if loss is None else loss
         self._progress.record(self._last_loss)
-        self._preempted = self._signals.take_preemption()
+        preempted = self._signals.take_preemption()
         return Checkpoint(
             state=self._copy(self._current_state()),
-            grads=None if self._preempted else grads,
+            grads=None if preempted else grads,
             loss=self._last_loss,
             n_completed_steps=self._step - segment.start_step,
             elapsed_time=segment.elapsed,
@@ -422,7 +421,7 @@ class TrainLoop:
             data_position=multihost.gather_position(self._data.position(), self._batch_size),
             final=self._step >= self._n_steps,
             run_id=self._run_id,
-            preempted=self._preempted,
+            preempted=preempted,
         )
 
     def _dispatch_until(self, target: int, watch: LossWatch) -> Any:

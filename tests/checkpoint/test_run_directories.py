@@ -11,6 +11,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flaxstate_testing import processes, toy
+from flaxstate_testing.checkpoints import saved_steps
 
 import flaxstate as fs
 
@@ -25,10 +26,6 @@ def make_loop(init, n_steps=4, every=2, seed=0):
 
 def fresh_state():
     return fs.FlaxOptimTrainState.create(TX, MODEL.init(jax.random.key(3), np.ones((8, 4), np.float32)))
-
-
-def steps_in(directory):
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
 def train_into(directory, loop, **writer_options):
@@ -50,7 +47,7 @@ def test_a_fresh_run_into_another_runs_directory_is_refused_and_nothing_is_lost(
     assert str(tmp_path) in message and "another run" in message and first.run_id in message
     assert "CheckpointFileReader" in message and "overwrite=True" in message
     after = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
-    assert steps_in(tmp_path) == [2, 4] and after.run_id == first.run_id
+    assert saved_steps(tmp_path) == [2, 4] and after.run_id == first.run_id
     for a, b in zip(jax.tree.leaves(before.state), jax.tree.leaves(after.state), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -61,7 +58,7 @@ def test_overwrite_removes_the_other_runs_checkpoints_first(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="flaxstate"):
         train_into(tmp_path, second, overwrite=True)
     assert "removing steps [2, 4, 6]" in caplog.text
-    assert steps_in(tmp_path) == [2, 4]  # step 6 of the other run is gone too: it would have been the newest
+    assert saved_steps(tmp_path) == [2, 4]  # step 6 of the other run is gone too: it would have been the newest
     restored = fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0))
     assert restored.run_id == second.run_id and restored.step == 4
 
@@ -70,7 +67,7 @@ def test_a_resumed_run_writes_on_into_its_own_directory(tmp_path):
     first = train_into(tmp_path, make_loop(MODEL.init, n_steps=4))
     resumed = train_into(tmp_path, make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), n_steps=8))
     assert resumed.run_id == first.run_id
-    assert steps_in(tmp_path) == [2, 4, 6, 8]
+    assert saved_steps(tmp_path) == [2, 4, 6, 8]
 
 
 def test_a_run_resumed_from_an_earlier_step_does_not_mix_two_histories(tmp_path):
@@ -79,9 +76,9 @@ def test_a_run_resumed_from_an_earlier_step_does_not_mix_two_histories(tmp_path)
     with fs.CheckpointFileWriter(tmp_path, keep=5) as writer:
         with pytest.raises(fs.CheckpointError, match=r"already holds steps \[4, 6\] of this run.*overwrite=True"):
             writer(earlier.next_checkpoint())
-    assert steps_in(tmp_path) == [2, 4, 6]
+    assert saved_steps(tmp_path) == [2, 4, 6]
     train_into(tmp_path, earlier, overwrite=True)
-    assert steps_in(tmp_path) == [2, 4, 6]
+    assert saved_steps(tmp_path) == [2, 4, 6]
     assert fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0)).step == 6
 
 

@@ -14,6 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flaxstate_testing import processes, toy
+from flaxstate_testing.checkpoints import saved_steps
 
 import flaxstate as fs
 
@@ -59,10 +60,6 @@ def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
         restored.model["target"]["Dense_0"]["kernel"], recs[-1].state.params["Dense_0"]["kernel"]
     )
     assert restored.meta["step"] == 6
-
-
-def saved_steps(directory):
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
 class Clock:
@@ -330,6 +327,7 @@ def test_a_save_returns_before_its_bytes_are_written(tmp_path, monkeypatch):
 SCRIPT_START = """
 import time, jax, optax, orbax.checkpoint as ocp, flaxstate as fs
 from flaxstate_testing import processes, toy
+from flaxstate_testing.checkpoints import saved_steps
 model = toy.BatchNormNet()
 task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(6, 8))
 loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=2, stdout=False)

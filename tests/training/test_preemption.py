@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flaxstate_testing import processes, toy
+from flaxstate_testing.checkpoints import saved_steps
 
 import flaxstate as fs
 
@@ -23,7 +24,7 @@ CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep"
 
 
 def newest_step(directory):
-    return max(int(path.name) for path in directory.iterdir() if path.name.isdigit())
+    return saved_steps(directory)[-1]
 
 
 def preempted_steps(output):
@@ -114,7 +115,7 @@ def test_a_time_based_writer_still_saves_the_preempted_step(tmp_path):
     worker.process.send_signal(signal.SIGTERM)
     assert worker.finish(timeout=60) == 0, worker.output
     [stopped_at] = preempted_steps(worker.output)
-    assert sorted(int(path.name) for path in run_dir.iterdir() if path.name.isdigit()) == [stopped_at]
+    assert saved_steps(run_dir) == [stopped_at]
 
 
 def test_handle_preemption_false_leaves_sigterm_to_end_the_process(tmp_path):
