@@ -41,10 +41,14 @@ WIDTH, FEATURES, BATCH = 1800, 512, 32
 
 
 class Wide(nn.Module):
+    """An MLP features-width-width-10."""
+
+    width: int = WIDTH
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(nn.Dense(WIDTH)(x))
-        x = nn.relu(nn.Dense(WIDTH)(x))
+        x = nn.relu(nn.Dense(self.width)(x))
+        x = nn.relu(nn.Dense(self.width)(x))
         return nn.Dense(10)(x)
 
 
@@ -121,7 +125,7 @@ def restore_times(rounds: int, workdir: Path) -> tuple[float, float]:
     plain = ocp.CheckpointManager(workdir / "plain")
     plain.save(1, args=ocp.args.StandardSave(record.state.state_dict()))
     plain.wait_until_finished()
-    template = loop.state
+    template = jax.device_put(loop.state)  # on the device: the records' host copies have no sharding
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template.state_dict()
     )

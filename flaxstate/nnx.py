@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -28,6 +29,7 @@ def nnx_functions(model: nnx.Module) -> tuple[Callable[..., dict[str, Any]], Cal
     rngs or mutable collections (dropout on, batch statistics updated and
     returned as `(outputs, {"batch_stats": ...})`), and in evaluation mode
     otherwise, as `TrainLoop` and `EvalLoop` call a linen module's apply.
+    It takes numpy arrays (a record's) as well as jax arrays.
 
     Args:
         model: the NNX module.
@@ -53,6 +55,8 @@ def nnx_functions(model: nnx.Module) -> tuple[Callable[..., dict[str, Any]], Cal
     def apply(
         variables: Mapping[str, Any], *inputs: Any, rngs: Mapping[str, jax.Array] | None = None, mutable: Any = False
     ) -> Any:
+        # As jax arrays: NNX updates variables in place, and a record's numpy arrays are read-only.
+        variables = jax.tree.map(jnp.asarray, dict(variables))
         state_params = jax.tree.map(lambda x: x, params)
         nnx.replace_by_pure_dict(state_params, variables["params"])
         state_stats = jax.tree.map(lambda x: x, batch_stats)

@@ -27,10 +27,18 @@ the best writers' policy to `meta`; versions 1 and 2 are upgraded on read.
 class Checkpoint:
     """The training state at one step, as `TrainLoop` yields it.
 
+    A record's arrays are its own: they stay valid for as long as it is
+    held, whatever the loop does next. By default (`TrainLoop(...,
+    record_memory="host")`) they are read-only numpy arrays in host memory,
+    so the devices hold one copy of the state however many records are held
+    (by the caller, or by a save running in the background); an `EvalLoop`
+    evaluates the loop's own device arrays while the record is the loop's
+    newest. With `record_memory="device"` they are copies on the devices.
+
     Attributes:
         state: the train state: one copy of ordinary (un-stacked) arrays.
-        grads: the gradients of the step's update (averaged across devices);
-            `None` in a preempted record.
+        grads: the gradients of the step's update (averaged across devices),
+            held as `state` is; `None` in a preempted record.
         loss: the step's loss (averaged across devices).
         n_completed_steps: steps run since the previous record.
         elapsed_time: seconds since the previous record.

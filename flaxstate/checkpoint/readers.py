@@ -121,7 +121,8 @@ class CheckpointFileReader:
         """Restores the checkpoint into the tree and shardings of `template.state`.
 
         Args:
-            template: a fresh state in a `CheckpointFile`, or `None` to read
+            template: a state in a `CheckpointFile` (its leaves arrays or
+                `jax.ShapeDtypeStruct`s with shardings), or `None` to read
                 numpy arrays of the stored tree (a state dict) as the state.
 
         Returns:

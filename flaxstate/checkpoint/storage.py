@@ -11,7 +11,8 @@ Arrays are saved as the global arrays the loop holds (replicated arrays are
 stored once) and restored into whatever sharding the caller asks for, so a
 checkpoint saved on N devices or P processes restores on any other number.
 Saves are asynchronous and atomic. In one process the whole orbax save, from
-the device-to-host copy to the rename of orbax's temporary directory, runs in
+the device-to-host copy (of arrays on the devices; TrainLoop's records are
+already on the host) to the rename of orbax's temporary directory, runs in
 one background thread, so the caller waits for none of it. Under several
 processes orbax's own asynchronous save is used, whose synchronous part (the
 device-to-host copy and the cross-process barriers) runs in the caller: a
@@ -250,8 +251,8 @@ class CheckpointStore:
         """Starts an asynchronous, atomic save of one checkpoint.
 
         In one process the arrays are read in the background: they must not
-        be donated or deleted until the save is done (`wait`). TrainLoop's
-        records hold copies that nothing donates.
+        be donated, deleted or changed until the save is done (`wait`).
+        TrainLoop's records hold read-only host copies that nothing donates.
 
         Raises:
             CheckpointSaveError: this save, or the previous one, failed.
@@ -361,8 +362,8 @@ class CheckpointStore:
         Args:
             step: the checkpoint's step.
             template: the state dict to restore into: its leaves' shapes,
-                dtypes and shardings are the restored arrays'; `None` restores
-                numpy arrays of the stored tree.
+                dtypes and shardings are the restored arrays' (numpy leaves
+                restore as numpy); `None` restores numpy arrays of the stored tree.
             rename: regex rules from stored '/'-joined paths to the template's.
             with_optimizer: read the optimizer item; `False` never opens it.
 
@@ -394,9 +395,9 @@ class CheckpointStore:
                 )
 
         def restore_args(path: str, leaf: Any) -> Any:
-            if template is None or path not in new_path:
+            target = expected[new_path[path]] if template is not None and path in new_path else None
+            if getattr(target, "sharding", None) is None:  # no template, or a host (numpy) leaf
                 return ocp.RestoreArgs(restore_type=np.ndarray)
-            target = expected[new_path[path]]
             return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
 
         def item_args(prefix: str, tree: Any) -> ocp.args.PyTreeRestore:

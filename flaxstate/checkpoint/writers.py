@@ -131,8 +131,8 @@ class _Writer:
         """Saves the record (asynchronously; a final or preempted one waits for its save) and returns it.
 
         In one process the record's arrays are read by a background thread:
-        do not donate or delete them before `wait()` (TrainLoop's records
-        hold copies that nothing donates).
+        do not donate, delete or change them before `wait()` (TrainLoop's
+        records hold read-only host copies that nothing donates).
 
         Raises:
             CheckpointError: (at the first save) the directory holds another

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxstate.records import Checkpoint, Summary
-from flaxstate.train_state import InferenceState  # noqa: F401 - the docstring's example
-from flaxstate.training import batching
+from flaxstate.train_state import InferenceState
+from flaxstate.training import batching, copies
 from flaxstate.training.step import compile_eval_step, make_eval_step
 from flaxstate.training.task import EvalTask
 
@@ -95,13 +95,25 @@ class EvalLoop:
     def __call__(self, checkpoint: Checkpoint) -> Summary:
         """Evaluates `checkpoint.state` and returns the summary.
 
+        A `TrainLoop` record holds its state in host memory (see its
+        `record_memory`). While the record is the loop's newest (until the
+        loop trains on), the loop's own device arrays are evaluated; else
+        the parameters and mutable collections (never the optimizer state)
+        are put on the devices for this call.
+
         Args:
             checkpoint: a record of `TrainLoop` (or a summary, whose metrics are kept).
 
         Returns:
             the record with the evaluation's metrics.
         """
-        state = jax.device_put(checkpoint.state, batching.replicated(self._mesh))
+        record_state = copies.device_view(checkpoint.state)
+        if record_state is None:
+            record_state = checkpoint.state
+        needed = InferenceState(
+            step=record_state.step, params=record_state.params, flax_mutables=record_state.flax_mutables
+        )
+        state = jax.device_put(needed, batching.replicated(self._mesh))
         totals = None
         for index in range(self._n_steps):
             batch = batching.normalize(self._next_batch(), "EvalTask")

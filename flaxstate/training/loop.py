@@ -17,7 +17,7 @@ from flax.core.scope import CollectionFilter, DenyList
 from flaxstate import background
 from flaxstate.records import Checkpoint, CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, multihost
+from flaxstate.training import batching, copies, multihost
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.nonfinite import LossWatch
@@ -45,9 +45,10 @@ class CheckpointSource(Protocol):
     """What `TrainLoop(init=...)` needs of a checkpoint reader.
 
     `target` is the model's `init` (or `None`). `read(template)` returns the
-    checkpoint to resume from, its state restored into the tree and sharding
-    of `template.state` (a fresh state; `template` is `None` when `target` is),
-    or `None` when there is none yet and training starts fresh.
+    checkpoint to resume from, its state restored into the tree, shapes,
+    dtypes and shardings of `template.state` (a state whose leaves are
+    `jax.ShapeDtypeStruct`s; `template` is `None` when `target` is), or `None`
+    when there is none yet and training starts fresh.
     """
 
     target: Callable[..., Any] | None
@@ -126,6 +127,7 @@ class TrainLoop:
         devices: Sequence[jax.Device] | None = None,
         stdout: bool = True,
         handle_preemption: bool = True,
+        record_memory: str = "host",
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
 
@@ -148,6 +150,12 @@ class TrainLoop:
                 processes, on a notice to any one of them), stop at the next
                 dispatch boundary and yield one last record with
                 `preempted=True`. `False` leaves SIGTERM's handling as it is.
+            record_memory: where records (and `state`) hold their copy of the
+                state and gradients: `"host"`, host memory, so the devices hold
+                about one copy of the state (the copy is an asynchronous
+                device-to-host transfer a record); or `"device"`, a device
+                copy, which is faster to make but needs room for the state
+                twice (three times while a record is saved as the next is made).
 
         Raises:
             ValueError: bad settings, or a batch that is empty, of the wrong
@@ -156,6 +164,8 @@ class TrainLoop:
                 trained (see `TrainTask.data`).
             TypeError: `rng` is neither a key nor an int.
         """
+        if record_memory not in copies.RECORD_MEMORIES:
+            raise ValueError(f"record_memory must be one of {copies.RECORD_MEMORIES}, got {record_memory!r}.")
         if n_steps_per_dispatch < 1 or n_steps_per_checkpoint < 1:
             raise ValueError(
                 f"n_steps_per_dispatch ({n_steps_per_dispatch}) and n_steps_per_checkpoint "
@@ -188,7 +198,8 @@ class TrainLoop:
         else:
             inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
         self._rng = _as_key(rng)
-        self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self._replicated)
+        self._copy = copies.record_copier(self._mesh, self._replicated, record_memory)
+        self._views = copies.DeviceViews()
         state, restored = self._initial_state(init, task, inputs, init_names)
         self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
@@ -228,13 +239,14 @@ class TrainLoop:
             rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
             return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample))
 
-        state = jax.jit(create, out_shardings=self._replicated)(init_rng, *per_device)
+        fresh = jax.jit(create, out_shardings=self._replicated)
         if reader is None:
-            return state, None
-        restored = reader.read(CheckpointFile(state=state, step=0, rng=self._rng))
+            return fresh(init_rng, *per_device), None
+        # The template is abstract: a resumed run never holds a fresh state beside the restored one.
+        restored = reader.read(CheckpointFile(state=fresh.eval_shape(init_rng, *per_device), step=0, rng=self._rng))
         if restored is None:
             self._progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
-            return state, None
+            return fresh(init_rng, *per_device), None
         return restored.state, restored
 
     def _state_from_state_dict(self, task: TrainTask, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
@@ -266,8 +278,12 @@ class TrainLoop:
 
     @property
     def state(self) -> FlaxOptimTrainState:
-        """A copy of the current state (the loop's own is donated at each step)."""
-        return self._copy(self._current_state())
+        """A copy of the current state (the loop's own is donated at each step), where records hold theirs.
+
+        By default read-only numpy arrays in host memory (see `record_memory`),
+        valid for as long as they are held.
+        """
+        return self._copy(self._current_state(), None)[0]
 
     def _current_state(self) -> FlaxOptimTrainState:
         return jax.tree.unflatten(self._treedef, self._state_leaves)
@@ -410,9 +426,11 @@ class TrainLoop:
         self._last_loss = self._last_loss if loss is None else loss
         self._progress.record(self._last_loss)
         preempted = self._signals.take_preemption()
+        state, grads = self._copy(self._current_state(), None if preempted else grads)
+        self._views.publish(state, self._current_state())
         return Checkpoint(
-            state=self._copy(self._current_state()),
-            grads=None if preempted else grads,
+            state=state,
+            grads=grads,
             loss=self._last_loss,
             n_completed_steps=self._step - segment.start_step,
             elapsed_time=segment.elapsed,
@@ -450,6 +468,7 @@ class TrainLoop:
                 queued_steps += n
 
         self._progress.start(self._step, self._n_steps)
+        self._views.clear()  # the newest record's device view ends where the state is donated
         signals = self._signals
         if signals.reached_preemption():
             return None
@@ -470,6 +489,7 @@ class TrainLoop:
             watch.add(losses, n)
             self._progress.advance(n)
             if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
+                grads = None  # not the record's: freed before the next dispatch
                 if signals.interrupted:
                     signals.interrupt_now()
                 if signals.reached_preemption():
