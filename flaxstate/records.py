@@ -23,6 +23,22 @@ the best writers' policy to `meta`; versions 1 and 2 are upgraded on read.
 """
 
 
+INPUT_BOUND = 0.5
+"""Above this share of its time waiting for the data, a run is called input-bound."""
+
+
+def input_bound(data_fraction: float) -> str:
+    """What the progress bar and the logger say of a run whose data held it back (else an empty string).
+
+    Example:
+        >>> input_bound(0.94)
+        'input-bound: 94% of the time waiting for data'
+    """
+    if data_fraction <= INPUT_BOUND:
+        return ""
+    return f"input-bound: {data_fraction:.0%} of the time waiting for data"
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """The training state at one step, as `TrainLoop` yields it.
@@ -56,6 +72,10 @@ class Checkpoint:
             (SIGTERM): the loop's last record, at the dispatch boundary where
             the notice was seen, with `grads=None`. Writers save it whatever
             their interval and wait for the save.
+        data_time: seconds of `elapsed_time` that the loop spent waiting for
+            the training data (in the data iterator's `next`), on this
+            process; more than half of `elapsed_time` means the run is
+            input-bound.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -76,6 +96,12 @@ class Checkpoint:
     metrics: Metrics = dataclasses.field(default_factory=dict)
     run_id: str | None = None
     preempted: bool = False
+    data_time: float = 0.0
+
+    @property
+    def data_fraction(self) -> float:
+        """The share of `elapsed_time` spent waiting for the training data (0 when none elapsed)."""
+        return self.data_time / self.elapsed_time if self.elapsed_time > 0 else 0.0
 
     @property
     def model_params(self) -> PyTree:

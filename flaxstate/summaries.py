@@ -9,7 +9,7 @@ from typing import TextIO
 import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
-from flaxstate.records import Checkpoint
+from flaxstate.records import Checkpoint, input_bound
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
@@ -19,13 +19,16 @@ def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
 
 
 class SummaryLogger:
-    """Prints one line per record: step, metrics by group, steps/s (and whether preempted). Returns the record.
+    """Prints one line per record: step, metrics by group, steps/s, the share of time waiting for data. Returns it.
+
+    More than half the time waiting for data is called out as input-bound; a
+    preempted record is marked.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.1203, n_completed_steps=500,
-        ...                     elapsed_time=0.5, step=500)
+        ...                     elapsed_time=0.5, step=500, data_time=0.01)
         >>> _ = SummaryLogger()(record.with_metrics({"eval": {"loss": 0.1311, "acc": 0.9632}}))
-        step 500: eval/loss 0.1311  eval/acc 0.9632  train/loss 0.1203  (1000.0 steps/s)
+        step 500: eval/loss 0.1311  eval/acc 0.9632  train/loss 0.1203  (1000.0 steps/s, 2% waiting for data)
     """
 
     def __init__(self, stream: TextIO | None = None) -> None:
@@ -44,14 +47,19 @@ class SummaryLogger:
             for name, value in group_values.items()
         )
         speed = checkpoint.n_completed_steps / checkpoint.elapsed_time if checkpoint.elapsed_time > 0 else 0.0
+        data = f", {checkpoint.data_fraction:.0%} waiting for data" if checkpoint.elapsed_time > 0 else ""
+        bound = input_bound(checkpoint.data_fraction)
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
-        line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s){stopped}"
+        line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{data}){'  ' + bound if bound else ''}{stopped}"
         print(line, file=self._stream or sys.stdout, flush=True)
         return checkpoint
 
 
 class SummaryWriter:
     """Writes each record's metrics as TensorBoard scalars (`group/name`) under `output_dir`.
+
+    Beside the metrics: `train/steps_per_second` and `train/data_fraction`
+    (the share of the record's time spent waiting for the training data).
 
     Event files come from tensorboardX (no TensorFlow); only the primary
     process writes.
@@ -84,6 +92,7 @@ class SummaryWriter:
         if checkpoint.elapsed_time > 0:
             speed = checkpoint.n_completed_steps / checkpoint.elapsed_time
             self._writer.add_scalar("train/steps_per_second", speed, global_step=int(checkpoint.step))
+            self._writer.add_scalar("train/data_fraction", checkpoint.data_fraction, global_step=int(checkpoint.step))
         self._writer.flush()
         return checkpoint
 

@@ -38,6 +38,8 @@ class _Segment:
     start_step: int
     watch: LossWatch
     elapsed: float = 0.0
+    data_time: float = 0.0
+    """Seconds of `elapsed` spent in the data iterator."""
 
 
 @runtime_checkable
@@ -386,10 +388,12 @@ class TrainLoop:
 
     def _next_batch(self) -> Any:
         self._signals.in_data = True
+        start = time.perf_counter()
         try:
             batch = batching.normalize(self._data.next(), "TrainTask")
         finally:
             self._signals.in_data = False
+            self._segment.data_time += time.perf_counter() - start
         if self._n_local_devices > 1 or not self._checked_shapes:  # one device: any size divides
             shapes = tuple([array.shape for part in batch for array in part])
             if shapes not in self._checked_shapes:
@@ -424,7 +428,7 @@ class TrainLoop:
                 "was yielded after it. Lower the learning rate, clip gradients, or check the data."
             )
         self._last_loss = self._last_loss if loss is None else loss
-        self._progress.record(self._last_loss)
+        self._progress.record(self._last_loss, segment.data_time / segment.elapsed if segment.elapsed > 0 else 0.0)
         preempted = self._signals.take_preemption()
         state, grads = self._copy(self._current_state(), None if preempted else grads)
         self._views.publish(state, self._current_state())
@@ -440,6 +444,7 @@ class TrainLoop:
             final=self._step >= self._n_steps,
             run_id=self._run_id,
             preempted=preempted,
+            data_time=segment.data_time,
         )
 
     def _dispatch_until(self, target: int, watch: LossWatch) -> Any:

@@ -10,6 +10,8 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from flaxstate.records import input_bound
+
 _UNITS = ("B", "kB", "MB", "GB", "TB")
 
 
@@ -55,10 +57,13 @@ class ProgressDisplay:
                 BarColumn(),
                 TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}"),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[input_bound]}"),
                 console=self._console,
                 transient=False,
             )
-            self._task = self._progress.add_task("train", total=total, completed=step, loss="-", speed_text="-")
+            self._task = self._progress.add_task(
+                "train", total=total, completed=step, loss="-", speed_text="-", input_bound=""
+            )
             self._progress.start()
         else:
             self._progress.update(self._task, total=total)
@@ -68,11 +73,23 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.advance(self._task, n_steps)
 
-    def record(self, loss: float) -> None:
-        """Shows the loss of the newest record and the speed so far."""
+    def record(self, loss: float, data_fraction: float) -> None:
+        """Shows the loss of the newest record, the speed so far, and whether the data held training back.
+
+        Args:
+            loss: the record's loss.
+            data_fraction: the share of the record's time spent waiting for
+                the data; above one half the bar says the run is input-bound.
+        """
         if self._progress is not None:
             speed = self._progress.tasks[0].speed
-            self._progress.update(self._task, loss=f"{loss:.4g}", speed_text=f"{speed:.1f}" if speed else "-")
+            bound = input_bound(data_fraction)
+            self._progress.update(
+                self._task,
+                loss=f"{loss:.4g}",
+                speed_text=f"{speed:.1f}" if speed else "-",
+                input_bound=f"  {bound}" if bound else "",
+            )
 
     def close(self) -> None:
         """Stops the live display."""

@@ -1,3 +1,5 @@
+import time
+
 import jax
 import numpy as np
 import optax
@@ -314,3 +316,31 @@ def test_next_step_and_iteration_share_one_position():
     loop.next_step()
     assert loop.step == 3
     assert [record.step for record in loop] == [4, 6, 8]  # plain methods: no private generator to break
+
+
+def slow_batches(batches, seconds):
+    """Yields the batches in a cycle, sleeping `seconds` before each (a slow input pipeline)."""
+    while True:
+        for batch in batches:
+            time.sleep(seconds)
+            yield batch
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 3])
+def test_records_carry_the_time_waiting_for_data_and_the_bar_says_input_bound(capsys, per_dispatch):
+    data = slow_batches(toy.batches(4, 8), 0.05)
+    task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+    loop = fs.TrainLoop(
+        MLP.init, task, rng=0, n_steps=12, n_steps_per_checkpoint=6, n_steps_per_dispatch=per_dispatch, stdout=True
+    )
+    records = list(loop)
+    # Six batches a record, each drawn after a 50 ms sleep (the first record's first was drawn by the
+    # constructor, to see the data's shapes: not within the record's time).
+    for record, n_drawn in zip(records, [5, 6], strict=True):
+        assert n_drawn * 0.05 <= record.data_time <= record.elapsed_time
+    assert records[-1].data_fraction > 0.5  # the first record's time has the compilation in it
+    assert "input-bound: " in capsys.readouterr().out
+    fast = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(12, 8))
+    records = list(fs.TrainLoop(MLP.init, fast, rng=0, n_steps=12, n_steps_per_checkpoint=6, stdout=True))
+    assert all(0 < record.data_time < record.elapsed_time for record in records)
+    assert "input-bound" not in capsys.readouterr().out
