@@ -428,11 +428,11 @@ class TrainLoop:
                 "was yielded after it. Lower the learning rate, clip gradients, or check the data."
             )
         self._last_loss = self._last_loss if loss is None else loss
-        self._progress.record(self._last_loss, segment.data_time / segment.elapsed if segment.elapsed > 0 else 0.0)
         preempted = self._signals.take_preemption()
-        state, grads = self._copy(self._current_state(), None if preempted else grads)
-        self._views.publish(state, self._current_state())
-        return Checkpoint(
+        current = self._current_state()
+        state, grads = self._copy(current, None if preempted else grads)
+        self._views.publish(state, current)
+        record = Checkpoint(
             state=state,
             grads=grads,
             loss=self._last_loss,
@@ -446,6 +446,8 @@ class TrainLoop:
             preempted=preempted,
             data_time=segment.data_time,
         )
+        self._progress.record(record.loss, record.data_fraction)
+        return record
 
     def _dispatch_until(self, target: int, watch: LossWatch) -> Any:
         """Runs the dispatches up to step `target`; returns the last step's gradients.
