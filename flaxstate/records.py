@@ -23,20 +23,32 @@ the best writers' policy to `meta`; versions 1 and 2 are upgraded on read.
 """
 
 
-INPUT_BOUND = 0.5
-"""Above this share of its time waiting for the data, a run is called input-bound."""
+BOUND = 0.5
+"""Above this share of its time with the devices waiting, a run is called input-bound (waiting for the data) or
+host-bound (waiting for the host otherwise)."""
 
 
-def input_bound(data_fraction: float) -> str:
-    """What the progress bar and the logger say of a run whose data held it back (else an empty string).
+def bound_note(data_fraction: float, idle_fraction: float) -> str:
+    """What the progress bar and the logger say of a run whose devices waited most of the time (else "").
+
+    Args:
+        data_fraction: the share of the time the devices waited for the data.
+        idle_fraction: the share of the time the devices waited for the host,
+            the data included.
 
     Example:
-        >>> input_bound(0.94)
+        >>> bound_note(0.94, 0.97)
         'input-bound: 94% of the time waiting for data'
+        >>> bound_note(0.03, 0.92)
+        'host-bound: the devices idle 92% of the time, 3% waiting for data'
+        >>> bound_note(0.03, 0.1)
+        ''
     """
-    if data_fraction <= INPUT_BOUND:
-        return ""
-    return f"input-bound: {data_fraction:.0%} of the time waiting for data"
+    if data_fraction > BOUND:
+        return f"input-bound: {data_fraction:.0%} of the time waiting for data"
+    if idle_fraction > BOUND:
+        return f"host-bound: the devices idle {idle_fraction:.0%} of the time, {data_fraction:.0%} waiting for data"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +69,6 @@ class Checkpoint:
             held as `state` is; `None` in a preempted record.
         loss: the step's loss (averaged across devices).
         n_completed_steps: steps run since the previous record.
-        elapsed_time: seconds since the previous record.
         step: the state's step (total updates applied).
         rng: the loop's random key (restored on resume).
         data_position: where the training data stands after this step (JSON).
@@ -72,10 +83,24 @@ class Checkpoint:
             (SIGTERM): the loop's last record, at the dispatch boundary where
             the notice was seen, with `grads=None`. Writers save it whatever
             their interval and wait for the save.
-        data_time: seconds of `elapsed_time` that the loop spent waiting for
-            the training data (in the data iterator's `next`), on this
-            process; more than half of `elapsed_time` means the run is
-            input-bound.
+        elapsed_time: seconds since the previous record: the loop's time
+            training, up to the devices finishing the record's step (not the
+            time the caller held the previous record).
+        data_time: seconds of `elapsed_time` that the devices waited for the
+            training data, on this process: the time in the data iterator's
+            `next` of each batch by whose end the devices had finished all
+            the work given to them (seen with `jax.Array.is_ready`, not a
+            sync). A batch drawn while the devices still compute earlier
+            steps costs nothing and is not counted. More than half of
+            `elapsed_time` means the run is input-bound.
+        idle_time: seconds of `elapsed_time` that the devices had finished
+            all the work given to them and waited for the host: for the data
+            (`data_time` is part of it), Python between dispatches, threads
+            of this process that hold the CPU or the GIL (a data pipeline's
+            read threads, a save). Seen at draw and dispatch boundaries
+            (`flaxstate.training.waiting`); compilation is not counted. More
+            than half of `elapsed_time` with little `data_time` means the run
+            is host-bound.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -97,11 +122,17 @@ class Checkpoint:
     run_id: str | None = None
     preempted: bool = False
     data_time: float = 0.0
+    idle_time: float = 0.0
 
     @property
     def data_fraction(self) -> float:
-        """The share of `elapsed_time` spent waiting for the training data (0 when none elapsed)."""
+        """The share of `elapsed_time` that the devices waited for the training data (0 when none elapsed)."""
         return self.data_time / self.elapsed_time if self.elapsed_time > 0 else 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        """The share of `elapsed_time` that the devices waited for the host (0 when none elapsed)."""
+        return self.idle_time / self.elapsed_time if self.elapsed_time > 0 else 0.0
 
     @property
     def model_params(self) -> PyTree:

@@ -9,7 +9,7 @@ from typing import TextIO
 import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
-from flaxstate.records import Checkpoint, input_bound
+from flaxstate.records import Checkpoint, bound_note
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
@@ -19,16 +19,16 @@ def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
 
 
 class SummaryLogger:
-    """Prints one line per record: step, metrics by group, steps/s, the share of time waiting for data. Returns it.
+    """Prints one line per record: step, metrics by group, steps/s, the devices' wait for data and host. Returns it.
 
-    More than half the time waiting for data is called out as input-bound; a
-    preempted record is marked.
+    Devices waiting more than half the time are called out (input-bound,
+    host-bound: `flaxstate.records.bound_note`); a preempted record is marked.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.1203, n_completed_steps=500,
-        ...                     elapsed_time=0.5, step=500, data_time=0.01)
-        >>> _ = SummaryLogger()(record.with_metrics({"eval": {"loss": 0.1311, "acc": 0.9632}}))
-        step 500: eval/loss 0.1311  eval/acc 0.9632  train/loss 0.1203  (1000.0 steps/s, 2% waiting for data)
+        ...                     elapsed_time=0.5, step=500, data_time=0.01, idle_time=0.025)
+        >>> _ = SummaryLogger()(record.with_metrics({"eval": {"loss": 0.1311}}))
+        step 500: eval/loss 0.1311  train/loss 0.1203  (1000.0 steps/s, 2% waiting for data, devices idle 5%)
     """
 
     def __init__(self, stream: TextIO | None = None) -> None:
@@ -47,10 +47,11 @@ class SummaryLogger:
             for name, value in group_values.items()
         )
         speed = checkpoint.n_completed_steps / checkpoint.elapsed_time if checkpoint.elapsed_time > 0 else 0.0
-        data = f", {checkpoint.data_fraction:.0%} waiting for data" if checkpoint.elapsed_time > 0 else ""
-        bound = input_bound(checkpoint.data_fraction)
+        data, idle = checkpoint.data_fraction, checkpoint.idle_fraction
+        waits = f", {data:.0%} waiting for data, devices idle {idle:.0%}" if checkpoint.elapsed_time > 0 else ""
+        bound = bound_note(data, idle)
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
-        line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{data}){'  ' + bound if bound else ''}{stopped}"
+        line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{waits}){'  ' + bound if bound else ''}{stopped}"
         print(line, file=self._stream or sys.stdout, flush=True)
         return checkpoint
 
@@ -58,8 +59,9 @@ class SummaryLogger:
 class SummaryWriter:
     """Writes each record's metrics as TensorBoard scalars (`group/name`) under `output_dir`.
 
-    Beside the metrics: `train/steps_per_second` and `train/data_fraction`
-    (the share of the record's time spent waiting for the training data).
+    Beside the metrics: `train/steps_per_second`, `train/data_fraction` and
+    `train/idle_fraction` (the shares of the record's time that the devices
+    waited for the training data, and for the host at all).
 
     Event files come from tensorboardX (no TensorFlow); only the primary
     process writes.
@@ -92,7 +94,8 @@ class SummaryWriter:
         if checkpoint.elapsed_time > 0:
             speed = checkpoint.n_completed_steps / checkpoint.elapsed_time
             self._writer.add_scalar("train/steps_per_second", speed, global_step=int(checkpoint.step))
-            self._writer.add_scalar("train/data_fraction", checkpoint.data_fraction, global_step=int(checkpoint.step))
+            for name in ("data_fraction", "idle_fraction"):
+                self._writer.add_scalar(f"train/{name}", getattr(checkpoint, name), global_step=int(checkpoint.step))
         self._writer.flush()
         return checkpoint
 

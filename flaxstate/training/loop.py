@@ -24,6 +24,7 @@ from flaxstate.training.nonfinite import LossWatch
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
 from flaxstate.training.step import compile_gradients, compile_train_steps, make_train_step
 from flaxstate.training.task import TrainTask
+from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 
 PyTree = Any
 PREFETCH = 2
@@ -38,8 +39,8 @@ class _Segment:
     start_step: int
     watch: LossWatch
     elapsed: float = 0.0
-    data_time: float = 0.0
-    """Seconds of `elapsed` spent in the data iterator."""
+    waits: WaitTimes = dataclasses.field(default_factory=WaitTimes)
+    """Seconds of `elapsed` the devices waited for the host, and for the data (`Checkpoint.idle_time`, `data_time`)."""
 
 
 @runtime_checkable
@@ -187,6 +188,7 @@ class TrainLoop:
         self._progress = ProgressDisplay(stdout)
         self._signals = Signals(handle_preemption)
         self._segment: _Segment | None = None
+        self._clock = DeviceWaitClock()
         self._undelivered: Checkpoint | None = None
         """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
         self._last_loss = float("nan")
@@ -393,7 +395,7 @@ class TrainLoop:
             batch = batching.normalize(self._data.next(), "TrainTask")
         finally:
             self._signals.in_data = False
-            self._segment.data_time += time.perf_counter() - start
+            self._clock.drew(start, time.perf_counter(), self._segment.waits)
         if self._n_local_devices > 1 or not self._checked_shapes:  # one device: any size divides
             shapes = tuple([array.shape for part in batch for array in part])
             if shapes not in self._checked_shapes:
@@ -416,11 +418,12 @@ class TrainLoop:
         if segment is None:
             segment = self._segment = _Segment(self._step, LossWatch(self._step))
         resumed_at = time.perf_counter()
+        self._clock.resume(resumed_at)
         try:
-            grads = self._dispatch_until(target, segment.watch)
+            grads = self._dispatch_until(target, segment)
+            first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
-        first_nonfinite, loss = segment.watch.result()
         self._segment = None
         if first_nonfinite is not None:
             raise FloatingPointError(
@@ -444,12 +447,13 @@ class TrainLoop:
             final=self._step >= self._n_steps,
             run_id=self._run_id,
             preempted=preempted,
-            data_time=segment.data_time,
+            data_time=segment.waits.data,
+            idle_time=segment.waits.idle,
         )
-        self._progress.record(record.loss, record.data_fraction)
+        self._progress.record(record)
         return record
 
-    def _dispatch_until(self, target: int, watch: LossWatch) -> Any:
+    def _dispatch_until(self, target: int, segment: _Segment) -> Any:
         """Runs the dispatches up to step `target`; returns the last step's gradients.
 
         Between dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`)
@@ -484,6 +488,7 @@ class TrainLoop:
         grads = None
         for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
+            self._clock.dispatching(time.perf_counter(), segment.waits)
             if n > 1:
                 self._state_leaves, grads, losses = compiled[n](self._state_leaves, batch, self._rng_data)
             else:
@@ -492,8 +497,9 @@ class TrainLoop:
                 self._state_leaves, losses = compiled[1](self._state_leaves, batch, self._rng_data)
             self._step += n
             queued_steps -= n
+            self._clock.dispatched(losses)
             self._data.commit(n)
-            watch.add(losses, n)
+            segment.watch.add(losses, n)
             self._progress.advance(n)
             if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
                 grads = None  # not the record's: freed before the next dispatch

@@ -10,7 +10,7 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from flaxstate.records import input_bound
+from flaxstate.records import Checkpoint, bound_note
 
 _UNITS = ("B", "kB", "MB", "GB", "TB")
 
@@ -57,12 +57,12 @@ class ProgressDisplay:
                 BarColumn(),
                 TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}"),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[input_bound]}"),
+                TextColumn("{task.fields[bound]}"),
                 console=self._console,
                 transient=False,
             )
             self._task = self._progress.add_task(
-                "train", total=total, completed=step, loss="-", speed_text="-", input_bound=""
+                "train", total=total, completed=step, loss="-", speed_text="-", bound=""
             )
             self._progress.start()
         else:
@@ -73,22 +73,20 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.advance(self._task, n_steps)
 
-    def record(self, loss: float, data_fraction: float) -> None:
-        """Shows the loss of the newest record, the speed so far, and whether the data held training back.
+    def record(self, record: Checkpoint) -> None:
+        """Shows the newest record's loss, the speed so far, and whether the devices waited most of the time.
 
-        Args:
-            loss: the record's loss.
-            data_fraction: the share of the record's time spent waiting for
-                the data; above one half the bar says the run is input-bound.
+        Above one half of the record's time, the bar says the run is
+        input-bound (waiting for data) or host-bound (waiting for the host).
         """
         if self._progress is not None:
             speed = self._progress.tasks[0].speed
-            bound = input_bound(data_fraction)
+            bound = bound_note(record.data_fraction, record.idle_fraction)
             self._progress.update(
                 self._task,
-                loss=f"{loss:.4g}",
+                loss=f"{record.loss:.4g}",
                 speed_text=f"{speed:.1f}" if speed else "-",
-                input_bound=f"  {bound}" if bound else "",
+                bound=f"  {bound}" if bound else "",
             )
 
     def close(self) -> None:

@@ -34,14 +34,21 @@ def test_summary_logger_prints_one_line_per_record():
     assert f"{records[1].data_fraction:.0%} waiting for data" in lines[1]
 
 
-def test_summary_logger_calls_an_input_bound_record_so():
+def test_summary_logger_calls_an_input_bound_or_host_bound_record_so():
     stream = io.StringIO()
     record = fs.Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10, elapsed_time=2.0, step=10)
-    fs.SummaryLogger(stream)(dataclasses.replace(record, data_time=1.88))
-    fs.SummaryLogger(stream)(dataclasses.replace(record, data_time=0.2))
-    slow, fast = stream.getvalue().splitlines()
-    assert slow.endswith("(5.0 steps/s, 94% waiting for data)  input-bound: 94% of the time waiting for data")
-    assert fast.endswith("(5.0 steps/s, 10% waiting for data)")
+    fs.SummaryLogger(stream)(dataclasses.replace(record, data_time=1.88, idle_time=1.9))
+    fs.SummaryLogger(stream)(dataclasses.replace(record, data_time=0.06, idle_time=1.84))
+    fs.SummaryLogger(stream)(dataclasses.replace(record, data_time=0.2, idle_time=0.3))
+    input_bound, host_bound, fine = stream.getvalue().splitlines()
+    assert input_bound.endswith(
+        "(5.0 steps/s, 94% waiting for data, devices idle 95%)  input-bound: 94% of the time waiting for data"
+    )
+    assert host_bound.endswith(
+        "(5.0 steps/s, 3% waiting for data, devices idle 92%)  host-bound: the devices idle 92% of the time, "
+        "3% waiting for data"
+    )
+    assert fine.endswith("(5.0 steps/s, 10% waiting for data, devices idle 15%)")
 
 
 def test_summary_writer_writes_tensorboard_scalars(tmp_path):
@@ -53,10 +60,11 @@ def test_summary_writer_writes_tensorboard_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "eval/loss", "train/steps_per_second", "train/data_fraction"} <= tags
-    fractions = events.Scalars("train/data_fraction")
-    assert [e.step for e in fractions] == [3, 6]
-    assert abs(fractions[1].value - records[1].data_fraction) < 1e-6 and 0 < fractions[1].value < 1
+    assert {"train/loss", "eval/loss", "train/steps_per_second", "train/data_fraction", "train/idle_fraction"} <= tags
+    for name in ("data_fraction", "idle_fraction"):
+        fractions = events.Scalars(f"train/{name}")
+        assert [e.step for e in fractions] == [3, 6]
+        assert abs(fractions[1].value - getattr(records[1], name)) < 1e-6 and 0 < fractions[1].value < 1
     eval_loss = events.Scalars("eval/loss")
     assert [e.step for e in eval_loss] == [3, 6]
     assert abs(eval_loss[1].value - records[1].metrics["eval"]["loss"]) < 1e-6

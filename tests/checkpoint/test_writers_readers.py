@@ -62,6 +62,26 @@ def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
     assert restored.meta["step"] == 6
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority (nice) exists on Linux only")
+def test_a_save_runs_in_the_background_below_the_loops_priority(tmp_path, monkeypatch):
+    from flaxstate.checkpoint import storage
+
+    seen = []
+    save = ocp.CheckpointManager.save
+
+    def observed_save(self, *args, **kwargs):
+        seen.append((threading.current_thread() is threading.main_thread(), os.getpriority(os.PRIO_PROCESS, 0)))
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", observed_save)
+    loop_priority = os.getpriority(os.PRIO_PROCESS, 0)
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        writer(records(n_steps=2)[-1])
+    assert seen == [(False, min(19, loop_priority + storage.SAVE_NICENESS))]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == loop_priority  # the loop's own thread is untouched
+    assert saved_steps(tmp_path) == [2]
+
+
 class Clock:
     """A monotonic clock the test moves by hand."""
 

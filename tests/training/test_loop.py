@@ -1,6 +1,8 @@
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -337,10 +339,52 @@ def test_records_carry_the_time_waiting_for_data_and_the_bar_says_input_bound(ca
     # Six batches a record, each drawn after a 50 ms sleep (the first record's first was drawn by the
     # constructor, to see the data's shapes: not within the record's time).
     for record, n_drawn in zip(records, [5, 6], strict=True):
-        assert n_drawn * 0.05 <= record.data_time <= record.elapsed_time
+        assert n_drawn * 0.05 <= record.data_time <= record.idle_time <= record.elapsed_time
     assert records[-1].data_fraction > 0.5  # the first record's time has the compilation in it
     assert "input-bound: " in capsys.readouterr().out
     fast = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(12, 8))
     records = list(fs.TrainLoop(MLP.init, fast, rng=0, n_steps=12, n_steps_per_checkpoint=6, stdout=True))
     assert all(0 < record.data_time < record.elapsed_time for record in records)
     assert "input-bound" not in capsys.readouterr().out
+
+
+class HeavyMLP(nn.Module):
+    """toy.MLP with a chain of 512x512 matmuls beside it: a step that keeps the devices busy."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.05), (512, 512))
+        h = w
+        for _ in range(8):
+            h = jnp.tanh(h @ w)
+        return toy.MLP()(x) + 1e-6 * jnp.mean(h)
+
+
+def test_batches_drawn_while_the_devices_compute_are_not_counted_as_waiting(capsys):
+    """Draws a fifth as long as a step overlap the devices' work: not counted, not input-bound."""
+    model = HeavyMLP()
+
+    def records(data, n_steps):
+        task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+        loop = fs.TrainLoop(model.init, task, rng=0, n_steps=n_steps, n_steps_per_checkpoint=12, stdout=True)
+        return list(loop)
+
+    step_time = records(toy.batches(4, 8) * 6, 24)[-1].elapsed_time / 12  # compiled: the devices' time a step
+    draw_time = step_time / 5
+    slow = records(slow_batches(toy.batches(4, 8), draw_time), 24)
+    # Of a record's 12 draws, only those before its first dispatch (PREFETCH: two) find the devices idle.
+    assert all(record.data_time < 6 * draw_time for record in slow)
+    assert all(record.data_fraction < 0.25 and record.idle_fraction < 0.25 for record in slow)
+    assert "input-bound" not in capsys.readouterr().out
+
+
+def test_a_records_time_runs_until_the_devices_finish_its_steps():
+    """The host dispatches ahead of busy devices; the record's time still covers their work."""
+    model = HeavyMLP()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(4, 8) * 12)
+    loop = fs.TrainLoop(model.init, task, rng=0, n_steps=48, n_steps_per_checkpoint=24, n_steps_per_dispatch=4)
+    loop.next_checkpoint()  # compiled
+    start = time.perf_counter()
+    record = loop.next_checkpoint()
+    wall = time.perf_counter() - start
+    assert 0.8 * wall <= record.elapsed_time <= wall
