@@ -65,11 +65,13 @@ def normalize(batch: Any, task_name: str) -> Batch:
     )
 
 
-def check_divisible(batch: Batch, n_devices: int, task_name: str) -> None:
-    """Checks that every array's first axis splits evenly across the local devices.
+def check_divisible(batch: Batch, n_devices: int, task_name: str, n_microbatches: int = 1) -> None:
+    """Checks that every array's first axis splits evenly across the local devices, then into microbatches.
 
     Raises:
-        ValueError: a size that does not divide by `n_devices`, naming both.
+        ValueError: a size that does not divide by `n_devices`, naming both;
+            a per-device size that does not divide by `n_microbatches`,
+            naming the sizes and M.
     """
     for array in jax.tree.leaves(batch):
         if np.ndim(array) == 0 or array.shape[0] % n_devices:
@@ -77,6 +79,13 @@ def check_divisible(batch: Batch, n_devices: int, task_name: str) -> None:
             raise ValueError(
                 f"{task_name}.data yielded a batch of size {size}, which does not divide by the "
                 f"{n_devices} local devices; make the per-host batch size a multiple of {n_devices}."
+            )
+        per_device = array.shape[0] // n_devices
+        if per_device % n_microbatches:
+            raise ValueError(
+                f"{task_name}.data yielded a batch of size {array.shape[0]}: {per_device} examples a device "
+                f"({n_devices} local devices), which do not split into n_microbatches={n_microbatches} equal "
+                f"microbatches; make the per-device batch size a multiple of {n_microbatches}."
             )
 
 

@@ -131,6 +131,7 @@ class TrainLoop:
         stdout: bool = True,
         handle_preemption: bool = True,
         record_memory: str = "host",
+        n_microbatches: int = 1,
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
 
@@ -159,10 +160,18 @@ class TrainLoop:
                 device-to-host transfer a record); or `"device"`, a device
                 copy, which is faster to make but needs room for the state
                 twice (three times while a record is saved as the next is made).
+            n_microbatches: M; each device splits its batch into M equal
+                microbatches and accumulates their loss and gradients in a
+                `lax.scan` (the activations of one microbatch at a time) before
+                one update: the update of the whole batch, to float32 rounding.
+                Batch statistics (BatchNorm) are updated once per microbatch,
+                in order, as over M smaller steps; dropout masks differ per
+                microbatch. M = 1 compiles the plain step.
 
         Raises:
             ValueError: bad settings, or a batch that is empty, of the wrong
-                structure, or not divisible by the local device count; a
+                structure, not divisible by the local device count, or whose
+                per-device part does not divide into `n_microbatches`; a
                 resume whose data cannot be moved to the examples already
                 trained (see `TrainTask.data`).
             TypeError: `rng` is neither a key nor an int.
@@ -174,6 +183,8 @@ class TrainLoop:
                 f"n_steps_per_dispatch ({n_steps_per_dispatch}) and n_steps_per_checkpoint "
                 f"({n_steps_per_checkpoint}) must be at least 1."
             )
+        if not isinstance(n_microbatches, int | np.integer) or n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}.")
         if n_steps_per_checkpoint % n_steps_per_dispatch:
             raise ValueError(
                 f"n_steps_per_checkpoint ({n_steps_per_checkpoint}) must be a multiple of "
@@ -182,6 +193,7 @@ class TrainLoop:
         self._n_steps = n_steps
         self._n_steps_per_checkpoint = n_steps_per_checkpoint
         self._n_steps_per_dispatch = n_steps_per_dispatch
+        self._n_microbatches = int(n_microbatches)
         self._mesh = batching.mesh_of(devices)
         self._n_local_devices = batching.local_device_count(self._mesh)
         self._replicated = batching.replicated(self._mesh)
@@ -196,6 +208,7 @@ class TrainLoop:
         init_names, apply_names = _rng_names(collections)
 
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
+        batching.check_divisible(first_batch, self._n_local_devices, "TrainTask", self._n_microbatches)
         self._batch_size = int(np.shape(first_batch[0][0])[0]) * jax.process_count()
         if input_sample is None:
             inputs = first_batch[0]
@@ -219,7 +232,9 @@ class TrainLoop:
         self._state_leaves, self._treedef = jax.tree.flatten(state)
         self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         self._step = int(jax.device_get(state.step))
-        self._train_step = make_train_step(task.apply, task.loss, apply_names, mutable_collections, self._mesh.size)
+        self._train_step = make_train_step(
+            task.apply, task.loss, apply_names, mutable_collections, self._mesh.size, self._n_microbatches
+        )
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._compiled_gradients: Callable[..., Any] | None = None
         self._checked_shapes: set[tuple[Any, ...]] = set()
@@ -396,10 +411,10 @@ class TrainLoop:
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), self._segment.waits)
-        if self._n_local_devices > 1 or not self._checked_shapes:  # one device: any size divides
+        if self._n_local_devices * self._n_microbatches > 1 or not self._checked_shapes:  # else any size divides
             shapes = tuple([array.shape for part in batch for array in part])
             if shapes not in self._checked_shapes:
-                batching.check_divisible(batch, self._n_local_devices, "TrainTask")
+                batching.check_divisible(batch, self._n_local_devices, "TrainTask", self._n_microbatches)
                 self._checked_shapes.add(shapes)
         return batch
 

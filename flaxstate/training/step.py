@@ -58,26 +58,76 @@ def _device_mean(tree: PyTree, n_devices: int) -> PyTree:
     )
 
 
+def _in_float32(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The model's floating outputs narrower than float32 (bfloat16, float16), as float32 for the loss."""
+
+    def widen(leaf: Any) -> Any:
+        dtype = jnp.result_type(leaf)
+        return leaf.astype(jnp.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else leaf
+
+    return jax.tree.map(widen, outputs)
+
+
 def make_train_step(
     apply: Callable[..., Any],
     loss: Callable[..., Any],
     rng_names: Sequence[str],
     mutable: CollectionFilter,
     n_devices: int,
+    n_microbatches: int = 1,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
-    """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`."""
+    """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
+
+    The model's floating outputs narrower than float32 reach the loss as
+    float32, so a model computing in bfloat16 has its loss computed and
+    averaged in float32. With `n_microbatches` M > 1 the per-device batch is
+    split into M equal microbatches along its first axis; a `lax.scan` takes
+    the loss and gradients of one at a time (the activations of one
+    microbatch live at a time), with the mutable collections (batch
+    statistics) carried from one to the next in order, as over M smaller
+    steps, and dropout rngs folded with the microbatch's index. Loss and
+    gradients are their mean over the M; then one `pmean` and one update.
+    """
+
+    def grads_of(
+        state: PyTree, mutables: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
+    ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
+        def loss_fn(params: PyTree) -> tuple[jax.Array, PyTree]:
+            variables = {"params": params, **mutables}
+            outputs, updated = apply(variables, *inputs, rngs=rngs, mutable=mutable)
+            value = _check_scalar(loss(*_in_float32(_as_tuple(outputs)), *targets), "TrainTask.loss")
+            return value, {name: updated[name] for name in mutables if name in updated}
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+
+    def accumulated(
+        state: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
+    ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
+        def split(x: jax.Array) -> jax.Array:
+            return x.reshape(n_microbatches, x.shape[0] // n_microbatches, *x.shape[1:])
+
+        def body(carry: tuple[Any, ...], micro: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
+            grads_sum, loss_sum, mutables = carry
+            index, micro_inputs, micro_targets = micro
+            micro_rngs = {name: jax.random.fold_in(key, index) for name, key in rngs.items()}
+            (value, updated), grads = grads_of(state, mutables, micro_inputs, micro_targets, micro_rngs)
+            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+            return (grads_sum, loss_sum + value.astype(jnp.float32), {**mutables, **updated}), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        micro = (jnp.arange(n_microbatches), jax.tree.map(split, inputs), jax.tree.map(split, targets))
+        start = (zeros, jnp.zeros((), jnp.float32), state.flax_mutables)
+        (grads_sum, loss_sum, mutables), _ = lax.scan(body, start, micro)
+        grads = jax.tree.map(lambda g: g / n_microbatches, grads_sum)
+        return (loss_sum / n_microbatches, mutables), grads
 
     def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
         inputs, targets = batch
         rngs = device_rngs(rng, state.step, rng_names, n_devices)
-
-        def loss_fn(params: PyTree) -> tuple[jax.Array, PyTree]:
-            variables = {"params": params, **state.flax_mutables}
-            outputs, updated = apply(variables, *inputs, rngs=rngs, mutable=mutable)
-            value = _check_scalar(loss(*_as_tuple(outputs), *targets), "TrainTask.loss")
-            return value, {name: updated[name] for name in state.flax_mutables if name in updated}
-
-        (value, mutables), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if n_microbatches == 1:
+            (value, mutables), grads = grads_of(state, state.flax_mutables, inputs, targets, rngs)
+        else:
+            (value, mutables), grads = accumulated(state, inputs, targets, rngs)
         grads, value, mutables = _device_mean((grads, value, mutables), n_devices)
         mutables = {**state.flax_mutables, **mutables}
         return state.apply_gradient(grads, flax_mutables=mutables), grads, value

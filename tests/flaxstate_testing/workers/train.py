@@ -17,7 +17,10 @@ from flaxstate_testing import toy  # noqa: E402
 
 model = toy.MODELS[config["model"]]()
 data = toy.shard(toy.batches(config["n_steps"], config["global_batch"]), jax.process_index(), jax.process_count())
-optimizer = optax.sgd(config.get("learning_rate", 0.1), momentum=0.9)
+if config.get("optimizer") == "adam":
+    optimizer = optax.adam(config.get("learning_rate", 1e-2))
+else:
+    optimizer = optax.sgd(config.get("learning_rate", 0.1), momentum=0.9)
 task = fs.TrainTask(apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data)
 loop = fs.TrainLoop(
     init=model.init,
@@ -25,6 +28,7 @@ loop = fs.TrainLoop(
     rng=jax.random.key(0),
     n_steps=config["n_steps"],
     n_steps_per_checkpoint=config.get("n_steps_per_checkpoint", config["n_steps"]),
+    n_microbatches=config.get("n_microbatches", 1),
     stdout=False,
 )
 records = list(loop)

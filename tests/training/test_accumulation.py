@@ -1,0 +1,145 @@
+"""Gradient accumulation (`n_microbatches`): M microbatches a step, the update of the whole batch."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import processes, toy
+
+import flaxstate as fs
+
+MLP = toy.MLP()
+
+# Mean of M microbatch means against the mean of the batch: equal up to float32 rounding.
+ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def train(n_microbatches, optimizer, model=MLP, n_steps=6, per_dispatch=1, data=None, loss=toy.mse):
+    data = toy.batches(n_steps, 8) if data is None else data
+    task = fs.TrainTask(apply=model.apply, optimizer=optimizer, loss=loss, data=data)
+    loop = fs.TrainLoop(
+        model.init,
+        task,
+        rng=0,
+        n_steps=n_steps,
+        n_steps_per_checkpoint=n_steps // 2,
+        n_steps_per_dispatch=per_dispatch,
+        n_microbatches=n_microbatches,
+        stdout=False,
+    )
+    return list(loop)
+
+
+def assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **ROUNDING)
+
+
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_four_microbatches_end_equal_to_the_whole_batch(optimizer):
+    whole, micro = train(1, optimizer), train(4, optimizer)
+    assert_close(micro[-1].state.params, whole[-1].state.params)
+    assert_close(micro[-1].state.param_states, whole[-1].state.param_states)
+    assert_close(micro[-1].grads, whole[-1].grads)
+    np.testing.assert_allclose([r.loss for r in micro], [r.loss for r in whole], **ROUNDING)
+    assert not np.allclose(whole[0].state.params["Dense_0"]["kernel"], whole[-1].state.params["Dense_0"]["kernel"])
+
+
+def test_microbatches_compose_with_several_steps_a_dispatch():
+    whole = train(1, optax.adam(1e-2), n_steps=12)
+    micro = train(2, optax.adam(1e-2), n_steps=12, per_dispatch=3)
+    assert_close(micro[-1].state.params, whole[-1].state.params)
+    assert_close(micro[-1].grads, whole[-1].grads)
+
+
+def test_batch_statistics_are_updated_once_per_microbatch_in_order():
+    model = toy.BatchNormNet()
+    data = toy.batches(2, 8)
+    [record] = train(2, optax.sgd(0.0), model=model, n_steps=2, data=data)[:1]
+    # Step 1 with two microbatches of 4: the running statistics move on the first half, then the second.
+    x = data[0][0]
+    variables = model.init({"params": jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0)}, x[:8])
+    stats = variables["batch_stats"]
+    for half in (x[:4], x[4:]):
+        _, updated = model.apply(
+            {"params": variables["params"], "batch_stats": stats},
+            half,
+            rngs={"dropout": jax.random.key(9)},
+            mutable=["batch_stats"],
+        )
+        stats = updated["batch_stats"]
+    assert_close(record.state.flax_mutables["batch_stats"], stats)
+    _, whole = model.apply(variables, x, rngs={"dropout": jax.random.key(9)}, mutable=["batch_stats"])
+    mean = "BatchNorm_0", "mean"
+    assert not np.allclose(whole["batch_stats"][mean[0]][mean[1]], stats[mean[0]][mean[1]])
+
+
+def test_a_batch_that_does_not_split_into_the_microbatches_names_both_before_anything_runs():
+    task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(4, 8))
+    with pytest.raises(ValueError, match=r"batch of size 8: 8 examples a device .* n_microbatches=3 .* multiple of 3"):
+        fs.TrainLoop(MLP.init, task, rng=0, n_steps=4, n_microbatches=3, stdout=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="n_microbatches must be a positive int"):
+            fs.TrainLoop(MLP.init, task, rng=0, n_steps=4, n_microbatches=bad, stdout=False)
+
+
+def test_a_later_batch_that_does_not_split_is_named_at_its_step():
+    data = toy.batches(2, 8) + toy.batches(2, 6, seed=3)
+    with pytest.raises(ValueError, match=r"batch of size 6: 6 examples a device .* n_microbatches=4"):
+        train(4, optax.sgd(0.1), n_steps=4, data=data)
+
+
+class Bfloat16MLP(nn.Module):
+    """Computes in bfloat16, keeps float32 parameters: the one-line change README shows."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(32, dtype=jnp.bfloat16, param_dtype=jnp.float32)(x))
+        return nn.Dense(1, dtype=jnp.bfloat16, param_dtype=jnp.float32)(x)[:, 0]
+
+
+@pytest.mark.parametrize("n_microbatches", [1, 2])
+def test_a_bfloat16_model_trains_with_float32_loss_gradients_state_and_checkpoints(tmp_path, n_microbatches):
+    model = Bfloat16MLP()
+    seen = []
+
+    def loss(outputs, targets):
+        seen.append(outputs.dtype)
+        return jnp.mean((outputs - targets) ** 2)
+
+    data = toy.batches(1, 16) * 40
+    records = train(n_microbatches, optax.adam(1e-2), model=model, n_steps=40, data=data, loss=loss)
+    assert set(seen) == {jnp.dtype(jnp.float32)}  # the model's bfloat16 outputs reach the loss as float32
+    final = records[-1]
+    for tree in (final.state.params, final.grads, final.state.param_states):
+        assert {np.asarray(leaf).dtype for leaf in jax.tree.leaves(tree)} <= {np.dtype(np.float32), np.dtype(np.int32)}
+    assert isinstance(final.loss, float) and final.loss < 0.5 * records[0].loss
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        writer(final)
+    restored = fs.CheckpointFileReader(tmp_path).read(None)
+    assert {leaf.dtype for leaf in jax.tree.leaves(restored.state["target"])} == {np.dtype(np.float32)}
+
+
+def train_processes(tmp_path, name, n_processes, n_microbatches):
+    out = tmp_path / name
+    out.mkdir()
+    config = {
+        "model": "mlp",
+        "n_steps": 4,
+        "global_batch": 16,
+        "out": str(out),
+        "optimizer": "adam",
+        "n_microbatches": n_microbatches,
+    }
+    processes.run("train.py", config, n_processes=n_processes, timeout=240)
+    return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
+
+
+def test_microbatches_over_two_processes_equal_one_device_on_the_whole_batch(tmp_path):
+    one = train_processes(tmp_path, "one", 1, n_microbatches=1)[0]
+    two = train_processes(tmp_path, "two", 2, n_microbatches=4)
+    for key, value in one.items():
+        np.testing.assert_allclose(two[0][key], value, rtol=1e-5, atol=2e-6, err_msg=key)
+        np.testing.assert_array_equal(two[0][key], two[1][key], err_msg=f"processes differ at {key}")
