@@ -193,9 +193,13 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     params_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
     flax_mutables_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
+    loss_scale: PyTree = None
+    """Dynamic loss scaling's state (`flaxstate.training.scaling.LossScale`), or None without it."""
 
     @classmethod
-    def create(cls, tx: optax.GradientTransformation, model_variables: Mapping[str, Any]) -> FlaxOptimTrainState:
+    def create(
+        cls, tx: optax.GradientTransformation, model_variables: Mapping[str, Any], loss_scale: PyTree = None
+    ) -> FlaxOptimTrainState:
         """Creates a state at step 0 from a linen module's variables.
 
         Args:
@@ -203,6 +207,8 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             model_variables: what `module.init` returns (a dict or FrozenDict):
                 `params`, other collections (e.g. `batch_stats`), and optional
                 `*_axes` collections or boxed logical axis metadata.
+            loss_scale: dynamic loss scaling's state, saved with the optimizer
+                state (under `state/loss_scale`); None without loss scaling.
 
         Returns:
             the state, with `tx.init(params)` as the optimizer state.
@@ -227,6 +233,7 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             flax_mutables_axes=FrozenDict(mutables_axes)
             if any(v is not None for v in mutables_axes.values())
             else None,
+            loss_scale=loss_scale,
         )
 
     def apply_gradient(
@@ -270,11 +277,10 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the state as plain nested dicts in the checkpoint layout."""
-        return {
-            "target": _plain(self.params),
-            "state": {"step": self.step, "param_states": _plain(self.param_states)},
-            "flax_mutables": _plain(self.flax_mutables),
-        }
+        state = {"step": self.step, "param_states": _plain(self.param_states)}
+        if self.loss_scale is not None:
+            state["loss_scale"] = _plain(self.loss_scale)
+        return {"target": _plain(self.params), "state": state, "flax_mutables": _plain(self.flax_mutables)}
 
     def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> FlaxOptimTrainState:
         """Returns a state with the values of `state_dict`, checked against this one.
@@ -299,6 +305,9 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             params=serialization.from_state_dict(self.params, restored["target"]),
             param_states=serialization.from_state_dict(self.param_states, restored["state"]["param_states"]),
             flax_mutables=serialization.from_state_dict(self.flax_mutables, restored["flax_mutables"]),
+            loss_scale=None
+            if self.loss_scale is None
+            else serialization.from_state_dict(self.loss_scale, restored["state"]["loss_scale"]),
         )
 
     def as_logical_axes(self) -> FlaxOptimTrainState:
@@ -326,6 +335,7 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             params=params_axes,
             param_states=opt_axes,
             flax_mutables=_mutables_axes(self.flax_mutables, self.flax_mutables_axes),
+            loss_scale=jax.tree.map(lambda _: PartitionSpec(), self.loss_scale),
         )
 
 
@@ -401,11 +411,12 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
         }
 
     def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> InferenceState:
-        """Returns a state with the values of `state_dict`; optimizer state is ignored.
+        """Returns a state with the values of `state_dict`; optimizer state and loss scale are ignored.
 
         Args:
             state_dict: an inference or a training state dict.
-            strict: require every path (`param_states` is never required).
+            strict: require every path (`param_states` and `loss_scale` are
+                never required).
 
         Returns:
             the restored state.
@@ -415,7 +426,8 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
         """
         state_dict = dict(state_dict)
         if "state" in state_dict:
-            state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k != "param_states"}
+            training_only = ("param_states", "loss_scale")
+            state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in training_only}
         current = self.state_dict()
         merged = _check_and_merge(current, state_dict, strict, type(self).__name__)
         restored = _restore_leaves(current, merged)

@@ -17,7 +17,7 @@ from flax.core.scope import CollectionFilter, DenyList
 from flaxstate import background
 from flaxstate.records import Checkpoint, CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, copies, multihost
+from flaxstate.training import batching, copies, multihost, scaling
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.nonfinite import LossWatch
@@ -82,6 +82,18 @@ def _rng_names(collections_: Mapping[str, Sequence[str]] | None) -> tuple[tuple[
             "e.g. {'init': ['params', 'dropout'], 'apply': ['dropout']}."
         )
     return tuple(collections_.get("init", ("params",))), tuple(collections_.get("apply", ()))
+
+
+def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
+    return None if task.loss_scale is None else scaling.LossScale.create(task.loss_scale)
+
+
+def _scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
+    """A record's `train/loss_scale` and `train/skipped_steps` (with loss scaling), from its host copy."""
+    if state.loss_scale is None:
+        return {}
+    scale, n_skipped = jax.device_get((state.loss_scale.dynamic.scale, state.loss_scale.n_skipped))
+    return {"train": {"loss_scale": float(scale), "skipped_steps": int(n_skipped)}}
 
 
 class TrainLoop:
@@ -201,6 +213,9 @@ class TrainLoop:
         self._signals = Signals(handle_preemption)
         self._segment: _Segment | None = None
         self._clock = DeviceWaitClock()
+        self._nonfinite_patience = scaling.MAX_NONFINITE_LOSSES if task.loss_scale is not None else 0
+        self._nonfinite_run: jax.Array | None = None
+        """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
         self._undelivered: Checkpoint | None = None
         """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
         self._last_loss = float("nan")
@@ -256,7 +271,7 @@ class TrainLoop:
 
         def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
             rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
-            return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample))
+            return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task))
 
         fresh = jax.jit(create, out_shardings=self._replicated)
         if reader is None:
@@ -271,7 +286,7 @@ class TrainLoop:
     def _state_from_state_dict(self, task: TrainTask, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
         def create() -> FlaxOptimTrainState:
             variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
-            return FlaxOptimTrainState.create(task.optimizer, variables).restore_state(state_dict)
+            return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
 
         return jax.jit(create, out_shardings=self._replicated)()
 
@@ -431,7 +446,8 @@ class TrainLoop:
     def _train_segment(self, target: int) -> Checkpoint:
         segment = self._segment
         if segment is None:
-            segment = self._segment = _Segment(self._step, LossWatch(self._step))
+            watch = LossWatch(self._step, self._nonfinite_patience, self._nonfinite_run)
+            segment = self._segment = _Segment(self._step, watch)
         resumed_at = time.perf_counter()
         self._clock.resume(resumed_at)
         try:
@@ -441,10 +457,18 @@ class TrainLoop:
             segment.elapsed += time.perf_counter() - resumed_at
         self._segment = None
         if first_nonfinite is not None:
+            if self._nonfinite_patience:
+                raise FloatingPointError(
+                    f"the training loss was non-finite (nan or inf) for {self._nonfinite_patience + 1} steps in a "
+                    f"row, up to step {first_nonfinite}: loss scaling skips such steps, but no scale mends a "
+                    "forward pass that overflows. No record was yielded after it. Compute the loss in float32, "
+                    "lower the learning rate, or check the data."
+                )
             raise FloatingPointError(
                 f"the training loss became non-finite (nan or inf) at step {first_nonfinite}; no record "
                 "was yielded after it. Lower the learning rate, clip gradients, or check the data."
             )
+        self._nonfinite_run = segment.watch.run
         self._last_loss = self._last_loss if loss is None else loss
         preempted = self._signals.take_preemption()
         current = self._current_state()
@@ -464,6 +488,7 @@ class TrainLoop:
             preempted=preempted,
             data_time=segment.waits.data,
             idle_time=segment.waits.idle,
+            metrics=_scaling_metrics(state),
         )
         self._progress.record(record)
         return record

@@ -11,9 +11,12 @@ and output, and reading every loss back cost more than a small step
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 CHUNK = 64
 """How many dispatches' losses one check reduces (fewer are padded by repeating the last)."""
@@ -26,6 +29,26 @@ def _first_bad_index(losses: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.where(jnp.any(bad), jnp.argmax(bad).astype(jnp.int32), -1)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _first_long_run(
+    losses: tuple[jax.Array, ...], run: jax.Array | None, patience: int, n_valid: int
+) -> tuple[jax.Array, jax.Array]:
+    """The index at which a run of non-finite values grows longer than `patience` (or -1), and the run at the end.
+
+    `run` is the run of non-finite values just before these (None: none);
+    only the first `n_valid` values are losses (the rest pad a chunk).
+    """
+    bad = ~jnp.isfinite(jnp.concatenate([jnp.ravel(loss).astype(jnp.float32) for loss in losses]))[:n_valid]
+
+    def count(length: jax.Array, is_bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+        length = jnp.where(is_bad, length + 1, 0)
+        return length, length
+
+    end, lengths = lax.scan(count, jnp.zeros((), jnp.int32) if run is None else run, bad)
+    over = lengths > patience
+    return jnp.where(jnp.any(over), jnp.argmax(over).astype(jnp.int32), -1), end
+
+
 class LossWatch:
     """The losses of consecutive dispatches, checked for nan and inf on the devices.
 
@@ -34,9 +57,17 @@ class LossWatch:
 
     Args:
         step: the step before the first loss that will be added.
+        patience: how many consecutive non-finite losses pass (with loss
+            scaling, whose skipped steps leave the state as it was); one more
+            is reported. 0: the first is.
+        run: the run of non-finite losses that the previous watch ended with
+            (its `run`), which this one continues.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, patience: int = 0, run: jax.Array | None = None) -> None:
+        self._patience = patience
+        self.run = run
+        """The length of the run of non-finite losses at the end of those checked (a device array, or None)."""
         self._next_step = step
         self._pending: list[jax.Array] = []
         self._pending_steps = 0
@@ -55,14 +86,23 @@ class LossWatch:
             self._check()
 
     def _check(self) -> None:
-        padded = self._pending + [self._pending[-1]] * (CHUNK - len(self._pending))
-        self._checks.append((self._next_step, _first_bad_index(tuple(padded))))
+        padded = tuple(self._pending + [self._pending[-1]] * (CHUNK - len(self._pending)))
+        if self._patience:
+            n_valid = len(self._pending) * self._pending_steps
+            index, self.run = _first_long_run(padded, self.run, self._patience, n_valid)
+        else:
+            index = _first_bad_index(padded)
+        self._checks.append((self._next_step, index))
         self._next_step += len(self._pending) * self._pending_steps
         self._last = self._pending[-1]
         self._pending = []
 
     def result(self) -> tuple[int | None, float | None]:
-        """Waits for the devices; returns the first non-finite step (or `None`) and the last loss (`None` if none)."""
+        """Waits for the devices; returns the first step reported (or `None`) and the last loss (`None` if none).
+
+        A step is reported when its loss is non-finite and more than
+        `patience` in a row are.
+        """
         if self._pending:
             self._check()
         if self._last is None:

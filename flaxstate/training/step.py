@@ -87,6 +87,11 @@ def make_train_step(
     statistics) carried from one to the next in order, as over M smaller
     steps, and dropout rngs folded with the microbatch's index. Loss and
     gradients are their mean over the M; then one `pmean` and one update.
+    With loss scaling (a state whose `loss_scale` is set), each loss is
+    multiplied by the scale before its backward pass and the gradients
+    divided by it after; a step whose averaged gradients are not all finite
+    leaves parameters, optimizer state and mutable collections as they were
+    (the step count still advances) and lowers the scale.
     """
 
     def grads_of(
@@ -98,7 +103,16 @@ def make_train_step(
             value = _check_scalar(loss(*_in_float32(_as_tuple(outputs)), *targets), "TrainTask.loss")
             return value, {name: updated[name] for name in mutables if name in updated}
 
-        return jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if state.loss_scale is None:
+            return jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        scale = state.loss_scale.dynamic.scale
+
+        def scaled_loss_fn(params: PyTree) -> tuple[jax.Array, tuple[jax.Array, PyTree]]:
+            value, updated = loss_fn(params)
+            return value.astype(jnp.float32) * scale, (value, updated)
+
+        (_, (value, updated)), grads = jax.value_and_grad(scaled_loss_fn, has_aux=True)(state.params)
+        return (value, updated), jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
 
     def accumulated(
         state: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
@@ -130,9 +144,29 @@ def make_train_step(
             (value, mutables), grads = accumulated(state, inputs, targets, rngs)
         grads, value, mutables = _device_mean((grads, value, mutables), n_devices)
         mutables = {**state.flax_mutables, **mutables}
-        return state.apply_gradient(grads, flax_mutables=mutables), grads, value
+        if state.loss_scale is None:
+            return state.apply_gradient(grads, flax_mutables=mutables), grads, value
+        return _update_unless_overflowed(state, grads, mutables), grads, value
 
     return train_step
+
+
+def _update_unless_overflowed(state: PyTree, grads: PyTree, mutables: PyTree) -> PyTree:
+    """The update with loss scaling: applied if every gradient is finite, else skipped; the scale follows."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    updated = state.apply_gradient(grads, flax_mutables=mutables)
+    kept = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        (updated.params, updated.param_states, updated.flax_mutables),
+        (state.params, state.param_states, state.flax_mutables),
+    )
+    params, param_states, flax_mutables = kept
+    return updated.replace(
+        params=params,
+        param_states=param_states,
+        flax_mutables=flax_mutables,
+        loss_scale=state.loss_scale.after(finite),
+    )
 
 
 def make_eval_step(

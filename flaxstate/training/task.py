@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import optax
+from flax.training.dynamic_scale import DynamicScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,16 @@ class TrainTask:
             `((x, ...), (y, ...))` or `((x, ...), ())`. An iterator with
             `get_state()`/`set_state()` (grain's) resumes exactly; any other
             iterable is re-created and advanced past the consumed batches.
+        loss_scale: dynamic loss scaling for float16 compute, e.g. flax's
+            `flax.training.dynamic_scale.DynamicScale()`: the loss is scaled
+            before the backward pass, a step whose gradients are not finite is
+            skipped (parameters, optimizer state and batch statistics
+            unchanged) and the scale lowered. The scale is part of the state
+            (checkpointed, resumed exactly); records carry `train/loss_scale`
+            and `train/skipped_steps` in their metrics. A loss that is itself
+            non-finite for `flaxstate.training.scaling.MAX_NONFINITE_LOSSES`
+            (10) consecutive steps, and one more, still raises
+            `FloatingPointError`. None (the default): no scaling.
 
     Example:
         >>> import optax
@@ -33,6 +44,7 @@ class TrainTask:
     optimizer: optax.GradientTransformation
     loss: Callable[..., Any]
     data: Iterable[Any]
+    loss_scale: DynamicScale | None = None
 
 
 @dataclasses.dataclass(frozen=True)

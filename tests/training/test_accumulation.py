@@ -143,3 +143,12 @@ def test_microbatches_over_two_processes_equal_one_device_on_the_whole_batch(tmp
     for key, value in one.items():
         np.testing.assert_allclose(two[0][key], value, rtol=1e-5, atol=2e-6, err_msg=key)
         np.testing.assert_array_equal(two[0][key], two[1][key], err_msg=f"processes differ at {key}")
+
+
+@pytest.mark.parametrize("n_microbatches, n_magnitudes", [(1, 2), (2, 4)])
+def test_dropout_masks_differ_per_microbatch(n_microbatches, n_magnitudes):
+    # The probe's gradient is its dropout mask times a constant a microbatch: one mask gives two magnitudes
+    # (0 and c), two different masks give four (0, c_0, c_1, c_0 + c_1) a.s.
+    [record, _] = train(n_microbatches, optax.sgd(0.0), model=toy.DropoutProbe(), n_steps=2)
+    magnitudes = np.unique(np.round(np.abs(np.asarray(record.grads["w"])), 4))
+    assert len(magnitudes) == n_magnitudes, magnitudes
