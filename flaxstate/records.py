@@ -125,6 +125,11 @@ class Checkpoint:
     idle_time: float = 0.0
 
     @property
+    def steps_per_second(self) -> float:
+        """Steps a second since the previous record (0 when no time elapsed)."""
+        return self.n_completed_steps / self.elapsed_time if self.elapsed_time > 0 else 0.0
+
+    @property
     def data_fraction(self) -> float:
         """The share of `elapsed_time` that the devices waited for the training data (0 when none elapsed)."""
         return self.data_time / self.elapsed_time if self.elapsed_time > 0 else 0.0

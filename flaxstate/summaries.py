@@ -46,7 +46,7 @@ class SummaryLogger:
             for group, group_values in _metrics(checkpoint).items()
             for name, value in group_values.items()
         )
-        speed = checkpoint.n_completed_steps / checkpoint.elapsed_time if checkpoint.elapsed_time > 0 else 0.0
+        speed = checkpoint.steps_per_second
         data, idle = checkpoint.data_fraction, checkpoint.idle_fraction
         waits = f", {data:.0%} waiting for data, devices idle {idle:.0%}" if checkpoint.elapsed_time > 0 else ""
         bound = bound_note(data, idle)
@@ -92,9 +92,7 @@ class SummaryWriter:
             for name, value in values.items():
                 self._writer.add_scalar(f"{group}/{name}", value, global_step=int(checkpoint.step))
         if checkpoint.elapsed_time > 0:
-            speed = checkpoint.n_completed_steps / checkpoint.elapsed_time
-            self._writer.add_scalar("train/steps_per_second", speed, global_step=int(checkpoint.step))
-            for name in ("data_fraction", "idle_fraction"):
+            for name in ("steps_per_second", "data_fraction", "idle_fraction"):
                 self._writer.add_scalar(f"train/{name}", getattr(checkpoint, name), global_step=int(checkpoint.step))
         self._writer.flush()
         return checkpoint
