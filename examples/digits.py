@@ -106,8 +106,8 @@ def digits(batch_size: int, seed: int = 0) -> tuple[grain.IterDataset, list[tupl
 
 def join_processes(args: argparse.Namespace) -> None:
     if args.num_processes > 1:
-        if jax.devices()[0].platform == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Before initialize, which must come before any call that starts a backend (jax.devices() included).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives; GPUs and TPUs ignore it
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 

@@ -1,7 +1,8 @@
 """flaxstate: the functional side of training JAX/Flax models.
 
-An immutable train state, a data-parallel training loop that is a Python
-generator, and checkpoints that survive crashes and restore anywhere.
+An immutable train state, a training loop that is a Python generator
+(data-parallel, or sharded over a mesh by logical axes), and checkpoints that
+survive crashes and restore anywhere.
 """
 
 from flaxstate.checkpoint import (
@@ -17,11 +18,14 @@ from flaxstate.checkpoint import (
 )
 from flaxstate.nnx import nnx_functions
 from flaxstate.records import Checkpoint, CheckpointFile, Summary
+from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
 __all__ = [
+    "AxisRules",
+    "BatchLayout",
     "BestPolicy",
     "Checkpoint",
     "CheckpointError",
@@ -45,7 +49,9 @@ __all__ = [
     "TrainLoop",
     "TrainState",
     "TrainTask",
+    "logical_shardings",
     "nnx_functions",
+    "sharded_like",
 ]
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """The `flaxstate` command line: inspect a run's checkpoints and plot its metrics.
 
 flaxstate ls DIR                  a table of the checkpoints (best marked per writer)
-flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes; metadata
+flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes, logical axes; metadata
 flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
 """
 
@@ -53,10 +53,17 @@ def command_ls(args: argparse.Namespace) -> None:
     print(_table(rows))
 
 
+def _axes(axes: tuple[str | None, ...] | None) -> str:
+    """A leaf's logical axes as `(embed, mlp)` (`None` for an unnamed dimension), `-` for a leaf without names."""
+    return "-" if axes is None else "(" + ", ".join(str(name) for name in axes) + ")"
+
+
 def command_show(args: argparse.Namespace) -> None:
     step, leaves, meta = describe_state(args.dir, args.step)
-    rows = [["path", "shape", "dtype", "bytes"]]
-    rows += [[leaf.path, str(list(leaf.shape)), leaf.dtype, format_bytes(leaf.bytes)] for leaf in leaves]
+    rows = [["path", "shape", "dtype", "bytes", "logical axes"]]
+    rows += [
+        [leaf.path, str(list(leaf.shape)), leaf.dtype, format_bytes(leaf.bytes), _axes(leaf.axes)] for leaf in leaves
+    ]
     n_params = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.startswith("target/"))
     param_bytes = sum(leaf.bytes for leaf in leaves if leaf.path.startswith("target/"))
     print(f"checkpoint {Path(args.dir) / str(step)} (format {meta['format_version']})")

@@ -28,12 +28,13 @@ class CheckpointInfo:
 
 @dataclasses.dataclass(frozen=True)
 class LeafInfo:
-    """One array of a stored state: its path, shape, dtype and bytes."""
+    """One array of a stored state: its path, shape, dtype, bytes and logical axes (`None`: no names)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     bytes: int
+    axes: tuple[str | None, ...] | None = None
 
 
 def _writer_dirs(run_dir: Path) -> list[tuple[str, Path]]:
@@ -99,8 +100,11 @@ def describe_state(run_dir: str | Path, step: int | None = None) -> tuple[int, l
             step = steps[-1]
         elif step not in steps:
             raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
+        meta = store.read_meta(step)
+        axes = meta.get("logical_axes") or {}
         leaves = []
         for path, leaf in tree_paths.flatten(store.stored_tree(step)).items():
             shape, dtype = tree_paths.shape_and_dtype(leaf)
-            leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize))
-        return step, leaves, store.read_meta(step)
+            named = tuple(axes[path]) if path in axes else None
+            leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize, named))
+        return step, leaves, meta

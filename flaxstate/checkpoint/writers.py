@@ -47,6 +47,7 @@ from flaxstate.checkpoint.storage import (
     to_json,
 )
 from flaxstate.records import Checkpoint
+from flaxstate.sharding import logical_axes_by_path
 
 logger = logging.getLogger("flaxstate")
 
@@ -65,6 +66,7 @@ def record_meta(checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None) 
         "metrics": {group: dict(values) for group, values in checkpoint.metrics.items()},
         "metadata": metadata,
         "best": best.to_json() if best is not None else None,
+        "logical_axes": logical_axes_by_path(checkpoint.state),
     }
 
 

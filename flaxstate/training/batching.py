@@ -65,8 +65,18 @@ def normalize(batch: Any, task_name: str) -> Batch:
     )
 
 
-def check_divisible(batch: Batch, n_devices: int, task_name: str, n_microbatches: int = 1) -> None:
+def check_divisible(
+    batch: Batch, n_devices: int, task_name: str, n_microbatches: int = 1, devices: str = "local devices"
+) -> None:
     """Checks that every array's first axis splits evenly across the local devices, then into microbatches.
+
+    Args:
+        batch: a normalized batch.
+        n_devices: how many parts this process's batch splits into.
+        task_name: for the error.
+        n_microbatches: M, how many microbatches each part splits into.
+        devices: what the parts are, for the error (a sharded loop's:
+            the parts of its batch axes that this process's devices hold).
 
     Raises:
         ValueError: a size that does not divide by `n_devices`, naming both;
@@ -78,13 +88,13 @@ def check_divisible(batch: Batch, n_devices: int, task_name: str, n_microbatches
             size = array.shape[0] if np.ndim(array) else "a scalar"
             raise ValueError(
                 f"{task_name}.data yielded a batch of size {size}, which does not divide by the "
-                f"{n_devices} local devices; make the per-host batch size a multiple of {n_devices}."
+                f"{n_devices} {devices}; make the per-host batch size a multiple of {n_devices}."
             )
         per_device = array.shape[0] // n_devices
         if per_device % n_microbatches:
             raise ValueError(
                 f"{task_name}.data yielded a batch of size {array.shape[0]}: {per_device} examples a device "
-                f"({n_devices} local devices), which do not split into n_microbatches={n_microbatches} equal "
+                f"({n_devices} {devices}), which do not split into n_microbatches={n_microbatches} equal "
                 f"microbatches; make the per-device batch size a multiple of {n_microbatches}."
             )
 
@@ -126,7 +136,7 @@ def stack(batches: Sequence[Batch], first_step: int) -> Batch:
         ) from None
 
 
-def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
+def to_devices(batch: Batch, mesh: Mesh, stacked: bool, sharding: NamedSharding | None = None) -> Batch:
     """Puts a per-host batch on the mesh, split along its batch axis (asynchronously).
 
     In one process the batch stays in host memory: the compiled step, which
@@ -142,6 +152,8 @@ def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
         batch: this process's batch (numpy or jax arrays).
         mesh: the loop's mesh.
         stacked: whether the batch has a leading axis of steps.
+        sharding: the global batch's sharding (a sharded loop's); by
+            default split along the batch axis over every device of `mesh`.
 
     Returns:
         the batch as global arrays sharded along the batch axis, or as host
@@ -149,7 +161,7 @@ def to_devices(batch: Batch, mesh: Mesh, stacked: bool) -> Batch:
     """
     if jax.process_count() == 1:
         return batch
-    sharding = NamedSharding(mesh, batch_spec(stacked))
+    sharding = sharding or NamedSharding(mesh, batch_spec(stacked))
     return jax.tree.map(lambda array: jax.make_array_from_process_local_data(sharding, np.asarray(array)), batch)
 
 

@@ -42,19 +42,22 @@ def host_memory_kind(mesh: Mesh) -> str | None:
     return next((kind for kind in _HOST_KINDS if kind in kinds), None)
 
 
-def record_copier(mesh: Mesh, replicated: Sharding, memory: str) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
+def record_copier(
+    mesh: Mesh, sharding: Sharding | PyTree, memory: str
+) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
     """Returns `(state, grads) -> (state, grads)` as a record holds them.
 
     Args:
         mesh: the loop's devices.
-        replicated: the state's sharding on them (the device copy's).
+        sharding: the state's sharding on them (the device copy's): one for
+            every leaf, or a tree of them.
         memory: one of `RECORD_MEMORIES`. `"host"`: both as read-only numpy
             arrays in host memory (returns when they are there). `"device"`:
             the state copied on the devices (asynchronously), the gradients
             as they are (no update donates them).
     """
     if memory == DEVICE:
-        copy_on_devices = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=replicated)
+        copy_on_devices = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=sharding)
         return lambda state, grads: (copy_on_devices(state), grads)
     kind = host_memory_kind(mesh)
 

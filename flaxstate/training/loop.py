@@ -13,16 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import CollectionFilter, DenyList
+from jax.sharding import Mesh
 
 from flaxstate import background
 from flaxstate.records import Checkpoint, CheckpointFile
+from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, copies, multihost, scaling
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.nonfinite import LossWatch
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
-from flaxstate.training.step import compile_gradients, compile_train_steps, make_train_step
+from flaxstate.training.step import Sharded, compile_gradients, compile_train_steps, make_train_step
 from flaxstate.training.task import TrainTask
 from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 
@@ -97,7 +99,7 @@ def _scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
 
 
 class TrainLoop:
-    """Trains a model data-parallel and yields a `Checkpoint` every N steps.
+    """Trains a model, data-parallel or sharded over a mesh, and yields a `Checkpoint` every N steps.
 
     Iterate it (`for checkpoint in loop:`), or call `next_checkpoint()` cell
     by cell; both train from where the loop stands, so stopping early then
@@ -144,6 +146,8 @@ class TrainLoop:
         handle_preemption: bool = True,
         record_memory: str = "host",
         n_microbatches: int = 1,
+        mesh: Mesh | None = None,
+        axis_rules: AxisRules | None = None,
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
 
@@ -179,11 +183,35 @@ class TrainLoop:
                 Batch statistics (BatchNorm) are updated once per microbatch,
                 in order, as over M smaller steps; dropout masks differ per
                 microbatch. M = 1 compiles the plain step.
+            mesh: a `jax.sharding.Mesh` with named axes (e.g. `data`, `fsdp`,
+                `model`) to shard the state over, with `axis_rules`; the
+                loop then trains on the mesh's devices (not `devices`).
+                Without them the loop is data-parallel: every device holds
+                the whole state and computes on its part of the batch.
+            axis_rules: flax-style logical axis rules, e.g. `[("batch",
+                ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "model")]`.
+                Each state leaf is sharded by its logical axes through the
+                rules (optimizer state as its parameter; unnamed leaves and
+                axes no rule names are replicated, the latter with a
+                warning); the batch's first dimension over the mesh axes of
+                `batch`. The update is the global batch's (its loss and
+                gradients, batch statistics over the whole batch), compiled
+                once with `jax.jit` and explicit shardings (GSPMD inserts
+                the collectives), the state donated. Each process feeds the
+                part of the global batch that its devices hold along the
+                batch axes (`flaxstate.sharding.BatchLayout.process_part`):
+                FSDP over two processes, half each; tensor-parallel
+                (`data=1, model=2`), the whole batch each. Dropout rngs are
+                drawn per step for the global batch, so the masks do not
+                depend on the mesh.
 
         Raises:
             ValueError: bad settings, or a batch that is empty, of the wrong
-                structure, not divisible by the local device count, or whose
-                per-device part does not divide into `n_microbatches`; a
+                structure, not divisible by the local device count (or the
+                batch axes' parts this process holds), or whose per-device
+                part does not divide into `n_microbatches`; axis rules
+                naming a mesh axis that does not exist, or a state dimension
+                that its mesh axes do not divide (naming the path); a
                 resume whose data cannot be moved to the examples already
                 trained (see `TrainTask.data`).
             TypeError: `rng` is neither a key nor an int.
@@ -206,8 +234,25 @@ class TrainLoop:
         self._n_steps_per_checkpoint = n_steps_per_checkpoint
         self._n_steps_per_dispatch = n_steps_per_dispatch
         self._n_microbatches = int(n_microbatches)
-        self._mesh = batching.mesh_of(devices)
+        if (mesh is None) != (axis_rules is None):
+            raise ValueError(
+                "TrainLoop shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
+                f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
+                "training."
+            )
+        if mesh is not None and devices is not None:
+            raise ValueError(
+                "TrainLoop takes devices= or mesh=, not both: a sharded loop trains on the mesh's devices."
+            )
+        self._axis_rules = axis_rules
+        self._mesh = mesh if mesh is not None else batching.mesh_of(devices)
+        self._batch_layout = BatchLayout.create(mesh, axis_rules) if mesh is not None else None
         self._n_local_devices = batching.local_device_count(self._mesh)
+        self._n_local_parts = self._n_local_devices
+        self._parts = "local devices"
+        if self._batch_layout is not None:
+            self._n_local_parts = len(self._batch_layout.local_parts())
+            self._parts = f"parts of the batch axes {self._batch_layout.axes} that this process's devices hold"
         self._replicated = batching.replicated(self._mesh)
         self._progress = ProgressDisplay(stdout)
         self._signals = Signals(handle_preemption)
@@ -223,16 +268,20 @@ class TrainLoop:
         init_names, apply_names = _rng_names(collections)
 
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
-        batching.check_divisible(first_batch, self._n_local_devices, "TrainTask", self._n_microbatches)
-        self._batch_size = int(np.shape(first_batch[0][0])[0]) * jax.process_count()
+        batching.check_divisible(first_batch, self._n_local_parts, "TrainTask", self._n_microbatches, self._parts)
+        local_size = int(np.shape(first_batch[0][0])[0])
+        if self._batch_layout is None:
+            self._batch_size = local_size * jax.process_count()
+        else:
+            self._batch_size = local_size * self._batch_layout.n_parts // self._n_local_parts
         if input_sample is None:
             inputs = first_batch[0]
         else:
             inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
         self._rng = _as_key(rng)
-        self._copy = copies.record_copier(self._mesh, self._replicated, record_memory)
         self._views = copies.DeviceViews()
         state, restored = self._initial_state(init, task, inputs, init_names)
+        self._copy = copies.record_copier(self._mesh, self._state_shardings(state), record_memory)
         self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
@@ -247,8 +296,18 @@ class TrainLoop:
         self._state_leaves, self._treedef = jax.tree.flatten(state)
         self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
         self._step = int(jax.device_get(state.step))
+        self._sharded = None
+        if self._batch_layout is not None:
+            shardings = self._state_shardings(state)
+            self._sharded = Sharded(jax.tree.leaves(shardings), shardings.params, self._batch_layout)
         self._train_step = make_train_step(
-            task.apply, task.loss, apply_names, mutable_collections, self._mesh.size, self._n_microbatches
+            task.apply,
+            task.loss,
+            apply_names,
+            mutable_collections,
+            1 if self._sharded else self._mesh.size,
+            self._n_microbatches,
+            interleaved=self._sharded is not None,
         )
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._compiled_gradients: Callable[..., Any] | None = None
@@ -273,7 +332,7 @@ class TrainLoop:
             rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
             return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task))
 
-        fresh = jax.jit(create, out_shardings=self._replicated)
+        fresh = jax.jit(create, out_shardings=self._state_shardings(jax.eval_shape(create, init_rng, *per_device)))
         if reader is None:
             return fresh(init_rng, *per_device), None
         # The template is abstract: a resumed run never holds a fresh state beside the restored one.
@@ -288,7 +347,13 @@ class TrainLoop:
             variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
             return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
 
-        return jax.jit(create, out_shardings=self._replicated)()
+        return jax.jit(create, out_shardings=self._state_shardings(jax.eval_shape(create)))()
+
+    def _state_shardings(self, state: FlaxOptimTrainState) -> Any:
+        """The state's sharding: replicated (data-parallel), else each leaf's from its logical axes."""
+        if self._batch_layout is None:
+            return self._replicated
+        return logical_shardings(state, self._mesh, self._axis_rules)
 
     @property
     def step(self) -> int:
@@ -402,14 +467,14 @@ class TrainLoop:
     def _compiled_steps(self, n_steps: int) -> Callable[..., Any]:
         if n_steps not in self._compiled:
             self._compiled[n_steps] = compile_train_steps(
-                self._train_step, self._mesh, n_steps, self._treedef, jax.random.key_impl(self._rng)
+                self._train_step, self._mesh, n_steps, self._treedef, jax.random.key_impl(self._rng), self._sharded
             )
         return self._compiled[n_steps]
 
     def _gradients(self) -> Callable[..., Any]:
         if self._compiled_gradients is None:
             self._compiled_gradients = compile_gradients(
-                self._train_step, self._mesh, self._treedef, jax.random.key_impl(self._rng)
+                self._train_step, self._mesh, self._treedef, jax.random.key_impl(self._rng), self._sharded
             )
         return self._compiled_gradients
 
@@ -426,10 +491,10 @@ class TrainLoop:
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), self._segment.waits)
-        if self._n_local_devices * self._n_microbatches > 1 or not self._checked_shapes:  # else any size divides
+        if self._n_local_parts * self._n_microbatches > 1 or not self._checked_shapes:  # else any size divides
             shapes = tuple([array.shape for part in batch for array in part])
             if shapes not in self._checked_shapes:
-                batching.check_divisible(batch, self._n_local_devices, "TrainTask", self._n_microbatches)
+                batching.check_divisible(batch, self._n_local_parts, "TrainTask", self._n_microbatches, self._parts)
                 self._checked_shapes.add(shapes)
         return batch
 
@@ -514,7 +579,9 @@ class TrainLoop:
             while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
                 batch = self._host_batch(n, self._step + queued_steps + 1)
                 if several_processes:
-                    batch = batching.to_devices(batch, self._mesh, stacked=n > 1)
+                    layout = self._batch_layout
+                    sharding = layout.sharding(n > 1) if layout is not None else None
+                    batch = batching.to_devices(batch, self._mesh, stacked=n > 1, sharding=sharding)
                 queue.append((n, batch))
                 queued_steps += n
 

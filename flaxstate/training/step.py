@@ -11,6 +11,7 @@ saves once and any device count restores.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from flax.core.scope import CollectionFilter
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flaxstate.sharding import BatchLayout
 from flaxstate.training.batching import AXIS, Batch, batch_spec
 
 PyTree = Any
@@ -75,6 +77,7 @@ def make_train_step(
     mutable: CollectionFilter,
     n_devices: int,
     n_microbatches: int = 1,
+    interleaved: bool = False,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
 
@@ -92,6 +95,11 @@ def make_train_step(
     divided by it after; a step whose averaged gradients are not all finite
     leaves parameters, optimizer state and mutable collections as they were
     (the step count still advances) and lowers the scale.
+
+    With `n_devices` 1 the function is also the global update of a sharded
+    loop (GSPMD partitions it); `interleaved` then takes microbatch i as
+    examples i, i + M, i + 2M, ..., so that every device splits its own
+    shard of the batch without moving examples between devices.
     """
 
     def grads_of(
@@ -118,6 +126,8 @@ def make_train_step(
         state: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
     ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
         def split(x: jax.Array) -> jax.Array:
+            if interleaved:
+                return jnp.moveaxis(x.reshape(x.shape[0] // n_microbatches, n_microbatches, *x.shape[1:]), 1, 0)
             return x.reshape(n_microbatches, x.shape[0] // n_microbatches, *x.shape[1:])
 
         def body(carry: tuple[Any, ...], micro: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
@@ -203,12 +213,32 @@ def _rebuild(treedef: Any, leaves: list[jax.Array], rng_impl: Any, rng_data: jax
     return jax.tree.unflatten(treedef, leaves), jax.random.wrap_key_data(rng_data, impl=rng_impl)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """Where a sharded loop's arrays live: each state leaf, the gradients (their parameter's), the batch.
+
+    Attributes:
+        state: one sharding per leaf of the state, in `jax.tree.leaves` order.
+        params: the shardings of the parameters' tree (the gradients').
+        batch: the batch's layout.
+    """
+
+    state: list[NamedSharding]
+    params: PyTree
+    batch: BatchLayout
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.batch.mesh, PartitionSpec())
+
+
 def compile_train_steps(
     train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
     mesh: Mesh,
     n_steps: int,
     treedef: Any,
     rng_impl: Any,
+    sharded: Sharded | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
     """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
 
@@ -223,6 +253,11 @@ def compile_train_steps(
     computes its last step's with `compile_gradients` instead; every step
     still runs the one same XLA program, so where records fall never moves
     a result by an ulp.
+
+    Without `sharded`, `train_step` is per device and mapped with
+    `shard_map` (the state replicated); with it, `train_step` is the global
+    update, compiled with `jax.jit` and these explicit shardings (GSPMD
+    inserts the collectives).
     """
 
     if n_steps == 1:
@@ -247,23 +282,41 @@ def compile_train_steps(
         state, *outputs = steps(state, batches, rng)
         return jax.tree.leaves(state), *outputs
 
+    if sharded is not None:
+        outputs = (sharded.replicated,) if n_steps == 1 else (sharded.params, sharded.replicated)
+        return _jit_sharded(sharded, flat_steps, n_steps > 1, (sharded.state, *outputs), donate=(0,))
     return _map_over(mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec()), donate=(0,))
 
 
 def compile_gradients(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], mesh: Mesh, treedef: Any, rng_impl: Any
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
+    mesh: Mesh,
+    treedef: Any,
+    rng_impl: Any,
+    sharded: Sharded | None = None,
 ) -> Callable[..., PyTree]:
     """Maps `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated) over the mesh.
 
     The gradients that the update of that state on that batch applies (the
-    same per-device function; XLA drops the update itself).
+    same function; XLA drops the update itself), sharded as their
+    parameters under `sharded`.
     """
 
     def gradients(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
         return train_step(state, batch, rng)[1]
 
+    if sharded is not None:
+        return _jit_sharded(sharded, gradients, False, sharded.params, donate=())
     return _map_over(mesh, gradients, in_specs=(batch_spec(False), PartitionSpec()), donate=())
+
+
+def _jit_sharded(
+    sharded: Sharded, function: Callable[..., Any], stacked: bool, out_shardings: Any, donate: tuple[int, ...]
+) -> Callable[..., Any]:
+    """Compiles a global `function(state_leaves, batch, rng_data)` with explicit shardings (GSPMD)."""
+    in_shardings = (sharded.state, sharded.batch.sharding(stacked), sharded.replicated)
+    return jax.jit(function, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
 
 
 def _map_over(

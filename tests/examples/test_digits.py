@@ -1,21 +1,12 @@
-import importlib.util
-
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, run_example
+from conftest import run_example
+from flaxstate_testing import examples
 
 import flaxstate as fs
 
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("digits_example", ROOT / "examples" / "digits.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-digits = load_example()
+digits = examples.load("digits")
 
 
 def test_example_trains_checkpoints_and_resumes(digits_run):

@@ -1,0 +1,173 @@
+"""Sharded training: flaxstate's loop against a hand-written `jax.jit` loop with the same shardings.
+
+The LM example's transformer (`examples/lm.py`), its state sharded by its
+logical axes through the example's rules over a mesh of this process's
+devices (`--mesh`, by default FSDP over all of them: one device on a CPU).
+The hand-written loop is what a careful user writes: flax's
+`get_partition_spec` and `logical_to_mesh_sharding` for the parameters, the
+optimizer state given its parameter's sharding (`optax.tree_map_params`),
+one `jax.jit` step with explicit shardings and the state donated. Both train
+on the same batches, held in memory, in alternating rounds of `--steps`
+steps (flaxstate: one record a round, its host copy included); the table
+gives the median seconds a step and the ratio. With `--peak-tflops` (or on a
+GPU this script knows) it adds model FLOPs utilisation: 6 x parameters x
+tokens a second / peak FLOP/s.
+
+    python benchmarks/sharded.py [--rounds 7] [--steps 20] [--mesh fsdp=N] [--embed 256 --layers 4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+import flaxstate as fs
+
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 494.7, "NVIDIA H200": 494.7}
+"""Dense TF32 peaks (the float32 model's matmuls run in TF32 on these GPUs by JAX's default precision)."""
+
+
+def load_example():
+    path = Path(__file__).parents[1] / "examples" / "lm.py"
+    spec = importlib.util.spec_from_file_location("lm_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lm_example"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = load_example()
+
+
+class HandWritten:
+    """A jit loop with the example's shardings: params and adam state by logical axes, state donated."""
+
+    def __init__(self, model: nn.Module, config, mesh, sample: np.ndarray) -> None:
+        tx = lm.optimizer(config)
+        boxed = jax.eval_shape(model.init, jax.random.key(0), sample)
+        specs = nn.get_partition_spec(boxed)["params"]
+        param_shardings = nn.logical_to_mesh_sharding(specs, mesh, lm.RULES)
+        abstract_opt = jax.eval_shape(lambda p: tx.init(p), nn.unbox(boxed)["params"])
+        opt_shardings = optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            param_shardings,
+            transform_non_params=lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+            is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding),
+        )
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        batch = nn.logical_to_mesh_sharding(jax.sharding.PartitionSpec("batch"), mesh, lm.RULES)
+
+        def init(rng):
+            params = nn.unbox(model.init(rng, sample))["params"]
+            return params, tx.init(params)
+
+        self.params, self.opt_state = jax.jit(init, out_shardings=(param_shardings, opt_shardings))(jax.random.key(0))
+
+        def step(params, opt_state, inputs, targets):
+            def loss_fn(p):
+                return lm.loss(model.apply({"params": p}, inputs), targets)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._step = jax.jit(
+            step,
+            in_shardings=(param_shardings, opt_shardings, batch, batch),
+            out_shardings=(param_shardings, opt_shardings, replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def run(self, batches) -> float:
+        loss = None
+        for inputs, targets in batches:
+            self.params, self.opt_state, loss = self._step(self.params, self.opt_state, inputs, targets)
+        return float(loss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="steps a round")
+    parser.add_argument("--mesh", default=f"fsdp={jax.device_count()}")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--embed", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--mlp", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--per-dispatch", type=int, default=1, help="flaxstate's n_steps_per_dispatch")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the devices' peak, for MFU")
+    args = parser.parse_args()
+    config = lm.Config(
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        embed=args.embed,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        mlp=args.mlp,
+        layers=args.layers,
+    )
+    mesh = lm.make_mesh(args.mesh)
+    model = lm.Transformer(config)
+    dataset = lm.batches(lm.text(), config)
+    batches = [dataset[index] for index in range(args.steps * 2)]
+
+    loop = fs.TrainLoop(
+        init=model.init,
+        task=fs.TrainTask(
+            apply=model.apply, optimizer=lm.optimizer(config), loss=lm.loss, data=itertools.cycle(batches)
+        ),
+        rng=0,
+        n_steps=10**9,
+        n_steps_per_checkpoint=args.steps,
+        n_steps_per_dispatch=args.per_dispatch,
+        stdout=False,
+        mesh=mesh,
+        axis_rules=lm.RULES,
+    )
+    hand = HandWritten(model, config, mesh, batches[0][0][:1])
+    rounds = itertools.cycle([batches[: args.steps], batches[args.steps :]])
+    loop.next_checkpoint()  # compiled and warm
+    hand.run(next(rounds))
+    contenders = {"flaxstate TrainLoop": loop.next_checkpoint, "hand-written jax.jit": lambda: hand.run(next(rounds))}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for index in range(args.rounds):
+        for name in list(contenders) if index % 2 == 0 else list(reversed(contenders)):
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append((time.perf_counter() - start) / args.steps)
+    n_params = sum(leaf.size for leaf in jax.tree.leaves(hand.params))
+    tokens = config.batch_size * config.seq_len
+    device = jax.devices()[0].device_kind
+    peak = args.peak_tflops or PEAK_TFLOPS.get(device)
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {device}; mesh {dict(mesh.shape)}; LM "
+        f"{dataclasses.asdict(config) | {'steps': None}} ({n_params / 1e6:.2f}M parameters, adamw), "
+        f"{tokens} tokens a step, {args.rounds} alternating rounds of {args.steps} steps\n"
+    )
+    print("| loop | ms a step (median) | tokens/s | x hand-written throughput |" + (" MFU |" if peak else ""))
+    print("|---|---:|---:|---:|" + ("---:|" if peak else ""))
+    hand_median = statistics.median(times["hand-written jax.jit"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        mfu = f" {6 * n_params * tokens / median / (peak * 1e12):.1%} |" if peak else ""
+        print(f"| {name} | {median * 1e3:.2f} | {tokens / median:,.0f} | {hand_median / median:.3f}x |{mfu}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The LM example's transformer in tests: a TrainLoop of it on the example's own data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import jax
+
+import flaxstate as fs
+from flaxstate_testing import examples
+
+lm = examples.load("lm")
+
+
+def data(config: Any, part: tuple[int, int] = (0, 1)) -> grain.IterDataset:
+    """The example's batches (this process's `part` of each), read in the loop's thread."""
+    return lm.batches(lm.text(), config, part).to_iter_dataset(grain.ReadOptions(num_threads=0))
+
+
+def train_loop(config: Any, init: Any = None, batches: Any = None, mesh: Any = None, **kwargs: Any) -> fs.TrainLoop:
+    """A TrainLoop of `lm.Transformer(config)`: fresh, or from `init` (a reader); sharded by `lm.RULES` with `mesh`.
+
+    Records every `config.steps_per_checkpoint` steps, `config.steps_per_dispatch` a dispatch; `kwargs` go to
+    the loop (`n_steps`, `n_microbatches`, `record_memory`, ...).
+    """
+    model = lm.Transformer(config)
+    return fs.TrainLoop(
+        init=init if init is not None else model.init,
+        task=fs.TrainTask(
+            apply=model.apply,
+            optimizer=lm.optimizer(config),
+            loss=lm.loss,
+            data=batches if batches is not None else data(config),
+        ),
+        rng=jax.random.key(config.seed),
+        n_steps_per_checkpoint=config.steps_per_checkpoint,
+        n_steps_per_dispatch=config.steps_per_dispatch,
+        stdout=False,
+        mesh=mesh,
+        axis_rules=lm.RULES if mesh is not None else None,
+        **kwargs,
+    )

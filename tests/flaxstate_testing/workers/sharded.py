@@ -1,0 +1,120 @@
+"""Trains the LM example's model sharded over a mesh of the processes' devices, phase after phase.
+
+Each phase (`config["phases"]`) is one run: `mesh` ('data=1,fsdp=2,model=1'),
+`dir` (resumed from when it holds checkpoints), `steps`; with `copy_from`,
+process 0 first copies that directory to `dir`. With `stall_at`, the data
+sleeps before that batch (so that a kill lands mid-run); with `inference`, the
+last checkpoint is restored into a sharded `InferenceState` too. Process 0
+prints one `result {json}` line a phase: the bytes of the final state that
+each process's devices hold, against the whole state's, and which leaves were
+left whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+from flaxstate_testing.workers.common import setup
+
+config = setup()
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import redex  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+from flaxstate import tree_paths  # noqa: E402
+from flaxstate_testing.lm import lm, train_loop  # noqa: E402
+
+model_config = lm.Config(**config["model"])
+model = lm.Transformer(model_config)
+tokens = lm.text()
+
+
+def local_bytes(leaf: jax.Array | np.ndarray) -> int:
+    """The bytes of a leaf that this process's devices hold (a numpy leaf: a host copy of a replicated one)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.nbytes
+    return sum(shard.data.nbytes for shard in leaf.addressable_shards)
+
+
+def layout_report(state) -> dict:
+    leaves = tree_paths.flatten(state)
+    whole = {path: leaf for path, leaf in leaves.items() if local_bytes(leaf) == leaf.nbytes}
+    return {
+        "local_bytes": sum(local_bytes(leaf) for leaf in leaves.values()),
+        "total_bytes": sum(leaf.nbytes for leaf in leaves.values()),
+        "whole": {path: int(leaf.nbytes) for path, leaf in whole.items()},
+    }
+
+
+def batches(mesh, stall_at: int | None) -> grain.IterDataset:
+    """This process's part of the example's batches; with `stall_at`, that batch comes after a long sleep."""
+    dataset = lm.batches(tokens, model_config, fs.BatchLayout.create(mesh, lm.RULES).process_part())
+    if stall_at is not None:
+
+        def stall(index: int, batch):
+            if index == stall_at:
+                print("stalled", flush=True)
+                time.sleep(120)
+            return batch
+
+        dataset = dataset.map_with_index(stall)
+    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
+
+
+def run(phase: dict) -> dict:
+    if phase.get("copy_from"):
+        if jax.process_index() == 0:
+            shutil.copytree(phase["copy_from"], phase["dir"])
+        multihost_utils.sync_global_devices("copied")
+    mesh = lm.make_mesh(phase["mesh"])
+    loop = train_loop(
+        model_config,
+        init=fs.CheckpointFileReader(phase["dir"], target=model.init),
+        batches=batches(mesh, phase.get("stall_at")),
+        mesh=mesh,
+        n_steps=phase["steps"],
+        record_memory=phase.get("record_memory", "host"),
+    )
+    writer = fs.CheckpointFileWriter(phase["dir"], keep=10)
+    process = redex.combinator.serial(writer)
+    record = None
+    for record in loop:
+        process(record)
+        print("record", record.step, flush=True)
+    writer.close()
+    result = {"step": loop.step, **layout_report(record.state)}
+    if phase.get("inference"):
+        abstract = jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), *record_inputs())))
+        template = fs.sharded_like(abstract, fs.logical_shardings(abstract, mesh, lm.RULES))
+        restored = fs.CheckpointFileReader(phase["dir"]).restore(template)
+        mismatched = [
+            path
+            for path, leaf in tree_paths.flatten(restored.params).items()
+            if not all(
+                np.array_equal(a.data, b.data)
+                for a, b in zip(
+                    leaf.addressable_shards,
+                    tree_paths.flatten(record.state.params)[path].addressable_shards,
+                    strict=True,
+                )
+            )
+        ]
+        result["inference"] = {**layout_report(restored.params), "mismatched": mismatched}
+    return result
+
+
+def record_inputs() -> tuple[np.ndarray]:
+    return (np.zeros((1, model_config.seq_len), np.int32),)
+
+
+for phase in config["phases"]:
+    result = run(phase)
+    if jax.process_index() == 0:
+        print("result " + json.dumps(result), flush=True)
+print("done", flush=True)

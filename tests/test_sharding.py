@@ -1,0 +1,129 @@
+"""Shardings from logical axes: the rules' checks, the warnings, and a sharded loop on one device."""
+
+import re
+import warnings
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import processes, toy
+from flaxstate_testing.lm import lm, train_loop
+from jax.sharding import Mesh, PartitionSpec
+
+import flaxstate as fs
+from flaxstate import sharding
+
+SMALL = lm.Config(
+    batch_size=8,
+    seq_len=8,
+    embed=16,
+    heads=2,
+    head_dim=8,
+    mlp=32,
+    layers=1,
+    steps_per_checkpoint=2,
+    steps_per_dispatch=2,
+)
+
+
+def one_device_mesh():
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), lm.MESH_AXES)
+
+
+class Named(nn.Module):
+    """A dense layer whose kernel's second axis has a name that no rule of the example names."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "test_unruled_axis"))
+        return nn.Dense(3, kernel_init=init, use_bias=False)(x)
+
+
+def state_of(model, x):
+    return jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(optax.adam(1e-3), model.init(jax.random.key(0), x)))
+
+
+def test_a_logical_axis_without_a_rule_is_replicated_with_one_warning():
+    state = state_of(Named(), np.ones((2, 4), np.float32))
+    with pytest.warns(UserWarning, match=r"no axis rule names the logical axis 'test_unruled_axis'.*replicated"):
+        shardings = sharding.logical_shardings(state, one_device_mesh(), lm.RULES)
+    assert shardings.params["Dense_0"]["kernel"].spec == PartitionSpec("fsdp", None)
+    assert shardings.param_states[0].mu["Dense_0"]["kernel"].spec == PartitionSpec("fsdp", None)  # as its parameter
+    assert shardings.step.spec == PartitionSpec()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        sharding.logical_shardings(state, one_device_mesh(), lm.RULES)
+
+
+def test_a_model_without_logical_axes_is_replicated_with_a_warning():
+    state = state_of(toy.MLP(), np.ones((2, 4), np.float32))
+    sharding._warned.discard(("no axes",))
+    with pytest.warns(UserWarning, match="names no logical axes"):
+        shardings = sharding.logical_shardings(state, one_device_mesh(), lm.RULES)
+    assert all(s.spec == PartitionSpec() for s in jax.tree.leaves(shardings))
+
+
+def test_rules_that_are_not_pairs_or_name_a_missing_mesh_axis_are_errors():
+    with pytest.raises(ValueError, match=r"mesh axis 'tensor', which the mesh does not have: its axes are \('data'"):
+        sharding.check_rules(one_device_mesh(), [("embed", "fsdp"), ("mlp", ("model", "tensor"))])
+    with pytest.raises(ValueError, match="each rule is a \\(logical name, mesh axis\\) pair"):
+        sharding.check_rules(one_device_mesh(), [("embed",)])
+
+
+def test_the_batch_layout_of_one_process():
+    layout = sharding.BatchLayout.create(one_device_mesh(), lm.RULES)
+    assert layout.axes == ("data", "fsdp")
+    assert layout.spec(stacked=True) == PartitionSpec(None, ("data", "fsdp"))
+    assert layout.process_part() == (0, 1)
+
+
+def test_the_logical_axes_of_a_checkpoint_by_path():
+    state = state_of(lm.Transformer(SMALL), np.zeros((1, 8), np.int32))
+    axes = sharding.logical_axes_by_path(state)
+    assert axes["target/Block_0/Dense_0/kernel"] == ["embed", "mlp"]
+    assert axes["state/param_states/0/mu/Embed_0/embedding"] == ["vocab", "embed"]
+    assert axes["target/position"] == [None, "embed"]
+    assert "state/step" not in axes
+    assert sharding.logical_axes_by_path(state_of(toy.MLP(), np.ones((2, 4), np.float32))) == {}
+
+
+def loop(mesh=None, n_microbatches=1):
+    return train_loop(SMALL, mesh=mesh, n_steps=4, n_microbatches=n_microbatches)
+
+
+def test_a_sharded_loop_on_one_device_trains_as_the_data_parallel_loop():
+    data_parallel_loop = loop()
+    data_parallel = [record.loss for record in data_parallel_loop]
+    sharded_loop = loop(one_device_mesh(), n_microbatches=2)  # microbatches interleaved: the same mean
+    sharded = [record.loss for record in sharded_loop]
+    np.testing.assert_allclose(sharded, data_parallel, rtol=1e-5)
+    assert sharded_loop.step == data_parallel_loop.step == 4
+    for a, b in zip(jax.tree.leaves(sharded_loop.state), jax.tree.leaves(data_parallel_loop.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_mesh_and_axis_rules_come_together():
+    with pytest.raises(ValueError, match=re.escape("got only mesh")):
+        fs.TrainLoop(init=lambda *_: {}, task=None, rng=0, mesh=one_device_mesh())
+    with pytest.raises(ValueError, match="devices= or mesh=, not both"):
+        fs.TrainLoop(init=lambda *_: {}, task=None, rng=0, mesh=one_device_mesh(), axis_rules=[], devices=[])
+
+
+def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():
+    output = processes.run("sharding_errors.py", {}, n_devices=2, timeout=120)[0]
+    errors = dict(re.findall(r"^case ([^:]+): (.*)$", output, re.MULTILINE))
+    assert re.search(
+        r"ValueError: params/Block_0/DenseGeneral_0/kernel has shape \(33, 2, 8\): its dimension 0 \(logical axis "
+        r"'embed', size 33\) is sharded over mesh axes \('fsdp',\) of 2 devices",
+        errors["odd dimension"],
+    )
+    assert "dimension 1 (logical axis 'heads', size 3) is sharded over mesh axes ('model',)" in errors["odd heads"]
+    assert (
+        "batch of size 7, which does not divide by the 2 parts of the batch axes ('data', 'fsdp')"
+        in errors["odd batch"]
+    )
+    assert "do not split into n_microbatches=3" in errors["odd microbatches"]
+    assert "mesh axis 'tensor', which the mesh does not have" in errors["unknown mesh axis"]
+    assert "compiled 0" in output
