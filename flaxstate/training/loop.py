@@ -281,7 +281,8 @@ class TrainLoop:
         self._rng = _as_key(rng)
         self._views = copies.DeviceViews()
         state, restored = self._initial_state(init, task, inputs, init_names)
-        self._copy = copies.record_copier(self._mesh, self._state_shardings(state), record_memory)
+        shardings = self._state_shardings(state)
+        self._copy = copies.record_copier(self._mesh, shardings, record_memory)
         self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
@@ -298,7 +299,6 @@ class TrainLoop:
         self._step = int(jax.device_get(state.step))
         self._sharded = None
         if self._batch_layout is not None:
-            shardings = self._state_shardings(state)
             self._sharded = Sharded(jax.tree.leaves(shardings), shardings.params, self._batch_layout)
         self._train_step = make_train_step(
             task.apply,

@@ -7,6 +7,11 @@ across all devices (of all processes), then the optax update through
 `jax.jit` (what `jax.pmap` itself is built on since JAX 0.8), with the state
 donated, so the state stays one global array per leaf, replicated, that orbax
 saves once and any device count restores.
+
+A sharded loop (a mesh and logical axis rules) compiles the same function as
+the global update instead: no `pmean`, no mapping, `jax.jit` with each state
+leaf's sharding from its logical axes and the batch's over the batch axes
+(`Sharded`); GSPMD partitions the program and inserts the collectives.
 """
 
 from __future__ import annotations
