@@ -5,7 +5,9 @@ ships with Python: no download), read as bytes (a vocabulary of 256). Every
 parameter names its logical axes (`embed`, `mlp`, `heads`, `kv`, `vocab`);
 `--mesh` sizes the mesh axes `data`, `fsdp` and `model`, and `RULES` maps the
 names onto them: FSDP shards `embed` over `fsdp`, tensor parallelism shards
-`mlp`, `heads` and `vocab` over `model`. Checkpoints, resume and TensorBoard
+`mlp`, `heads` and `vocab` over `model`. The last `HELD_OUT` of the text is
+never trained on: each record is evaluated on it (`eval/loss`) by an
+`EvalLoop` sharded as the training is. Checkpoints, resume and TensorBoard
 logs land in --output-dir, with the settings as the checkpoint's metadata.
 
     python examples/lm.py --steps 300 --output-dir runs/lm
@@ -86,6 +88,8 @@ class Config:
     """A record (logged, saved) every this many steps."""
     steps_per_dispatch: int = 10
     """Steps in one compiled call."""
+    eval_batches: int = 4
+    """Held-out batches evaluated at every record."""
     seed: int = 0
     """The run's seed: initialization and the data's order."""
     coordinator_address: str | None = os.environ.get("JAX_COORDINATOR_ADDRESS")
@@ -98,6 +102,9 @@ class Config:
 
 VOCAB = 256
 """Bytes."""
+
+HELD_OUT = 0.05
+"""The share of the text, at its end, kept for evaluation."""
 
 
 NORMAL = nn.initializers.normal(0.02)
@@ -169,6 +176,12 @@ def text() -> np.ndarray:
     return np.frombuffer("\n\n".join(topics[name] for name in sorted(topics)).encode("utf-8"), dtype=np.uint8)
 
 
+def split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The text to train on and the held-out text after it (`HELD_OUT` of it)."""
+    cut = int(len(tokens) * (1 - HELD_OUT))
+    return tokens[:cut], tokens[cut:]
+
+
 def batches(tokens: np.ndarray, config: Config, part: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """Batches of (inputs, next bytes), forever: batch i is a pure function of i (grain restores it exactly).
 
@@ -221,13 +234,15 @@ def main(config: Config) -> None:
     mesh = make_mesh(config.mesh)
     part = fs.BatchLayout.create(mesh, RULES).process_part()
     model = Transformer(config)
+    train_tokens, held_out = split(text())
+    held_out_batches = batches(held_out, config, part)
     loop = fs.TrainLoop(
         init=fs.CheckpointFileReader(config.output_dir, target=model.init),  # resume, or init fresh
         task=fs.TrainTask(
             apply=model.apply,
             optimizer=optimizer(config),
             loss=loss,
-            data=batches(text(), config, part).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+            data=batches(train_tokens, config, part).to_iter_dataset(grain.ReadOptions(num_threads=0)),
         ),
         rng=jax.random.key(config.seed),
         n_steps=config.steps,
@@ -236,7 +251,19 @@ def main(config: Config) -> None:
         mesh=mesh,
         axis_rules=RULES,
     )
+    evaluate = fs.EvalLoop(
+        fs.EvalTask(
+            apply=model.apply,
+            metrics={"loss": loss},
+            data=[held_out_batches[i] for i in range(config.eval_batches)],  # the same batches every time
+        ),
+        rng=jax.random.key(config.seed),
+        n_steps=config.eval_batches,
+        mesh=mesh,
+        axis_rules=RULES,
+    )
     process = redex.combinator.serial(
+        evaluate,
         fs.SummaryLogger(),
         fs.SummaryWriter(config.output_dir),
         fs.CheckpointFileWriter(config.output_dir, keep=2, metadata=config),

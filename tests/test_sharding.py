@@ -104,11 +104,30 @@ def test_a_sharded_loop_on_one_device_trains_as_the_data_parallel_loop():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_a_sharded_eval_loop_on_one_device_evaluates_as_the_data_parallel_one():
+    trained = loop(one_device_mesh())
+    record = trained.next_checkpoint()
+    model = lm.Transformer(SMALL)
+    dataset = lm.batches(lm.text(), SMALL)
+    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(3)])
+    sharded = fs.EvalLoop(task, jax.random.key(1), n_steps=3, mesh=one_device_mesh(), axis_rules=lm.RULES)
+    data_parallel = fs.EvalLoop(task, jax.random.key(1), n_steps=3)
+    newest = [evaluate(record).metrics["eval"]["loss"] for evaluate in (sharded, data_parallel)]  # the loop's arrays
+    trained.next_checkpoint()  # the loop trains on: the record is now evaluated from its host copy
+    older = [evaluate(record).metrics["eval"]["loss"] for evaluate in (sharded, data_parallel)]
+    np.testing.assert_allclose(newest + older, [older[1]] * 4, rtol=1e-6)
+
+
 def test_mesh_and_axis_rules_come_together():
     with pytest.raises(ValueError, match=re.escape("got only mesh")):
         fs.TrainLoop(init=lambda *_: {}, task=None, rng=0, mesh=one_device_mesh())
     with pytest.raises(ValueError, match="devices= or mesh=, not both"):
         fs.TrainLoop(init=lambda *_: {}, task=None, rng=0, mesh=one_device_mesh(), axis_rules=[], devices=[])
+    task = fs.EvalTask(apply=None, metrics={"loss": lm.loss}, data=[])
+    with pytest.raises(ValueError, match=re.escape("EvalLoop shards the state when given both mesh= and axis_rules=")):
+        fs.EvalLoop(task, jax.random.key(0), axis_rules=lm.RULES)
+    with pytest.raises(ValueError, match="EvalLoop takes devices= or mesh=, not both"):
+        fs.EvalLoop(task, jax.random.key(0), mesh=one_device_mesh(), axis_rules=lm.RULES, devices=jax.devices())
 
 
 def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():

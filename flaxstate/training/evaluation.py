@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from flaxstate.records import Checkpoint, Summary
+from flaxstate.sharding import AxisRules
 from flaxstate.train_state import InferenceState
 from flaxstate.training import batching, copies
-from flaxstate.training.step import compile_eval_step, make_eval_step
+from flaxstate.training.placement import Placement
+from flaxstate.training.step import compile_eval_step, compile_sharded_eval_step, make_eval_step
 from flaxstate.training.task import EvalTask
 
 
 class EvalLoop:
-    """Evaluates a record's state on `n_steps` batches across the devices.
+    """Evaluates a record's state on `n_steps` batches across the devices, data-parallel or sharded over a mesh.
 
     Returns the record as a `Summary` with `{"eval": {name: mean}}` (averaged
     over all batches and devices) and `{"train": {"loss": record.loss}}`.
+    With `mesh` and `axis_rules` (a sharded `TrainLoop`'s), the parameters
+    stay sharded by their logical axes, as in training, and the metrics are
+    those of the global batch: a model that does not fit on one device is
+    evaluated where it lives.
     The evaluation data is iterated on across calls and started again when it
     runs out. The model runs with no rngs and nothing mutable, unless
     `rng_collections` names rng collections (e.g. for a model that samples):
@@ -46,6 +53,8 @@ class EvalLoop:
         devices: Sequence[jax.Device] | None = None,
         group: str = "eval",
         rng_collections: Sequence[str] = (),
+        mesh: Mesh | None = None,
+        axis_rules: AxisRules | None = None,
     ) -> None:
         """Prepares the compiled evaluation.
 
@@ -57,9 +66,19 @@ class EvalLoop:
             group: the metrics' group name in the summary.
             rng_collections: rng collections to give the model at evaluation
                 (none by default, so dropout is off).
+            mesh: a `jax.sharding.Mesh` with named axes, with `axis_rules`:
+                the parameters and mutable collections are placed by their
+                logical axes through the rules, the batch over the mesh axes
+                of `batch`, and the evaluation compiled with those shardings
+                (each process feeds its part of the batch, as in
+                `TrainLoop`). Without them every device holds the whole
+                parameters and evaluates its part of the batch.
+            axis_rules: flax-style logical axis rules (`TrainLoop`'s).
 
         Raises:
-            ValueError: `n_steps` below 1, or no metrics.
+            ValueError: `n_steps` below 1, or no metrics; only one of `mesh`
+                and `axis_rules`, or `mesh` with `devices`; rules naming a
+                mesh axis the mesh does not have.
         """
         if n_steps < 1:
             raise ValueError(f"EvalLoop n_steps must be at least 1, got {n_steps}.")
@@ -70,13 +89,14 @@ class EvalLoop:
         self._rng_collections = tuple(rng_collections)
         self._n_steps = n_steps
         self._group = group
-        self._mesh = batching.mesh_of(devices)
-        self._n_local_devices = batching.local_device_count(self._mesh)
+        self._placement = Placement.create("EvalLoop", devices, mesh, axis_rules)
         self._iterator = iter(task.data)
         self._rng_data = jax.random.key_data(self._rng)
         self._rng_impl = jax.random.key_impl(self._rng)
-        eval_step = make_eval_step(task.apply, task.metrics, self._rng_collections, self._mesh.size, self._rng_impl)
-        self._evaluate = compile_eval_step(eval_step, self._mesh)
+        n_devices = 1 if self._placement.sharded else self._placement.mesh.size  # a sharded step is the global one
+        self._eval_step = make_eval_step(task.apply, task.metrics, self._rng_collections, n_devices, self._rng_impl)
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        """The compiled evaluation by the state's tree structure (one, unless states of several models come)."""
 
     def _next_batch(self) -> Any:
         try:
@@ -111,18 +131,35 @@ class EvalLoop:
         if record_state is None:
             record_state = checkpoint.state
         needed = InferenceState(
-            step=record_state.step, params=record_state.params, flax_mutables=record_state.flax_mutables
+            step=record_state.step,
+            params=record_state.params,
+            flax_mutables=record_state.flax_mutables,
+            params_axes=getattr(record_state, "params_axes", None),
+            flax_mutables_axes=getattr(record_state, "flax_mutables_axes", None),
         )
-        state = jax.device_put(needed, batching.replicated(self._mesh))
+        shardings = self._placement.state_shardings(needed)
+        state = jax.device_put(needed, shardings)  # the loop's own device arrays stay where they are
+        evaluate = self._compiled_for(state, shardings)
         totals = None
         for index in range(self._n_steps):
             batch = batching.normalize(self._next_batch(), "EvalTask")
-            batching.check_divisible(batch, self._n_local_devices, "EvalTask")
+            self._placement.check_batch(batch, "EvalTask")
             rng_data = self._batch_rng_data(int(checkpoint.step), index)
-            values = self._evaluate(state, batching.to_devices(batch, self._mesh, stacked=False), rng_data)
+            values = evaluate(state, self._placement.to_devices(batch, stacked=False), rng_data)
             totals = values if totals is None else jax.tree.map(jnp.add, totals, values)
         metrics = {name: float(value) / self._n_steps for name, value in jax.device_get(totals).items()}
         return checkpoint.with_metrics({self._group: metrics, "train": {"loss": checkpoint.loss}})
+
+    def _compiled_for(self, state: InferenceState, shardings: Any) -> Callable[..., Any]:
+        """The evaluation compiled for this state's structure (and, sharded, its leaves' shardings)."""
+        structure = jax.tree.structure(state)
+        if structure not in self._compiled:
+            if self._placement.sharded:
+                layout = self._placement.batch_layout
+                self._compiled[structure] = compile_sharded_eval_step(self._eval_step, shardings, layout)
+            else:
+                self._compiled[structure] = compile_eval_step(self._eval_step, self._placement.mesh)
+        return self._compiled[structure]
 
     def _batch_rng_data(self, step: int, index: int) -> jax.Array:
         """The raw key of one evaluation batch (unused without rng collections)."""

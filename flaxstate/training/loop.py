@@ -17,12 +17,13 @@ from jax.sharding import Mesh
 
 from flaxstate import background
 from flaxstate.records import Checkpoint, CheckpointFile
-from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings
+from flaxstate.sharding import AxisRules
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, copies, multihost, scaling
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.nonfinite import LossWatch
+from flaxstate.training.placement import Placement
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
 from flaxstate.training.step import Sharded, compile_gradients, compile_train_steps, make_train_step
 from flaxstate.training.task import TrainTask
@@ -234,26 +235,9 @@ class TrainLoop:
         self._n_steps_per_checkpoint = n_steps_per_checkpoint
         self._n_steps_per_dispatch = n_steps_per_dispatch
         self._n_microbatches = int(n_microbatches)
-        if (mesh is None) != (axis_rules is None):
-            raise ValueError(
-                "TrainLoop shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
-                f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
-                "training."
-            )
-        if mesh is not None and devices is not None:
-            raise ValueError(
-                "TrainLoop takes devices= or mesh=, not both: a sharded loop trains on the mesh's devices."
-            )
-        self._axis_rules = axis_rules
-        self._mesh = mesh if mesh is not None else batching.mesh_of(devices)
-        self._batch_layout = BatchLayout.create(mesh, axis_rules) if mesh is not None else None
-        self._n_local_devices = batching.local_device_count(self._mesh)
-        self._n_local_parts = self._n_local_devices
-        self._parts = "local devices"
-        if self._batch_layout is not None:
-            self._n_local_parts = len(self._batch_layout.local_parts())
-            self._parts = f"parts of the batch axes {self._batch_layout.axes} that this process's devices hold"
-        self._replicated = batching.replicated(self._mesh)
+        self._placement = Placement.create("TrainLoop", devices, mesh, axis_rules)
+        self._mesh = self._placement.mesh
+        self._n_local_parts = self._placement.n_local_parts
         self._progress = ProgressDisplay(stdout)
         self._signals = Signals(handle_preemption)
         self._segment: _Segment | None = None
@@ -268,12 +252,8 @@ class TrainLoop:
         init_names, apply_names = _rng_names(collections)
 
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
-        batching.check_divisible(first_batch, self._n_local_parts, "TrainTask", self._n_microbatches, self._parts)
-        local_size = int(np.shape(first_batch[0][0])[0])
-        if self._batch_layout is None:
-            self._batch_size = local_size * jax.process_count()
-        else:
-            self._batch_size = local_size * self._batch_layout.n_parts // self._n_local_parts
+        self._placement.check_batch(first_batch, "TrainTask", self._n_microbatches)
+        self._batch_size = self._placement.global_batch_size(int(np.shape(first_batch[0][0])[0]))
         if input_sample is None:
             inputs = first_batch[0]
         else:
@@ -281,7 +261,7 @@ class TrainLoop:
         self._rng = _as_key(rng)
         self._views = copies.DeviceViews()
         state, restored = self._initial_state(init, task, inputs, init_names)
-        shardings = self._state_shardings(state)
+        shardings = self._placement.state_shardings(state)
         self._copy = copies.record_copier(self._mesh, shardings, record_memory)
         self._restored_step = None if restored is None else int(restored.step)
         if restored is not None:
@@ -295,11 +275,11 @@ class TrainLoop:
         restored_run_id = restored.run_id if restored is not None else None
         self._run_id = restored_run_id or multihost.agree(uuid.uuid4().hex[:12])
         self._state_leaves, self._treedef = jax.tree.flatten(state)
-        self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._replicated)
+        self._rng_data = jax.device_put(jax.random.key_data(self._rng), self._placement.replicated)
         self._step = int(jax.device_get(state.step))
         self._sharded = None
-        if self._batch_layout is not None:
-            self._sharded = Sharded(jax.tree.leaves(shardings), shardings.params, self._batch_layout)
+        if self._placement.sharded:
+            self._sharded = Sharded(jax.tree.leaves(shardings), shardings.params, self._placement.batch_layout)
         self._train_step = make_train_step(
             task.apply,
             task.loss,
@@ -326,13 +306,14 @@ class TrainLoop:
                 raise ValueError("TrainLoop needs init: a model's init, or a reader with a checkpoint or a target.")
             return self._state_from_state_dict(task, restored.state), restored
         init_rng = jax.random.fold_in(self._rng, 0)
-        per_device = [np.asarray(x)[: max(1, len(x) // self._n_local_devices)] for x in inputs]
+        per_device = [np.asarray(x)[: max(1, len(x) // self._placement.n_local_devices)] for x in inputs]
 
         def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
             rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
             return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task))
 
-        fresh = jax.jit(create, out_shardings=self._state_shardings(jax.eval_shape(create, init_rng, *per_device)))
+        shardings = self._placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
+        fresh = jax.jit(create, out_shardings=shardings)
         if reader is None:
             return fresh(init_rng, *per_device), None
         # The template is abstract: a resumed run never holds a fresh state beside the restored one.
@@ -347,13 +328,7 @@ class TrainLoop:
             variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
             return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
 
-        return jax.jit(create, out_shardings=self._state_shardings(jax.eval_shape(create)))()
-
-    def _state_shardings(self, state: FlaxOptimTrainState) -> Any:
-        """The state's sharding: replicated (data-parallel), else each leaf's from its logical axes."""
-        if self._batch_layout is None:
-            return self._replicated
-        return logical_shardings(state, self._mesh, self._axis_rules)
+        return jax.jit(create, out_shardings=self._placement.state_shardings(jax.eval_shape(create)))()
 
     @property
     def step(self) -> int:
@@ -494,7 +469,7 @@ class TrainLoop:
         if self._n_local_parts * self._n_microbatches > 1 or not self._checked_shapes:  # else any size divides
             shapes = tuple([array.shape for part in batch for array in part])
             if shapes not in self._checked_shapes:
-                batching.check_divisible(batch, self._n_local_parts, "TrainTask", self._n_microbatches, self._parts)
+                self._placement.check_batch(batch, "TrainTask", self._n_microbatches)
                 self._checked_shapes.add(shapes)
         return batch
 
@@ -579,9 +554,7 @@ class TrainLoop:
             while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
                 batch = self._host_batch(n, self._step + queued_steps + 1)
                 if several_processes:
-                    layout = self._batch_layout
-                    sharding = layout.sharding(n > 1) if layout is not None else None
-                    batch = batching.to_devices(batch, self._mesh, stacked=n > 1, sharding=sharding)
+                    batch = self._placement.to_devices(batch, stacked=n > 1)
                 queue.append((n, batch))
                 queued_steps += n
 

@@ -354,3 +354,16 @@ def _map_over(
 def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:
     """Maps the evaluation over the mesh (nothing donated: the state is the record's)."""
     return _map_over(mesh, eval_step, in_specs=(batch_spec(False), PartitionSpec()), donate=())
+
+
+def compile_sharded_eval_step(
+    eval_step: Callable[..., dict[str, jax.Array]], state_shardings: PyTree, layout: BatchLayout
+) -> Callable[..., Any]:
+    """Compiles a global evaluation (`make_eval_step(n_devices=1)`) with the state's and the batch's shardings.
+
+    GSPMD partitions it as it does the sharded update; the metrics come back
+    replicated, and nothing is donated.
+    """
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    in_shardings = (state_shardings, layout.sharding(False), replicated)
+    return jax.jit(eval_step, in_shardings=in_shardings, out_shardings=replicated)

@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -26,9 +27,11 @@ def run_lm(output_dir, steps, *flags, check=True):
 
 def test_the_example_trains_resumes_and_stores_its_config_with_every_checkpoint(tmp_path):
     first = run_lm(tmp_path / "run", 10).stdout
-    assert "step 10: train/loss" in first
+    assert re.search(r"step 10: eval/loss [\d.]+  train/loss", first)  # evaluated on the held-out text
     second = run_lm(tmp_path / "run", 20).stdout
-    assert "Resumed from the checkpoint at step 10." in second and "step 20: train/loss" in second
+    assert "Resumed from the checkpoint at step 10." in second and re.search(
+        r"step 20: eval/loss [\d.]+  train", second
+    )
     checkpoint = fs.CheckpointFileReader(tmp_path / "run").read(None)
     expected = dataclasses.replace(
         lm.Config(),
@@ -64,3 +67,6 @@ def test_the_text_ships_with_python_and_batches_split_across_processes():
     halves = [lm.batches(tokens, config, (index, 2))[3] for index in range(2)]
     np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), whole[0])
     np.testing.assert_array_equal(whole[0][:, 1:], whole[1][:, :-1])  # targets: the next bytes
+    train, held_out = lm.split(tokens)
+    np.testing.assert_array_equal(np.concatenate([train, held_out]), tokens)  # the held-out end is never trained on
+    assert 0.04 < len(held_out) / len(tokens) < 0.06

@@ -1,10 +1,13 @@
 """Sharded training over 2 gloo processes (one CPU device each): the LM example's model, FSDP and tensor-parallel.
 
 One worker run trains every layout in turn (`flaxstate_testing/workers/sharded.py`), so the processes join
-once; the one-device runs they are compared with train here, in the test's own process.
+once; the one-device runs they are compared with train here, in the test's own process. kill -9 and SIGTERM
+(preemption) runs start their own workers, and resume to end bit for bit as a straight FSDP run.
 """
 
 import json
+import os
+import re
 import shutil
 import signal
 import time
@@ -31,6 +34,8 @@ MODEL = {
     "steps_per_dispatch": 2,
 }
 N = 6
+LONG = 24
+"""The preempted run's length: long enough, with slow data, to still be training when both processes agree to stop."""
 FSDP, TENSOR = "data=1,fsdp=2,model=1", "data=1,fsdp=1,model=2"
 
 
@@ -63,16 +68,24 @@ def results(output):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One device to N (then on to N + 2); then over 2 processes: FSDP and tensor-parallel to N, each
-    resumed (from the one-device and the tensor-parallel checkpoints) as FSDP to N + 2."""
+    resumed (from the one-device and the tensor-parallel checkpoints) as FSDP to N + 2; FSDP straight to LONG."""
     root = tmp_path_factory.mktemp("sharded")
     train_on_one_device(root / "one", N)
     shutil.copytree(root / "one", root / "one-on")
     train_on_one_device(root / "one-on", N + 2)
     phases = [
-        {"mesh": FSDP, "dir": str(root / "fsdp"), "steps": N, "record_memory": "device", "inference": True},
-        {"mesh": TENSOR, "dir": str(root / "tensor"), "steps": N},
+        {
+            "mesh": FSDP,
+            "dir": str(root / "fsdp"),
+            "steps": N,
+            "record_memory": "device",
+            "inference": True,
+            "evaluate": 2,
+        },
+        {"mesh": TENSOR, "dir": str(root / "tensor"), "steps": N, "evaluate": 2},
         {"mesh": FSDP, "dir": str(root / "one-to-fsdp"), "steps": N + 2, "copy_from": str(root / "one")},
         {"mesh": FSDP, "dir": str(root / "tensor-to-fsdp"), "steps": N + 2, "copy_from": str(root / "tensor")},
+        {"mesh": FSDP, "dir": str(root / "fsdp-long"), "steps": LONG},
     ]
     output = processes.run("sharded.py", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
     return root, results(output)
@@ -106,7 +119,7 @@ def test_fsdp_over_two_devices_holds_about_half_of_the_state_on_each(runs):
 
 
 def test_sharded_checkpoints_restore_into_other_meshes(runs):
-    root, (_, _, one_to_fsdp, tensor_to_fsdp) = runs
+    root, (_, _, one_to_fsdp, tensor_to_fsdp, _) = runs
     assert one_to_fsdp["step"] == tensor_to_fsdp["step"] == N + 2
     # One device -> FSDP 2, and tensor-parallel 2 -> FSDP 2, go on as the one-device run went on.
     assert_close(params(root / "one-to-fsdp"), params(root / "one-on"))
@@ -124,6 +137,23 @@ def test_a_training_checkpoint_restores_into_a_sharded_inference_state(runs):
     inference = fsdp["inference"]
     assert inference["mismatched"] == []
     assert inference["local_bytes"] / inference["total_bytes"] <= 0.6
+
+
+def test_a_sharded_eval_loop_keeps_the_parameters_sharded_and_evaluates_as_one_device(runs):
+    root, (fsdp, tensor, *_) = runs
+    config = lm.Config(**MODEL)
+    model = lm.Transformer(config)
+    state = fs.CheckpointFileReader(root / "one").restore(
+        jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), np.zeros((1, 16), np.int32))))
+    )
+    dataset = lm.batches(lm.text(), config)
+    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(2)])
+    record = fs.Checkpoint(state=state, grads=None, loss=0.0, n_completed_steps=N, elapsed_time=0.0, step=N)
+    one = fs.EvalLoop(task, jax.random.key(1), n_steps=2)(record).metrics["eval"]["loss"]
+    # FSDP evaluates the record's device copy, tensor-parallel its host copy; neither gathers the embedding.
+    for evaluation in (fsdp["evaluation"], tensor["evaluation"]):
+        np.testing.assert_allclose(evaluation["metrics"]["loss"], one, rtol=1e-5)
+        assert evaluation["replicated_inside"] == [False]
 
 
 def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straight_run(runs, tmp_path):
@@ -146,9 +176,41 @@ def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straigh
     print("after kill -9:", saved)
     resumed = dict(stalled, stall_at=None)
     processes.run("sharded.py", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
-    killed = fs.CheckpointFileReader(directory).read(None)
-    straight = fs.CheckpointFileReader(root / "fsdp").read(None)
-    assert killed.step == straight.step == N
-    assert killed.data_position == straight.data_position
-    for a, b in zip(jax.tree.leaves(killed.state), jax.tree.leaves(straight.state), strict=True):
+    assert_bit_equal_checkpoints(directory, root / "fsdp", N)
+
+
+def assert_bit_equal_checkpoints(directory, reference, step):
+    got, want = fs.CheckpointFileReader(directory).read(None), fs.CheckpointFileReader(reference).read(None)
+    assert got.step == want.step == step
+    assert got.data_position == want.data_position
+    for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(want.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_to_one_process_of_an_fsdp_run_stops_both_at_one_step_then_resume_ends_bit_for_bit(runs, tmp_path):
+    root, _ = runs
+    directory = str(tmp_path / "preempted")
+    slow = {"mesh": FSDP, "dir": directory, "steps": LONG, "data_sleep": 0.3}
+    port = processes.free_port()
+    workers = [
+        processes.Watched(processes.start("sharded.py", {"model": MODEL, "phases": [slow]}, i, 2, port))
+        for i in range(2)
+    ]
+    try:
+        for worker in workers:
+            worker.wait_for("record 4", timeout=120)
+        os.kill(workers[1].process.pid, signal.SIGTERM)  # process 1 only: process 0 hears of it from JAX
+        codes = [worker.finish(timeout=90) for worker in workers]
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+    outputs = "\n".join(worker.output for worker in workers)
+    assert codes == [0, 0], outputs
+    stopped = [re.findall(r"^record (\d+) preempted$", worker.output, flags=re.MULTILINE) for worker in workers]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, outputs
+    stopped_at = int(stopped[0][0])
+    print("preempted at", stopped_at)
+    assert 4 <= stopped_at < LONG and stopped_at % MODEL["steps_per_dispatch"] == 0
+    assert fs.CheckpointFileReader(directory).read(None).step == stopped_at  # saved whatever the interval
+    processes.run("sharded.py", {"model": MODEL, "phases": [dict(slow, data_sleep=0.0)]}, n_processes=2, timeout=180)
+    assert_bit_equal_checkpoints(directory, root / "fsdp-long", LONG)

@@ -3,11 +3,14 @@
 Each phase (`config["phases"]`) is one run: `mesh` ('data=1,fsdp=2,model=1'),
 `dir` (resumed from when it holds checkpoints), `steps`; with `copy_from`,
 process 0 first copies that directory to `dir`. With `stall_at`, the data
-sleeps before that batch (so that a kill lands mid-run); with `inference`, the
-last checkpoint is restored into a sharded `InferenceState` too. Process 0
-prints one `result {json}` line a phase: the bytes of the final state that
-each process's devices hold, against the whole state's, and which leaves were
-left whole.
+sleeps before that batch (so that a kill lands mid-run); with `data_sleep`,
+before every batch (so that a SIGTERM lands in training); with `inference`, the
+last checkpoint is restored into a sharded `InferenceState` too; with
+`evaluate`, the final record is evaluated by a sharded `EvalLoop` on that many
+of the example's batches. Process 0 prints one `result {json}` line a phase:
+the bytes of the final state that each process's devices hold, against the
+whole state's, which leaves were left whole, and the evaluation's metrics with
+whether the parameters it saw inside its compiled step were sharded.
 """
 
 from __future__ import annotations
@@ -52,15 +55,17 @@ def layout_report(state) -> dict:
     }
 
 
-def batches(mesh, stall_at: int | None) -> grain.IterDataset:
-    """This process's part of the example's batches; with `stall_at`, that batch comes after a long sleep."""
+def batches(mesh, stall_at: int | None, data_sleep: float) -> grain.IterDataset:
+    """This process's part of the example's batches, each `data_sleep` seconds late; with `stall_at`, that batch
+    comes after a long sleep."""
     dataset = lm.batches(tokens, model_config, fs.BatchLayout.create(mesh, lm.RULES).process_part())
-    if stall_at is not None:
+    if stall_at is not None or data_sleep:
 
         def stall(index: int, batch):
             if index == stall_at:
                 print("stalled", flush=True)
                 time.sleep(120)
+            time.sleep(data_sleep)
             return batch
 
         dataset = dataset.map_with_index(stall)
@@ -76,7 +81,7 @@ def run(phase: dict) -> dict:
     loop = train_loop(
         model_config,
         init=fs.CheckpointFileReader(phase["dir"], target=model.init),
-        batches=batches(mesh, phase.get("stall_at")),
+        batches=batches(mesh, phase.get("stall_at"), phase.get("data_sleep", 0.0)),
         mesh=mesh,
         n_steps=phase["steps"],
         record_memory=phase.get("record_memory", "host"),
@@ -86,7 +91,7 @@ def run(phase: dict) -> dict:
     record = None
     for record in loop:
         process(record)
-        print("record", record.step, flush=True)
+        print("record", record.step, "preempted" if record.preempted else "", flush=True)
     writer.close()
     result = {"step": loop.step, **layout_report(record.state)}
     if phase.get("inference"):
@@ -106,7 +111,25 @@ def run(phase: dict) -> dict:
             )
         ]
         result["inference"] = {**layout_report(restored.params), "mismatched": mismatched}
+    if phase.get("evaluate"):
+        result["evaluation"] = evaluate(record, mesh, phase["evaluate"])
     return result
+
+
+def evaluate(record: fs.Checkpoint, mesh, n_batches: int) -> dict:
+    """The record's loss on the first batches (this process's part of each), evaluated sharded over the mesh."""
+    part = fs.BatchLayout.create(mesh, lm.RULES).process_part()
+    dataset = lm.batches(tokens, model_config, part)
+    inside = []
+
+    def apply(variables, *inputs):
+        embedding = variables["params"]["Embed_0"]["embedding"]
+        jax.debug.inspect_array_sharding(embedding, callback=lambda s: inside.append(s.is_fully_replicated))
+        return model.apply(variables, *inputs)
+
+    task = fs.EvalTask(apply=apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(n_batches)])
+    evaluated = fs.EvalLoop(task, jax.random.key(1), n_steps=n_batches, mesh=mesh, axis_rules=lm.RULES)(record)
+    return {"metrics": evaluated.metrics["eval"], "replicated_inside": inside}
 
 
 def record_inputs() -> tuple[np.ndarray]:
