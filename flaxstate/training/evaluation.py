@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from flaxstate.records import Checkpoint, Summary
@@ -95,8 +96,9 @@ class EvalLoop:
         self._rng_impl = jax.random.key_impl(self._rng)
         n_devices = 1 if self._placement.sharded else self._placement.mesh.size  # a sharded step is the global one
         self._eval_step = make_eval_step(task.apply, task.metrics, self._rng_collections, n_devices, self._rng_impl)
-        self._compiled: dict[Any, Callable[..., Any]] = {}
-        """The compiled evaluation by the state's tree structure (one, unless states of several models come)."""
+        self._compiled: dict[Any, tuple[Any, Callable[..., Any]]] = {}
+        """The state's shardings and compiled evaluation by its structure and shapes (one, unless several models
+        come)."""
 
     def _next_batch(self) -> Any:
         try:
@@ -137,9 +139,8 @@ class EvalLoop:
             params_axes=getattr(record_state, "params_axes", None),
             flax_mutables_axes=getattr(record_state, "flax_mutables_axes", None),
         )
-        shardings = self._placement.state_shardings(needed)
+        shardings, evaluate = self._compiled_for(needed)
         state = jax.device_put(needed, shardings)  # the loop's own device arrays stay where they are
-        evaluate = self._compiled_for(state, shardings)
         totals = None
         for index in range(self._n_steps):
             batch = batching.normalize(self._next_batch(), "EvalTask")
@@ -150,16 +151,22 @@ class EvalLoop:
         metrics = {name: float(value) / self._n_steps for name, value in jax.device_get(totals).items()}
         return checkpoint.with_metrics({self._group: metrics, "train": {"loss": checkpoint.loss}})
 
-    def _compiled_for(self, state: InferenceState, shardings: Any) -> Callable[..., Any]:
-        """The evaluation compiled for this state's structure (and, sharded, its leaves' shardings)."""
-        structure = jax.tree.structure(state)
-        if structure not in self._compiled:
+    def _compiled_for(self, state: InferenceState) -> tuple[Any, Callable[..., Any]]:
+        """The state's shardings and the evaluation compiled with them, made once per structure and shapes.
+
+        The structure holds the logical axes (static fields), so the
+        shardings, and the checks of the shapes against the mesh, are made
+        for the first record and reused for every record after it.
+        """
+        key = (jax.tree.structure(state), tuple(np.shape(leaf) for leaf in jax.tree.leaves(state)))
+        if key not in self._compiled:
+            shardings = self._placement.state_shardings(state)
             if self._placement.sharded:
-                layout = self._placement.batch_layout
-                self._compiled[structure] = compile_sharded_eval_step(self._eval_step, shardings, layout)
+                evaluate = compile_sharded_eval_step(self._eval_step, shardings, self._placement.batch_layout)
             else:
-                self._compiled[structure] = compile_eval_step(self._eval_step, self._placement.mesh)
-        return self._compiled[structure]
+                evaluate = compile_eval_step(self._eval_step, self._placement.mesh)
+            self._compiled[key] = (shardings, evaluate)
+        return self._compiled[key]
 
     def _batch_rng_data(self, step: int, index: int) -> jax.Array:
         """The raw key of one evaluation batch (unused without rng collections)."""

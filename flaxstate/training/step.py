@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxstate.sharding import BatchLayout
-from flaxstate.training.batching import AXIS, Batch, batch_spec
+from flaxstate.training.batching import AXIS, Batch, batch_spec, replicated
 
 PyTree = Any
 
@@ -234,7 +234,7 @@ class Sharded:
 
     @property
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self.batch.mesh, PartitionSpec())
+        return replicated(self.batch.mesh)
 
 
 def compile_train_steps(
@@ -289,7 +289,7 @@ def compile_train_steps(
 
     if sharded is not None:
         outputs = (sharded.replicated,) if n_steps == 1 else (sharded.params, sharded.replicated)
-        return _jit_sharded(sharded, flat_steps, n_steps > 1, (sharded.state, *outputs), donate=(0,))
+        return _jit_sharded(sharded.state, sharded.batch, flat_steps, n_steps > 1, (sharded.state, *outputs), (0,))
     return _map_over(mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec()), donate=(0,))
 
 
@@ -312,15 +312,24 @@ def compile_gradients(
         return train_step(state, batch, rng)[1]
 
     if sharded is not None:
-        return _jit_sharded(sharded, gradients, False, sharded.params, donate=())
+        return _jit_sharded(sharded.state, sharded.batch, gradients, False, sharded.params, donate=())
     return _map_over(mesh, gradients, in_specs=(batch_spec(False), PartitionSpec()), donate=())
 
 
 def _jit_sharded(
-    sharded: Sharded, function: Callable[..., Any], stacked: bool, out_shardings: Any, donate: tuple[int, ...]
+    state_shardings: PyTree,
+    layout: BatchLayout,
+    function: Callable[..., Any],
+    stacked: bool,
+    out_shardings: Any,
+    donate: tuple[int, ...],
 ) -> Callable[..., Any]:
-    """Compiles a global `function(state_leaves, batch, rng_data)` with explicit shardings (GSPMD)."""
-    in_shardings = (sharded.state, sharded.batch.sharding(stacked), sharded.replicated)
+    """Compiles a global `function(state, batch, rng_data)` with explicit shardings (GSPMD).
+
+    The state's shardings match what the function takes: the update's flat
+    list of leaves, or the evaluation's state tree.
+    """
+    in_shardings = (state_shardings, layout.sharding(stacked), replicated(layout.mesh))
     return jax.jit(function, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
 
 
@@ -364,6 +373,4 @@ def compile_sharded_eval_step(
     GSPMD partitions it as it does the sharded update; the metrics come back
     replicated, and nothing is donated.
     """
-    replicated = NamedSharding(layout.mesh, PartitionSpec())
-    in_shardings = (state_shardings, layout.sharding(False), replicated)
-    return jax.jit(eval_step, in_shardings=in_shardings, out_shardings=replicated)
+    return _jit_sharded(state_shardings, layout, eval_step, False, replicated(layout.mesh), donate=())

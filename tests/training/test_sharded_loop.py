@@ -125,9 +125,7 @@ def test_sharded_checkpoints_restore_into_other_meshes(runs):
     assert_close(params(root / "one-to-fsdp"), params(root / "one-on"))
     assert_close(params(root / "tensor-to-fsdp"), params(root / "one-on"))
     # FSDP 2 -> one device: restored into this process's one device by a template with its sharding.
-    model = lm.Transformer(lm.Config(**MODEL))
-    state = jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), np.zeros((1, 16), np.int32))))
-    on_one_device = fs.CheckpointFileReader(root / "fsdp").restore(state)
+    on_one_device = fs.CheckpointFileReader(root / "fsdp").restore(inference_template())
     for leaf in jax.tree.leaves(on_one_device.params):
         assert leaf.sharding.device_set == {jax.devices()[0]}
 
@@ -143,9 +141,7 @@ def test_a_sharded_eval_loop_keeps_the_parameters_sharded_and_evaluates_as_one_d
     root, (fsdp, tensor, *_) = runs
     config = lm.Config(**MODEL)
     model = lm.Transformer(config)
-    state = fs.CheckpointFileReader(root / "one").restore(
-        jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), np.zeros((1, 16), np.int32))))
-    )
+    state = fs.CheckpointFileReader(root / "one").restore(inference_template())
     dataset = lm.batches(lm.text(), config)
     task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(2)])
     record = fs.Checkpoint(state=state, grads=None, loss=0.0, n_completed_steps=N, elapsed_time=0.0, step=N)
@@ -177,6 +173,13 @@ def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straigh
     resumed = dict(stalled, stall_at=None)
     processes.run("sharded.py", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
     assert_bit_equal_checkpoints(directory, root / "fsdp", N)
+
+
+def inference_template():
+    """The LM's `InferenceState`, abstract: a one-device restore template."""
+    model = lm.Transformer(lm.Config(**MODEL))
+    sample = np.zeros((1, MODEL["seq_len"]), np.int32)
+    return jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), sample)))
 
 
 def assert_bit_equal_checkpoints(directory, reference, step):
