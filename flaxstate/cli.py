@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flaxstate.checkpoint.catalog import describe_state, list_checkpoints
-from flaxstate.checkpoint.storage import CheckpointError
+from flaxstate.checkpoint.damage import is_damage
+from flaxstate.checkpoint.damage import summary as damage_summary
+from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.training.progress import format_bytes
 
 
@@ -41,14 +43,24 @@ def _time(timestamp: float | None) -> str:
 def command_ls(args: argparse.Namespace) -> None:
     infos = list_checkpoints(args.dir)
     names = sorted({f"{group}/{name}" for info in infos for group, values in info.metrics.items() for name in values})
-    rows = [["writer", "step", "time", *names, "bytes", "best"]]
+    damaged = any(info.damaged for info in infos)
+    rows = [["writer", "step", "time", *names, "bytes", "best", *(["damaged"] if damaged else [])]]
     for info in infos:
         values = [
-            f"{info.metrics[g][n]:.4g}" if n in info.metrics.get(g, {}) else "-"
+            f"{info.metrics[g][n]:.4g}" if info.metrics.get(g, {}).get(n) is not None else "-"
             for g, n in (name.split("/", 1) for name in names)
         ]
+        note = [info.damaged or ""] if damaged else []
         rows.append(
-            [info.writer, str(info.step), _time(info.time), *values, format_bytes(info.bytes), "*" if info.best else ""]
+            [
+                info.writer,
+                str(info.step),
+                _time(info.time),
+                *values,
+                format_bytes(info.bytes),
+                "*" if info.best else "",
+                *note,
+            ]
         )
     print(_table(rows))
 
@@ -157,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.run(args)
     except (CheckpointError, UsageError) as error:
         print(f"flaxstate {args.command}: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if not is_damage(error):
+            raise
+        print(f"flaxstate {args.command}: a damaged checkpoint: {damage_summary(error)}", file=sys.stderr)
         return 2
     return 0
 

@@ -101,6 +101,10 @@ class Checkpoint:
             (`flaxstate.training.waiting`); compilation is not counted. More
             than half of `elapsed_time` with little `data_time` means the run
             is host-bound.
+        skipped_damaged: the step directories that the reader this run
+            resumed from skipped as damaged (absolute paths): the run's
+            writer sets those of its directory aside (`<step>.damaged`)
+            instead of taking them for another history.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -123,6 +127,7 @@ class Checkpoint:
     preempted: bool = False
     data_time: float = 0.0
     idle_time: float = 0.0
+    skipped_damaged: tuple[str, ...] = ()
 
     @property
     def steps_per_second(self) -> float:
@@ -186,6 +191,8 @@ class CheckpointFile:
         metadata: the user's metadata (JSON), e.g. the run's config.
         format_version: the on-disk layout's version.
         run_id: the run that saved it (checkpoints of format 1 and 2 read as `"format-2"`).
+        skipped_damaged: the step directories that the reader skipped as
+            damaged before it restored this one (absolute paths; not stored).
     """
 
     state: PyTree
@@ -196,3 +203,4 @@ class CheckpointFile:
     metadata: Any = None
     format_version: int = FORMAT_VERSION
     run_id: str | None = None
+    skipped_damaged: tuple[str, ...] = ()

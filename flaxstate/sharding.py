@@ -121,6 +121,11 @@ def logical_shardings(state: PyTree, mesh: Mesh, rules: AxisRules) -> PyTree:
     for path, logical in flat_axes.items():
         leaf = flat_state[path]
         shape = tuple(np.shape(leaf))
+        if len(logical) > len(shape):
+            raise ValueError(
+                f"{path} has shape {shape} but {len(logical)} logical axes {tuple(logical)}: name one axis (or "
+                "None) per dimension."
+            )
         logical = tuple(logical) + (None,) * (len(shape) - len(logical))
         for name in logical:
             if name is not None and name not in named:

@@ -12,12 +12,14 @@ holds what a forward pass needs. Both share the `TrainState` protocol and the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import serialization, struct
 from flax.core import FrozenDict
@@ -137,7 +139,7 @@ def _check_and_merge(
 ) -> dict[str, Any]:
     """Checks a state dict against the current one and returns the merged flat dict."""
     expected = tree_paths.flatten(current)
-    found = tree_paths.flatten(_plain(given))
+    found = _step_as_int32(tree_paths.flatten(_plain(given)))
     difference = tree_paths.diff(expected, found)
     if not strict:
         difference = tree_paths.StructureDiff(unexpected=difference.unexpected, mismatched=difference.mismatched)
@@ -151,6 +153,29 @@ def _check_and_merge(
     merged = dict(expected)
     merged.update(found)
     return merged
+
+
+_STEP = "state/step"
+
+
+def _step_as_int32(found: dict[str, Any]) -> dict[str, Any]:
+    """The state dict's step as int32 where it is any integer scalar (a Python int, int64, ...).
+
+    The step is a counter, not a model variable: T5X and `replace_step`
+    accept any integer for it, and the state stores it as int32. A step of
+    another kind (a float, an array) is left for the dtype check to name.
+    """
+    step = found.get(_STEP)
+    if step is None or isinstance(step, bool | jax.ShapeDtypeStruct) or np.shape(step) != ():
+        return found
+    dtype = step.dtype if hasattr(step, "dtype") else np.asarray(step).dtype
+    if not np.issubdtype(dtype, np.integer) or dtype == np.int32:
+        return found
+    if isinstance(step, jax.Array):
+        return {**found, _STEP: step.astype(jnp.int32)}
+    if not np.iinfo(np.int32).min <= int(step) <= np.iinfo(np.int32).max:
+        raise StateMismatchError(f"state/step is {int(step)}, which does not fit the state's int32 step counter.")
+    return {**found, _STEP: np.int32(step)}
 
 
 def _restore_leaves(template: PyTree, merged: Mapping[str, Any]) -> PyTree:
@@ -313,8 +338,13 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
     def as_logical_axes(self) -> FlaxOptimTrainState:
         """Returns the state with a `PartitionSpec` of logical axis names per leaf.
 
-        Optimizer-state leaves shaped like a parameter get that parameter's
-        names (as T5X's optimizers did); scalars such as a step count get `P()`.
+        Optimizer-state leaves shaped like their parameter get that
+        parameter's names (as T5X's optimizers did); scalars such as a step
+        count get `P()`. A factored statistic (adafactor's `v_row` of a
+        kernel, which drops one of its dimensions) keeps the names of the
+        dimensions it keeps, where its shape says which those are; where it
+        does not (a square kernel) or it matches no part of the parameter's
+        shape (a placeholder of shape `(1,)`), it is replicated: `P()`.
 
         Raises:
             ValueError: the model gave no axis names.
@@ -324,9 +354,10 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
         params_axes = flax.core.unfreeze(self.params_axes)
         opt_axes = optax.tree_map_params(
             self.tx,
-            lambda _, axes: axes,
+            _statistic_axes,
             self.param_states,
             params_axes,
+            self.params,
             transform_non_params=lambda _: PartitionSpec(),
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
@@ -337,6 +368,20 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             flax_mutables=_mutables_axes(self.flax_mutables, self.flax_mutables_axes),
             loss_scale=jax.tree.map(lambda _: PartitionSpec(), self.loss_scale),
         )
+
+
+def _statistic_axes(statistic: Any, axes: PartitionSpec, param: Any) -> PartitionSpec:
+    """The logical axes of an optimizer statistic of `param` (whose axes are `axes`); see `as_logical_axes`."""
+    shape, param_shape = tuple(np.shape(statistic)), tuple(np.shape(param))
+    names = tuple(axes) + (None,) * (len(param_shape) - len(axes))
+    if shape == param_shape:
+        return axes
+    kept = {
+        tuple(names[dimension] for dimension in dimensions)
+        for dimensions in itertools.combinations(range(len(param_shape)), len(shape))
+        if tuple(param_shape[dimension] for dimension in dimensions) == shape
+    }
+    return PartitionSpec(*kept.pop()) if len(kept) == 1 else PartitionSpec()
 
 
 def _mutables_axes(flax_mutables: PyTree, axes: FrozenDict | None) -> PyTree:

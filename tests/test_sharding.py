@@ -1,5 +1,6 @@
 """Shardings from logical axes: the rules' checks, the warnings, and a sharded loop on one device."""
 
+import dataclasses
 import re
 import warnings
 
@@ -146,3 +147,57 @@ def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():
     assert "do not split into n_microbatches=3" in errors["odd microbatches"]
     assert "mesh axis 'tensor', which the mesh does not have" in errors["unknown mesh axis"]
     assert "compiled 0" in output
+
+
+def row_statistics() -> optax.GradientTransformation:
+    """A hand-made factored optimizer state: one running mean of squared gradients per row of each kernel."""
+
+    def init(params):
+        return {"row": jax.tree.map(lambda p: np.zeros(p.shape[:-1] if p.ndim > 1 else p.shape, np.float32), params)}
+
+    def update(updates, state, params=None):
+        rows = jax.tree.map(
+            lambda g, r: 0.9 * r + 0.1 * ((g**2).mean(axis=-1) if g.ndim > 1 else g**2), updates, state["row"]
+        )
+        return updates, {"row": rows}
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_factored_optimizer_statistics_keep_the_axes_of_the_dimensions_they_keep():
+    x = np.zeros((1, 8), np.int32)
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=2)
+    state = jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(tx, lm.Transformer(SMALL).init(jax.random.key(0), x)))
+    factored = state.param_states[0]  # adafactor's FactoredState: v_row, v_col, v of each parameter
+    kernel = "Block_0/Dense_0/kernel"  # (embed 16, mlp 32)
+    axes = sharding.logical_axes_by_path(state)
+    assert axes[f"state/param_states/0/v_row/{kernel}"] == ["embed"]
+    assert axes[f"state/param_states/0/v_col/{kernel}"] == ["mlp"]
+    assert f"state/param_states/0/v/{kernel}" not in axes  # a placeholder of shape (1,): replicated
+    shardings = sharding.logical_shardings(state, one_device_mesh(), lm.RULES)
+    assert shardings.param_states[0].v_row["Block_0"]["Dense_0"]["kernel"].spec == PartitionSpec("fsdp")
+    assert shardings.param_states[0].v_col["Block_0"]["Dense_0"]["kernel"].spec == PartitionSpec("model")
+    assert factored.v_row["Block_0"]["Dense_0"]["kernel"].shape == (16,)
+    # A square kernel's row statistics could keep either axis: replicated.
+    square = dataclasses.replace(SMALL, mlp=16)
+    chained = optax.chain(row_statistics(), optax.sgd(0.1))
+    state = jax.eval_shape(
+        lambda: fs.FlaxOptimTrainState.create(chained, lm.Transformer(square).init(jax.random.key(0), x))
+    )
+    axes = sharding.logical_axes_by_path(state)
+    assert f"state/param_states/0/row/{kernel}" not in axes
+    assert axes["state/param_states/0/row/Embed_0/embedding"] == ["vocab"]  # (vocab 256, embed 16)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "row statistics"])
+def test_a_factored_optimizer_trains_under_a_mesh_as_without_one(optimizer):
+    tx = (
+        optax.adafactor(1e-2, min_dim_size_to_factor=2)
+        if optimizer == "adafactor"
+        else optax.chain(row_statistics(), optax.adam(1e-2))
+    )
+    data_parallel = train_loop(SMALL, n_steps=4, optimizer=tx)
+    sharded = train_loop(SMALL, mesh=one_device_mesh(), n_steps=4, optimizer=tx)
+    np.testing.assert_allclose([r.loss for r in sharded], [r.loss for r in data_parallel], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(sharded.state), jax.tree.leaves(data_parallel.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -261,3 +261,30 @@ def test_replace_params_and_step():
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     assert int(state.replace_step(7).step) == 7
     assert all(float(jnp.sum(x)) == 0 for x in jax.tree.leaves(state.replace_params(zeros).params))
+
+
+@pytest.mark.parametrize("step", [1, np.array(1), np.int64(1), np.uint8(1), jnp.asarray(1, jnp.int32)])
+def test_any_integer_step_restores_as_the_int32_counter(step):
+    """T5X's restore_state cases: `{"state": {"step": np.array(1)}, ...}` or a plain 1, on both states."""
+    trained = jax.tree.map(np.asarray, trained_state().state_dict())
+    trained["state"]["step"] = step
+    restored = FlaxOptimTrainState.create(ADAM, net_variables()).restore_state(trained)
+    assert restored.step.dtype == jnp.int32 and int(restored.step) == 1
+    inference = InferenceState.create(net_variables()).restore_state(trained)
+    assert inference.step.dtype == jnp.int32 and int(inference.step) == 1
+    partial = FlaxOptimTrainState.create(ADAM, net_variables()).restore_state({"state": {"step": step}}, strict=False)
+    assert int(partial.step) == 1
+
+
+def test_the_dtype_check_stays_strict_for_model_and_optimizer_arrays():
+    state_dict = jax.tree.map(np.asarray, trained_state().state_dict())
+    state_dict["target"]["Dense_0"]["bias"] = state_dict["target"]["Dense_0"]["bias"].astype(np.float64)
+    state_dict["state"]["param_states"]["0"]["count"] = np.int64(1)
+    with pytest.raises(StateMismatchError) as error:
+        FlaxOptimTrainState.create(ADAM, net_variables()).restore_state(state_dict)
+    assert "target/Dense_0/bias (expected float32[8], found float64[8])" in str(error.value)
+    assert "state/param_states/0/count (expected int32[], found int64[])" in str(error.value)
+    with pytest.raises(StateMismatchError, match=r"state/step \(expected int32\[\], found float32\[\]\)"):
+        FlaxOptimTrainState.create(ADAM, net_variables()).restore_state(
+            {"state": {"step": np.float32(1)}}, strict=False
+        )

@@ -1,15 +1,32 @@
-"""What a run directory holds: its checkpoints (per writer) and their state trees, for the CLI."""
+"""What a run directory holds: its checkpoints (per writer) and their state trees, for the CLI.
+
+A run may be read while it is written: a step that a live writer deletes
+meanwhile is left out, and a damaged step is listed as damaged (or, where a
+state is shown, passed over for the newest intact one), never a traceback.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from flaxstate import tree_paths
+from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.storage import CheckpointError, CheckpointStore, is_empty_or_missing
+from flaxstate.checkpoint.storage import (
+    LISTING_ATTEMPTS,
+    CheckpointError,
+    CheckpointStore,
+    VanishedStepError,
+    is_empty_or_missing,
+)
+
+logger = logging.getLogger("flaxstate")
 
 NEWEST = "newest"
 
@@ -24,6 +41,8 @@ class CheckpointInfo:
     metrics: dict[str, dict[str, float]]
     bytes: int
     best: bool = False
+    damaged: str | None = None
+    """What is wrong with it, for a damaged checkpoint (its time and metrics are then unknown)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +75,41 @@ def _check_run_dir(run_dir: Path) -> list[tuple[str, Path]]:
 
 
 def _size(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    """The bytes of the files under `path` (files and folders deleted meanwhile count 0: `os.walk` skips them)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def _writer_checkpoints(writer: str, store: CheckpointStore) -> list[CheckpointInfo]:
+    """One writer's checkpoints by step: steps deleted meanwhile left out, damaged ones marked."""
+    entries, metas = [], {}
+    for step in store.steps():
+        try:
+            meta = metas[step] = store.read_meta(step)
+        except VanishedStepError:
+            continue
+        except Exception as error:
+            if not damage.is_damage(error):
+                raise
+            entries.append(
+                CheckpointInfo(writer, step, None, {}, _size(store.directory / str(step)), False, damage.summary(error))
+            )
+            continue
+        info = CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics") or {}, 0)
+        entries.append(dataclasses.replace(info, bytes=_size(store.directory / str(step))))
+    # The policy the writer stored (checkpoints of format 2 and older have none: nothing is marked).
+    policy = next((BestPolicy.from_json(meta.get("best")) for meta in metas.values() if meta.get("best")), None)
+    intact = [i for i, entry in enumerate(entries) if entry.damaged is None]
+    if policy is not None and intact:
+        best = min(intact, key=lambda i: policy.rank(entries[i].metrics))
+        entries[best] = dataclasses.replace(entries[best], best=True)
+    return entries
 
 
 def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
@@ -68,17 +121,7 @@ def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
     infos = []
     for writer, directory in _check_run_dir(Path(run_dir)):
         with CheckpointStore(directory, read_only=True) as store:
-            metas = {step: store.read_meta(step) for step in store.steps()}
-        entries = [
-            CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics", {}), _size(directory / str(step)))
-            for step, meta in metas.items()
-        ]
-        # The policy the writer stored (checkpoints of format 2 and older have none: nothing is marked).
-        policy = next((BestPolicy.from_json(meta.get("best")) for meta in metas.values() if meta.get("best")), None)
-        if policy is not None and entries:
-            best = min(range(len(entries)), key=lambda i: policy.rank(entries[i].metrics))
-            entries[best] = dataclasses.replace(entries[best], best=True)
-        infos.extend(entries)
+            infos.extend(_writer_checkpoints(writer, store))
     return infos
 
 
@@ -95,16 +138,46 @@ def describe_state(run_dir: str | Path, step: int | None = None) -> tuple[int, l
     writers = dict(_check_run_dir(Path(run_dir)))
     directory = writers.get(NEWEST) or next(iter(writers.values()))
     with CheckpointStore(directory, read_only=True) as store:
-        steps = store.steps()
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
-        meta = store.read_meta(step)
+        for _ in range(LISTING_ATTEMPTS):
+            steps = store.steps()
+            if not steps:
+                time.sleep(0.05)  # a step being deleted, and the next one not yet renamed into place
+                continue
+            if step is not None and step not in steps:
+                raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
+            try:
+                return _describe_newest(store, [step] if step is not None else steps[::-1])
+            except VanishedStepError:
+                continue  # a live writer deleted it: list again
+        raise CheckpointError(f"{directory}: its steps kept vanishing while they were read; is a writer rotating them?")
+
+
+def _describe_newest(store: CheckpointStore, steps: list[int]) -> tuple[int, list[LeafInfo], dict[str, Any]]:
+    """The first of `steps` that is intact, described; a damaged one is named in one warning and passed over.
+
+    Raises:
+        CheckpointError: every one of `steps` is damaged (naming what is wrong with the last).
+        VanishedStepError: one was deleted while it was read.
+    """
+    error: Exception | None = None
+    for step in steps:
+        try:
+            meta = store.read_meta(step)
+            stored = store.stored_tree(step)  # a step deleted meanwhile raises VanishedStepError
+        except VanishedStepError:
+            raise
+        except Exception as caught:
+            if not damage.is_damage(caught):
+                raise
+            error = caught
+            logger.warning("the checkpoint %s is damaged (%s).", store.directory / str(step), damage.summary(caught))
+            continue
         axes = meta.get("logical_axes") or {}
         leaves = []
-        for path, leaf in tree_paths.flatten(store.stored_tree(step)).items():
+        for path, leaf in tree_paths.flatten(stored).items():
             shape, dtype = tree_paths.shape_and_dtype(leaf)
             named = tuple(axes[path]) if path in axes else None
             leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize, named))
         return step, leaves, meta
+    assert error is not None
+    raise CheckpointError(f"{store.directory}: {damage.summary(error)}") from error

@@ -10,22 +10,23 @@ state from disk).
 from __future__ import annotations
 
 import logging
-import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
+    LISTING_ATTEMPTS,
     CheckpointError,
     CheckpointStore,
     Rename,
-    damage_summary,
+    VanishedStepError,
     decode_rng,
-    is_damage,
     is_empty_or_missing,
 )
 from flaxstate.records import CheckpointFile
@@ -33,43 +34,10 @@ from flaxstate.records import CheckpointFile
 logger = logging.getLogger("flaxstate")
 
 
-class _DamagedReadFilter(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" reports of a damaged checkpoint's reads.
-
-    When one array of a damaged checkpoint fails to read, orbax's restore
-    stops, and the other reads of that step that failed too are reported by
-    asyncio one by one with tensorstore's whole spec. The reader has already
-    said, in one line, which step is damaged and that it falls back.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not (error is not None and "never retrieved" in record.getMessage() and is_damage(error))
-
-
-logging.getLogger("asyncio").addFilter(_DamagedReadFilter())
-
-
-def _quiet_late_reads() -> None:
-    """After a damaged read, drops the reports of its other reads finishing into orbax's closed event loop.
-
-    Those reads complete on tensorstore's threads after orbax has closed the
-    restore's event loop; each reports `RuntimeError: Event loop is closed`
-    through `sys.unraisablehook`, sometimes before the restore has even
-    raised. Installed once, before a reader's first read; every other report
-    goes on to the previous hook.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "flaxstate_quiet_late_reads", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook.flaxstate_quiet_late_reads = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
+def _report_damage(damaged: dict[int, str], directory: Path, step: int, error: BaseException) -> None:
+    """Notes a damaged step (what is wrong with it) and says so in one warning."""
+    damaged[step] = damage.summary(error)
+    logger.warning("the checkpoint %s is damaged (%s); trying another one.", directory / str(step), damaged[step])
 
 
 class CheckpointFileReader:
@@ -113,12 +81,20 @@ class CheckpointFileReader:
     def _directory(self) -> Path:
         return self.output_dir
 
-    def _candidates(self, store: CheckpointStore) -> list[int]:
-        """Steps to try, preferred first."""
+    def _candidates(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+        """Steps to try, preferred first (a reader that reads metas to rank them adds damaged ones to `damaged`)."""
         return sorted(store.steps(), reverse=True)
 
     def read(self, template: CheckpointFile | None) -> CheckpointFile | None:
         """Restores the checkpoint into the tree and shardings of `template.state`.
+
+        The newest complete step is restored. A step that disappears while it
+        is read (a live writer rotating its checkpoints) is not damage: the
+        steps are listed again and the newest complete one is taken. A
+        damaged step (missing or truncated files, metadata that does not
+        validate, arrays that claim more than the step's files hold) is
+        skipped with one warning, and the record says which were skipped, so
+        that the run's writer sets them aside instead of refusing to save.
 
         Args:
             template: a state in a `CheckpointFile` (its leaves arrays or
@@ -131,67 +107,90 @@ class CheckpointFileReader:
 
         Raises:
             CheckpointError: no checkpoint and no target, the step does not
-                exist, not a flaxstate checkpoint, or every checkpoint damaged.
+                exist, not a flaxstate checkpoint, or every checkpoint damaged
+                (naming each step and what is wrong in it).
             StateMismatchError: the checkpoint does not fit the model, naming
                 every differing path.
+            KeyboardInterrupt: Ctrl-C, wherever it landed in the read (never
+                taken for damage); reading again starts over.
         """
         directory = self._directory()
-        if is_empty_or_missing(directory):
-            if self.target is not None and self.step is None:
-                return None
-            what = "does not exist" if not directory.exists() else "holds no checkpoint"
-            fix = (
-                "drop step= to start fresh from target"
-                if self.target is not None
-                else "give the reader target=model.init to start fresh"
+        try:
+            if is_empty_or_missing(directory):
+                if self.target is not None and self.step is None:
+                    return None
+                what = "does not exist" if not directory.exists() else "holds no checkpoint"
+                fix = (
+                    "drop step= to start fresh from target"
+                    if self.target is not None
+                    else "give the reader target=model.init to start fresh"
+                )
+                raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
+            with CheckpointStore(directory, read_only=True) as store:
+                return self._read(store, template)
+        except Exception as error:
+            damage.reraise_interrupt(error)
+            raise
+
+    def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+        """The candidates not yet found damaged, preferred first (only `step` when it was given)."""
+        steps = [step for step in self._candidates(store, damaged) if step not in damaged]
+        if self.step is None:
+            return steps
+        if self.step not in steps and self.step not in damaged:
+            raise CheckpointError(
+                f"{store.directory} has no checkpoint at step {self.step}; it has steps {sorted(store.steps())}."
             )
-            raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
-        with CheckpointStore(directory, read_only=True) as store:
-            return self._read(store, template)
+        return [self.step] if self.step in steps else []
 
     def _read(self, store: CheckpointStore, template: CheckpointFile | None) -> CheckpointFile:
         directory = store.directory
-        steps = self._candidates(store)
-        if not steps:
-            raise CheckpointError(f"{directory} holds no complete flaxstate checkpoint.")
-        if self.step is not None:
-            if self.step not in steps:
-                raise CheckpointError(
-                    f"{directory} has no checkpoint at step {self.step}; it has steps {sorted(steps)}."
-                )
-            steps = [self.step]
         state = template.state if template is not None else None
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
-        errors = []
-        _quiet_late_reads()
-        for step in steps:
-            try:
-                stored = store.read(step, state_dict, self.rename, with_optimizer=with_optimizer)
-            except Exception as error:
-                if not is_damage(error):
-                    raise  # out of memory, a wrong template, a bug: never a reason to go back in time
-                summary = damage_summary(error)
-                logger.warning(
-                    "the checkpoint %s is damaged (%s); trying an older one.", directory / str(step), summary
-                )
-                errors.append(f"step {step}: {summary}")
+        damaged: dict[int, str] = {}
+        for _ in range(LISTING_ATTEMPTS):
+            steps = self._steps_to_try(store, damaged)
+            if not steps and not damaged and not is_empty_or_missing(directory):
+                time.sleep(0.05)  # a step directory being deleted, and the next one not yet renamed into place
                 continue
-            restored = stored.state_dict
-            if not with_optimizer:
-                restored["state"] = {"step": np.int32(stored.meta["step"])}
-            return CheckpointFile(
-                state=state.restore_state(restored) if state is not None else restored,
-                step=int(stored.meta["step"]),
-                rng=decode_rng(stored.meta.get("rng")),
-                data_position=stored.meta.get("data_position"),
-                metrics=stored.meta.get("metrics", {}),
-                metadata=stored.meta.get("metadata"),
-                format_version=int(stored.meta["format_version"]),
-                run_id=stored.meta.get("run_id", LEGACY_RUN_ID),
-            )
+            for step in steps:
+                try:
+                    stored = store.read(step, state_dict, self.rename, with_optimizer=with_optimizer)
+                except VanishedStepError:
+                    break  # a live writer deleted it: list again
+                except Exception as error:
+                    if not damage.is_damage(error):
+                        raise  # out of memory, a wrong template, a bug: never a reason to go back in time
+                    _report_damage(damaged, directory, step, error)
+                    continue
+                return self._checkpoint_file(stored, state, with_optimizer, directory, damaged)
+            else:
+                break  # every candidate was tried, and none vanished
+        if not damaged:
+            raise CheckpointError(f"{directory} holds no complete flaxstate checkpoint.")
         raise CheckpointError(
-            f"every checkpoint in {directory} is damaged and none could be restored:\n  " + "\n  ".join(errors)
+            f"every checkpoint in {directory} is damaged and none could be restored:\n  "
+            + "\n  ".join(f"step {step}: {summary}" for step, summary in damaged.items())
+        )
+
+    @staticmethod
+    def _checkpoint_file(
+        stored: Any, state: Any, with_optimizer: bool, directory: Path, damaged: dict[int, str]
+    ) -> CheckpointFile:
+        restored = stored.state_dict
+        if not with_optimizer:
+            restored["state"] = {"step": np.int32(stored.meta["step"])}
+        return CheckpointFile(
+            state=state.restore_state(restored) if state is not None else restored,
+            step=int(stored.meta["step"]),
+            rng=decode_rng(stored.meta.get("rng")),
+            data_position=stored.meta.get("data_position"),
+            metrics=stored.meta.get("metrics") or {},
+            metadata=stored.meta.get("metadata"),
+            format_version=int(stored.meta["format_version"]),
+            run_id=stored.meta.get("run_id") or LEGACY_RUN_ID,
+            skipped_damaged=tuple(str(directory.absolute() / str(step)) for step in damaged),
         )
 
     def restore(self, state: Any) -> Any:
@@ -232,9 +231,21 @@ class _BestReader(CheckpointFileReader):
     def _directory(self) -> Path:
         return self.output_dir / self.policy.subdir
 
-    def _candidates(self, store: CheckpointStore) -> list[int]:
-        """The best first; nan, infinite and missing metrics last."""
-        return sorted(store.steps(), key=lambda step: self.policy.rank(store.read_meta(step).get("metrics", {})))
+    def _candidates(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+        """The best first; nan, infinite and missing metrics last. A step whose meta is damaged is not ranked."""
+        ranks = {}
+        for step in store.steps():
+            if step in damaged:
+                continue
+            try:
+                ranks[step] = self.policy.rank(store.read_meta(step).get("metrics") or {})
+            except VanishedStepError:
+                continue
+            except Exception as error:
+                if not damage.is_damage(error):
+                    raise
+                _report_damage(damaged, store.directory, step, error)
+        return sorted(ranks, key=ranks.__getitem__)
 
 
 class LowestCheckpointFileReader(_BestReader):

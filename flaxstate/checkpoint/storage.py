@@ -19,7 +19,7 @@ device-to-host copy and the cross-process barriers) runs in the caller: a
 barrier or a collective in a second thread could pair up with a different one
 on another process. A failed save is raised, naming its step, at the next
 save or when the writer waits (see `flaxstate.background` for the end of a
-script). Only missing or damaged files count as damage (`is_damage`). Arrays
+script). Only missing or damaged files count as damage (`flaxstate.checkpoint.damage`). Arrays
 are stored uncompressed: zstd took 2.2x the CPU time of a save and gained 6%
 of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 """
@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
-import re
+import shutil
 import sys
 import threading
 import time
@@ -42,9 +44,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flaxstate import background, tree_paths
+from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.damage import DamagedCheckpointError, is_damage
+from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.records import FORMAT_VERSION
 from flaxstate.train_state import StateMismatchError
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointStore", "StoredCheckpoint", "is_damage"]
+
+logger = logging.getLogger("flaxstate")
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
 LEGACY_STATE = "state"
@@ -55,48 +65,22 @@ LEGACY_RUN_ID = "format-2"
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
+SET_ASIDE = ".damaged"
+"""The suffix a writer gives a damaged step's directory (`10.damaged`): a name orbax does not list."""
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read or written as asked."""
+TMP_MARK = ".orbax-checkpoint-tmp"
+"""What orbax's temporary directory of a save in progress (or of one that failed or was killed) holds in its name."""
 
+VANISHING_SECONDS = 1.0
+"""How long a step whose read failed is watched for disappearing (a writer's rotation deletes it file by file)
+before the failure is taken for damage."""
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint save that failed (in the background or not), naming its step and directory."""
-
-
-_STATUS = re.compile(r"\b(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT|UNKNOWN): ")
-"""The tensorstore status codes of a read that met missing or damaged files (never RESOURCE_EXHAUSTED)."""
-
-
-def is_damage(error: BaseException) -> bool:
-    """Whether a read failed on missing or damaged files, rather than for any other reason.
-
-    Missing files and folders (`OSError`), undecodable JSON, and tensorstore's
-    read errors (a `ValueError` with a status such as `NOT_FOUND` or
-    `DATA_LOSS`), anywhere in the exception's chain. Out of memory, a
-    template of the wrong type or a bug is not damage: a reader must not
-    silently go back in time for those.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError | json.JSONDecodeError):
-            return True
-        if (
-            isinstance(current, ValueError)
-            and _STATUS.search(str(current))
-            and "RESOURCE_EXHAUSTED" not in str(current)
-        ):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+LISTING_ATTEMPTS = 20
+"""How often a listing that met a step deleted under it is tried again."""
 
 
-def damage_summary(error: BaseException) -> str:
-    """One line that names what was damaged: the first line of the error, without tensorstore's spec."""
-    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return re.sub(r"\s*\[?(source locations|tensorstore_spec)[=:].*$", "", line)[:300]
+class VanishedStepError(CheckpointError):
+    """A step that was listed and is gone: a live writer deleted it meanwhile (never damage)."""
 
 
 def _handlers() -> dict[str, Any]:
@@ -121,7 +105,8 @@ class _OrbaxAsyncSave:
         if not self._done:
             try:
                 self._manager.wait_until_finished()
-            except BaseException as error:  # noqa: BLE001 - kept, so that join() raises it every time
+            except Exception as error:  # noqa: BLE001 - kept, so that join() raises it every time
+                damage.reraise_interrupt(error)  # a Ctrl-C while waiting: the save is still pending
                 self._error = error
             self._done = True
         if self._error is not None:
@@ -144,11 +129,17 @@ def _lower_priority() -> None:
 
 
 class _BackgroundSave:
-    """One save running in its own (non-daemon) thread, below the loop's priority; `join` re-raises its error."""
+    """One save running in its own (non-daemon) thread, below the loop's priority; `join` re-raises its error.
+
+    `join` waits on an event, not on `Thread.join`: in CPython 3.11 a Ctrl-C
+    inside `Thread.join` can mark a running thread as stopped, after which
+    every later join returns at once and the save would be forgotten.
+    """
 
     def __init__(self, step: int, save: Callable[[], Any]) -> None:
         self.step = step
         self._error: BaseException | None = None
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(save,), name=f"flaxstate-save-{step}")
         self._thread.start()
 
@@ -158,9 +149,11 @@ class _BackgroundSave:
             save()
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by join()
             self._error = error
+        finally:
+            self._done.set()
 
     def join(self) -> None:
-        self._thread.join()
+        self._done.wait()  # a Ctrl-C here leaves the save running and this object pending
         if self._error is not None:
             raise self._error
 
@@ -234,7 +227,11 @@ class CheckpointStore:
             enable_async_checkpointing=not (read_only or self._own_thread),
             **best_options,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        damage.quiet_orbax()
+        self._manager = _listing(
+            lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers()),
+            self.directory,
+        )
         self._pending: _BackgroundSave | _OrbaxAsyncSave | None = None
         if not read_only:
             background.track(self)
@@ -248,14 +245,25 @@ class CheckpointStore:
     def close(self) -> None:
         """Waits for the pending save, then closes orbax's manager.
 
+        A Ctrl-C while waiting leaves the store open with its save pending:
+        the next `close()`, `wait()` or the end of the script waits for it.
+
         Raises:
             CheckpointSaveError: the pending save failed.
+            KeyboardInterrupt: Ctrl-C while waiting.
         """
         try:
             self.wait()
-        finally:
-            background.untrack(self)
-            self._manager.close()
+        except KeyboardInterrupt:
+            raise  # still pending: nothing is released
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        background.untrack(self)
+        self._manager.close()
 
     # Writing.
 
@@ -310,47 +318,126 @@ class CheckpointStore:
         Raises:
             CheckpointSaveError: the pending save failed, naming its step.
         """
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
         try:
-            pending.join()
+            pending.join()  # a Ctrl-C here leaves the save pending, for the next wait
         except Exception as error:
+            self._pending = None
             deleted = "deleted" in str(error).lower()
             hint = " (its arrays were donated or deleted before they were read: save a copy)" if deleted else ""
+            removed = self.remove_unfinished(pending.step)
+            partial = "; its partial files were removed" if removed else ""
             raise CheckpointSaveError(
                 f"saving the checkpoint of step {pending.step} to {self.directory} failed in the background"
-                f"{hint}: {error}"
+                f"{hint}: {damage.summary(error)}{partial}"
             ) from error
+        self._pending = None
 
     # Reading.
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+        return _listing(lambda: (self._manager.reload(), sorted(self._manager.all_steps()))[1], self.directory)
+
+    def vanished(self, step: int) -> bool:
+        """Whether a step is gone or going: its directory disappears within `VANISHING_SECONDS`."""
+        step_dir = self.directory / str(step)
+        deadline = time.monotonic() + VANISHING_SECONDS
+        while step_dir.is_dir():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _reading(self, step: int, read: Callable[[], Any]) -> Any:
+        """Runs a read of one step: a Ctrl-C comes out as `KeyboardInterrupt`, a step deleted meanwhile as
+        `VanishedStepError`, anything else as it was raised."""
+        try:
+            return read()
+        except Exception as error:
+            damage.reraise_interrupt(error)
+            if self.vanished(step):
+                raise VanishedStepError(f"{self.directory / str(step)} was deleted while it was read.") from error
+            raise
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        """Returns the JSON meta of one checkpoint.
+        """Returns the JSON meta of one checkpoint, checked against the format.
 
         Raises:
-            CheckpointError: the step holds no flaxstate meta.
+            CheckpointError: the step holds no flaxstate meta, or was written
+                by a newer flaxstate.
+            DamagedCheckpointError: its meta is not valid JSON or does not
+                validate (naming the file and the field).
+            VanishedStepError: the step was deleted meanwhile.
         """
         step_dir = self.directory / str(step)
-        if not (step_dir / META).is_dir():
-            raise CheckpointError(
-                f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
-                "point the reader at a directory that flaxstate's writers wrote."
-            )
-        meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-        if not isinstance(meta, dict) or "format_version" not in meta:
-            raise CheckpointError(f"{step_dir} is not a flaxstate checkpoint (its meta has no format_version).")
-        if int(meta["format_version"]) > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{step_dir} was written by a newer flaxstate (checkpoint format {meta['format_version']}); "
-                f"this flaxstate reads formats 1 to {FORMAT_VERSION}. Upgrade flaxstate to read it."
-            )
-        return meta
+
+        def read() -> dict[str, Any]:
+            if not (step_dir / META).is_dir():
+                if not step_dir.is_dir():
+                    raise FileNotFoundError(f"{step_dir} does not exist")
+                raise CheckpointError(
+                    f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
+                    "point the reader at a directory that flaxstate's writers wrote."
+                )
+            try:
+                stored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+            except json.JSONDecodeError as error:
+                raise DamagedCheckpointError(
+                    f"{step_dir / META / meta_format.FILE} is not valid JSON ({error}): the checkpoint is damaged"
+                ) from error
+            return meta_format.validate(stored[META], step_dir)
+
+        return self._reading(step, read)
+
+    def set_aside(self, step: int) -> Path:
+        """Moves a damaged step out of orbax's sight (`<step>.damaged`), keeping its files; returns the new path.
+
+        Called on the primary process; the others see the move at their next listing.
+        """
+        self.wait()
+        step_dir = self.directory / str(step)
+        target, n = step_dir.with_name(f"{step}{SET_ASIDE}"), 1
+        while target.exists():
+            n += 1
+            target = step_dir.with_name(f"{step}{SET_ASIDE}-{n}")
+        step_dir.rename(target)
+        self._manager.reload()
+        return target
+
+    def remove_unfinished(self, step: int | None = None) -> list[Path]:
+        """Removes orbax's temporary directories of saves that did not finish (of `step`, or of every step).
+
+        Only a writer calls this, when no save of its own is running: such a
+        directory is never a checkpoint, and orbax never lists or restores it.
+        A failed save's last writes can still land on tensorstore's threads
+        after its failure was raised, so a directory that comes back within
+        `VANISHING_SECONDS` is removed again.
+        """
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return []
+
+        def unfinished() -> list[Path]:
+            return [
+                path
+                for path in self.directory.iterdir()
+                if TMP_MARK in path.name
+                and path.name.split(".")[0].isdigit()
+                and (step is None or path.name.split(".")[0] == str(step))
+            ]
+
+        removed = {path: None for path in unfinished()}
+        deadline = time.monotonic() + VANISHING_SECONDS
+        while removed:
+            for path in unfinished():
+                shutil.rmtree(path, ignore_errors=True)
+                removed[path] = None
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        return list(removed)
 
     def delete(self, steps: list[int]) -> None:
         """Removes whole checkpoints (orbax deletes them on the primary process)."""
@@ -370,7 +457,17 @@ class CheckpointStore:
 
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
         """Returns the stored state-dict layout with array metadata as leaves."""
-        return _layout(self.read_meta(step), self.item_trees(step), with_optimizer)
+        return self._stored(step, with_optimizer)[2]
+
+    def _stored(self, step: int, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """A step's meta, its items' trees, and the state-dict layout of those trees (metadata only)."""
+
+        def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            meta = self.read_meta(step)
+            trees = self.item_trees(step)
+            return meta, trees, _layout({**meta, "step": step}, trees, with_optimizer)
+
+        return self._reading(step, read)
 
     def read(
         self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True
@@ -393,10 +490,8 @@ class CheckpointStore:
                 naming every missing, unexpected and mismatched path.
             CheckpointError: the step is not a flaxstate checkpoint.
         """
-        meta = self.read_meta(step)
+        meta, trees, stored = self._stored(step, with_optimizer)
         legacy = meta["format_version"] < 2
-        trees = self.item_trees(step)
-        stored = _layout({**meta, "step": step}, trees, with_optimizer)
         stored_flat = tree_paths.flatten(stored)
         renamed = tree_paths.rename(stored_flat, rename)
         new_path = dict(zip(stored_flat, renamed, strict=True))
@@ -411,6 +506,8 @@ class CheckpointStore:
                     + difference.describe()
                     + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
                 )
+        else:
+            self._check_claimed_sizes(step, stored_flat)
 
         def restore_args(path: str, leaf: Any) -> Any:
             target = expected[new_path[path]] if template is not None and path in new_path else None
@@ -430,7 +527,7 @@ class CheckpointStore:
             items = {MODEL: item_args("", trees[MODEL])}
             if with_optimizer:
                 items[OPTIMIZER] = item_args("state/", trees[OPTIMIZER])
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
         if legacy:
             flat = tree_paths.flatten(restored[LEGACY_STATE])
         else:
@@ -442,6 +539,55 @@ class CheckpointStore:
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=meta)
+
+    def _check_claimed_sizes(self, step: int, stored_flat: Mapping[str, Any]) -> None:
+        """Checks that the arrays a step claims fit in its files, before a read with no template allocates them.
+
+        orbax stores arrays uncompressed (values equal to the fill value too),
+        so the step's files hold at least the bytes of its arrays; a shape
+        claimed beyond that is damaged metadata, and allocating it could end
+        the process (`std::bad_alloc`).
+
+        Raises:
+            DamagedCheckpointError: naming the largest array, its claimed shape and the bound.
+        """
+        sizes = {}
+        for path, leaf in stored_flat.items():
+            shape, dtype = tree_paths.shape_and_dtype(leaf)
+            if any(not isinstance(dim, int) or dim < 0 for dim in shape):
+                raise DamagedCheckpointError(f"{self.directory / str(step)}: {path} claims an invalid shape {shape}.")
+            sizes[path] = (math.prod(shape) * np.dtype(dtype).itemsize, shape)
+        claimed = sum(size for size, _ in sizes.values())
+        on_disk = _size_on_disk(self.directory / str(step))
+        if claimed > on_disk:
+            path, (size, shape) = max(sizes.items(), key=lambda item: item[1][0])
+            raise DamagedCheckpointError(
+                f"{self.directory / str(step)}: {path} claims shape {list(shape)} ({size:,} bytes), and its arrays "
+                f"{claimed:,} bytes in all, but the step's files hold {on_disk:,} bytes (orbax stores arrays "
+                "uncompressed): its array metadata is damaged. Nothing was allocated."
+            )
+
+
+def _size_on_disk(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:
+    """Runs a listing of a directory again when a step was deleted under it (a live writer's rotation).
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C, wherever orbax wrapped it.
+        CheckpointError: steps kept vanishing for `LISTING_ATTEMPTS` listings.
+    """
+    for _ in range(LISTING_ATTEMPTS):
+        try:
+            return list_steps()
+        except (FileNotFoundError, NotADirectoryError):  # orbax's paths say either of a step being deleted
+            time.sleep(0.05)
+        except Exception as error:
+            damage.reraise_interrupt(error)
+            raise
+    raise CheckpointError(f"{directory}: its steps kept vanishing while they were listed; is a writer deleting them?")
 
 
 def _layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:

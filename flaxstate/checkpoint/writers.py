@@ -38,12 +38,13 @@ from jax.experimental import multihost_utils
 
 from flaxstate import tree_paths
 from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
     CheckpointError,
     CheckpointStore,
+    VanishedStepError,
     encode_rng,
-    is_damage,
     to_json,
 )
 from flaxstate.records import Checkpoint
@@ -182,7 +183,7 @@ class _Writer:
         return meta is not None and meta.get("run_id") == checkpoint.run_id
 
     def _readable_meta(self, step: int) -> dict[str, Any] | None:
-        """A step's `meta`, or `None` where its files are damaged or not flaxstate's."""
+        """A step's `meta`, or `None` where its files are damaged, gone or not flaxstate's."""
         try:
             return self._store.read_meta(step)
         except Exception as error:
@@ -190,8 +191,48 @@ class _Writer:
                 return None
             raise
 
+    def _damaged_steps(self, checkpoint: Checkpoint) -> list[int]:
+        """The steps here that the run's reader skipped as damaged, or whose meta is damaged."""
+        skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
+        damaged = []
+        for step in self._store.steps():
+            if (self.output_dir / str(step)).resolve() in skipped:
+                damaged.append(step)
+                continue
+            try:
+                self._store.read_meta(step)
+            except VanishedStepError:
+                continue
+            except Exception as error:
+                if not is_damage(error):
+                    if isinstance(error, CheckpointError):
+                        continue  # not flaxstate's: the claim below refuses it
+                    raise
+                damaged.append(step)
+        return damaged
+
+    def _set_aside(self, checkpoint: Checkpoint) -> None:
+        """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
+        damaged = self._damaged_steps(checkpoint)
+        if jax.process_index() == 0:
+            for step in damaged:
+                target = self._store.set_aside(step)
+                logger.warning("%r: the damaged checkpoint of step %d is set aside as %s.", self, step, target)
+            removed = self._store.remove_unfinished()
+            if removed:
+                names = ", ".join(path.name for path in removed)
+                logger.warning("%r: removed the folders of saves that did not finish: %s.", self, names)
+        if jax.process_count() > 1 and damaged:
+            multihost_utils.sync_global_devices("flaxstate: damaged steps set aside")
+
     def _claim(self, checkpoint: Checkpoint) -> None:
-        """Checks (or, with `overwrite`, clears) the directory before the first save."""
+        """Checks (or, with `overwrite`, clears) the directory before the first save.
+
+        Damaged steps (those the run's reader skipped, or whose meta does not
+        validate) are set aside first: they are no other run's, and no reason
+        to refuse this one.
+        """
+        self._set_aside(checkpoint)
         metas = {step: self._readable_meta(step) for step in self._store.steps()}
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
         others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)

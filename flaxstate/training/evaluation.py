@@ -22,8 +22,15 @@ from flaxstate.training.task import EvalTask
 class EvalLoop:
     """Evaluates a record's state on `n_steps` batches across the devices, data-parallel or sharded over a mesh.
 
-    Returns the record as a `Summary` with `{"eval": {name: mean}}` (averaged
-    over all batches and devices) and `{"train": {"loss": record.loss}}`.
+    Returns the record as a `Summary` with `{"eval": {name: mean}}` and
+    `{"train": {"loss": record.loss}}`. A metric is a function of a batch's
+    outputs and targets that returns a scalar, a mean over the batch (e.g.
+    accuracy); each batch's value is weighted by its number of examples, so a
+    ragged last batch counts as its size, and the mean over all batches is
+    the mean over all examples. Every value, integer or float, is averaged as
+    a number (in float32): data-parallel, each device's value of its part of
+    the batch; a count (an integer sum) is then the mean count of a device's
+    part, the same as a float count would give.
     With `mesh` and `axis_rules` (a sharded `TrainLoop`'s), the parameters
     stay sharded by their logical axes, as in training, and the metrics are
     those of the global batch: a model that does not fit on one device is
@@ -141,14 +148,17 @@ class EvalLoop:
         )
         shardings, evaluate = self._compiled_for(needed)
         state = jax.device_put(needed, shardings)  # the loop's own device arrays stay where they are
-        totals = None
+        totals, n_examples = None, 0
         for index in range(self._n_steps):
             batch = batching.normalize(self._next_batch(), "EvalTask")
             self._placement.check_batch(batch, "EvalTask")
+            size = self._placement.global_batch_size(int(np.shape(batch[0][0])[0]))
             rng_data = self._batch_rng_data(int(checkpoint.step), index)
             values = evaluate(state, self._placement.to_devices(batch, stacked=False), rng_data)
-            totals = values if totals is None else jax.tree.map(jnp.add, totals, values)
-        metrics = {name: float(value) / self._n_steps for name, value in jax.device_get(totals).items()}
+            weighted = jax.tree.map(lambda value, size=size: value * size, values)
+            totals = weighted if totals is None else jax.tree.map(jnp.add, totals, weighted)
+            n_examples += size
+        metrics = {name: float(value) / n_examples for name, value in jax.device_get(totals).items()}
         return checkpoint.with_metrics({self._group: metrics, "train": {"loss": checkpoint.loss}})
 
     def _compiled_for(self, state: InferenceState) -> tuple[Any, Callable[..., Any]]:

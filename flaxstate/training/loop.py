@@ -178,7 +178,9 @@ class TrainLoop:
                 copy, which is faster to make but needs room for the state
                 twice (three times while a record is saved as the next is made).
             n_microbatches: M; each device splits its batch into M equal
-                microbatches and accumulates their loss and gradients in a
+                microbatches, interleaved (microbatch i holds examples i,
+                i + M, i + 2M, ...; under a mesh, of the global batch, which
+                gives the same microbatches), and accumulates their loss and gradients in a
                 `lax.scan` (the activations of one microbatch at a time) before
                 one update: the update of the whole batch, to float32 rounding.
                 Batch statistics (BatchNorm) are updated once per microbatch,
@@ -264,6 +266,7 @@ class TrainLoop:
         shardings = self._placement.state_shardings(state)
         self._copy = copies.record_copier(self._mesh, shardings, record_memory)
         self._restored_step = None if restored is None else int(restored.step)
+        self._skipped_damaged = () if restored is None else restored.skipped_damaged
         if restored is not None:
             self._rng = _as_key(restored.rng) if restored.rng is not None else self._rng
             message = self._data.restore(
@@ -287,7 +290,6 @@ class TrainLoop:
             mutable_collections,
             1 if self._sharded else self._mesh.size,
             self._n_microbatches,
-            interleaved=self._sharded is not None,
         )
         self._compiled: dict[int, Callable[..., Any]] = {}
         self._compiled_gradients: Callable[..., Any] | None = None
@@ -529,6 +531,7 @@ class TrainLoop:
             data_time=segment.waits.data,
             idle_time=segment.waits.idle,
             metrics=_scaling_metrics(state),
+            skipped_damaged=self._skipped_damaged,
         )
         self._progress.record(record)
         return record

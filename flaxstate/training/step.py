@@ -17,6 +17,7 @@ leaf's sharding from its logical axes and the batch's over the batch axes
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,19 @@ from flaxstate.sharding import BatchLayout
 from flaxstate.training.batching import AXIS, Batch, batch_spec, replicated
 
 PyTree = Any
+
+
+def microbatches(x: jax.Array, n_microbatches: int) -> jax.Array:
+    """Splits a batch into `n_microbatches` along a new first axis, interleaved: microbatch i holds examples
+    i, i + M, i + 2M, ...
+
+    The one rule on every placement: data-parallel (each device splits its
+    part of the batch) and over a mesh (GSPMD splits the global batch where
+    its shards lie), the microbatches hold the same examples, so batch
+    statistics and dropout masks of a run do not depend on its placement,
+    and no example moves between devices.
+    """
+    return jnp.moveaxis(x.reshape(x.shape[0] // n_microbatches, n_microbatches, *x.shape[1:]), 1, 0)
 
 
 def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str], n_devices: int) -> dict[str, jax.Array]:
@@ -82,14 +96,14 @@ def make_train_step(
     mutable: CollectionFilter,
     n_devices: int,
     n_microbatches: int = 1,
-    interleaved: bool = False,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
 
     The model's floating outputs narrower than float32 reach the loss as
     float32, so a model computing in bfloat16 has its loss computed and
     averaged in float32. With `n_microbatches` M > 1 the per-device batch is
-    split into M equal microbatches along its first axis; a `lax.scan` takes
+    split into M equal microbatches, interleaved: microbatch i holds examples
+    i, i + M, i + 2M, ... (`microbatches`); a `lax.scan` takes
     the loss and gradients of one at a time (the activations of one
     microbatch live at a time), with the mutable collections (batch
     statistics) carried from one to the next in order, as over M smaller
@@ -102,9 +116,7 @@ def make_train_step(
     (the step count still advances) and lowers the scale.
 
     With `n_devices` 1 the function is also the global update of a sharded
-    loop (GSPMD partitions it); `interleaved` then takes microbatch i as
-    examples i, i + M, i + 2M, ..., so that every device splits its own
-    shard of the batch without moving examples between devices.
+    loop (GSPMD partitions it).
     """
 
     def grads_of(
@@ -130,11 +142,6 @@ def make_train_step(
     def accumulated(
         state: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
     ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
-        def split(x: jax.Array) -> jax.Array:
-            if interleaved:
-                return jnp.moveaxis(x.reshape(x.shape[0] // n_microbatches, n_microbatches, *x.shape[1:]), 1, 0)
-            return x.reshape(n_microbatches, x.shape[0] // n_microbatches, *x.shape[1:])
-
         def body(carry: tuple[Any, ...], micro: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
             grads_sum, loss_sum, mutables = carry
             index, micro_inputs, micro_targets = micro
@@ -144,6 +151,7 @@ def make_train_step(
             return (grads_sum, loss_sum + value.astype(jnp.float32), {**mutables, **updated}), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
+        split = functools.partial(microbatches, n_microbatches=n_microbatches)
         micro = (jnp.arange(n_microbatches), jax.tree.map(split, inputs), jax.tree.map(split, targets))
         start = (zeros, jnp.zeros((), jnp.float32), state.flax_mutables)
         (grads_sum, loss_sum, mutables), _ = lax.scan(body, start, micro)
@@ -204,8 +212,8 @@ def make_eval_step(
             outputs = _as_tuple(apply(variables, *inputs, rngs=rngs))
         else:
             outputs = _as_tuple(apply(variables, *inputs))
-        values = {
-            name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]")
+        values = {  # every metric averaged as a number, integer ones too (never the maximum)
+            name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]").astype(jnp.float32)
             for name, metric in metrics.items()
         }
         return _device_mean(values, n_devices)

@@ -444,3 +444,72 @@ def test_restored_state_is_donated_without_a_copy(tmp_path):
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(restored.params))
     after = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(updated.params)]
     assert set(before) & set(after), "no restored buffer was reused by the donated update"
+
+
+def test_an_interrupted_wait_leaves_the_save_pending_and_the_next_wait_reports_it(tmp_path):
+    code, output = run_script(f"""
+import os, signal, threading
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
+def ctrl_c_soon():
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer = fs.CheckpointFileWriter({str(tmp_path)!r})
+writer(loop.next_checkpoint())
+ctrl_c_soon()
+try:
+    writer.wait()
+    print("NOT INTERRUPTED")
+except KeyboardInterrupt:
+    print("INTERRUPTED", saved_steps(Path({str(tmp_path)!r})))
+writer.wait()
+print("WAITED", saved_steps(Path({str(tmp_path)!r})))
+async def failing(self, *args, **kwargs):
+    time.sleep(1.0)
+    raise OSError("No space left on device (injected)")
+ocp.PyTreeCheckpointHandler.async_save = failing
+writer(loop.next_checkpoint())
+ctrl_c_soon()
+try:
+    writer.close()
+    print("CLOSED")
+except KeyboardInterrupt:
+    print("INTERRUPTED CLOSE")
+try:
+    writer.close()
+    print("CLOSED WITHOUT AN ERROR")
+except fs.CheckpointSaveError as error:
+    print("REPORTED", error)
+""")
+    assert code == 0, output
+    lines = output.splitlines()
+    assert "INTERRUPTED []" in lines and "WAITED [2]" in lines, output
+    assert "INTERRUPTED CLOSE" in lines, output
+    assert any(line.startswith("REPORTED saving the checkpoint of step 4") for line in lines), output
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_reader_beside_a_live_writer_restores_the_newest_complete_step(tmp_path, keep, capsys):
+    from flaxstate import cli
+
+    writer = processes.Watched(
+        processes.start(
+            "checkpoint_faults", {"mode": "rotating_writer", "dir": str(tmp_path), "keep": keep, "n_steps": 100_000}
+        )
+    )
+    params = {f"w{i}": np.zeros((256, 256), np.float32) for i in range(4)}
+    template = fs.FlaxOptimTrainState.create(optax.sgd(0.1), {"params": params})
+    try:
+        writer.wait_for("SAVED 3", 120)
+        steps = []
+        for _ in range(25):
+            restored = fs.CheckpointFileReader(tmp_path).restore(template)
+            step = int(restored.step)
+            assert all(np.all(np.asarray(leaf) == step) for leaf in jax.tree.leaves(restored.params)), step
+            steps.append(step)
+            for command in ("ls", "show"):
+                assert cli.main([command, str(tmp_path)]) == 0, capsys.readouterr().err
+        assert "Traceback" not in capsys.readouterr().err
+    finally:
+        processes.kill(writer.process)
+    assert steps == sorted(steps) and len(set(steps)) > 1, steps  # the writer rotated all along

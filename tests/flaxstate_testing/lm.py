@@ -18,7 +18,9 @@ def data(config: Any, part: tuple[int, int] = (0, 1)) -> grain.IterDataset:
     return lm.batches(lm.text(), config, part).to_iter_dataset(grain.ReadOptions(num_threads=0))
 
 
-def train_loop(config: Any, init: Any = None, batches: Any = None, mesh: Any = None, **kwargs: Any) -> fs.TrainLoop:
+def train_loop(
+    config: Any, init: Any = None, batches: Any = None, mesh: Any = None, optimizer: Any = None, **kwargs: Any
+) -> fs.TrainLoop:
     """A TrainLoop of `lm.Transformer(config)`: fresh, or from `init` (a reader); sharded by `lm.RULES` with `mesh`.
 
     Records every `config.steps_per_checkpoint` steps, `config.steps_per_dispatch` a dispatch; `kwargs` go to
@@ -29,7 +31,7 @@ def train_loop(config: Any, init: Any = None, batches: Any = None, mesh: Any = N
         init=init if init is not None else model.init,
         task=fs.TrainTask(
             apply=model.apply,
-            optimizer=lm.optimizer(config),
+            optimizer=optimizer if optimizer is not None else lm.optimizer(config),
             loss=lm.loss,
             data=batches if batches is not None else data(config),
         ),

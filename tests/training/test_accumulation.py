@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flaxstate_testing import processes, toy
+from jax.sharding import Mesh
 
 import flaxstate as fs
 
@@ -58,11 +59,12 @@ def test_batch_statistics_are_updated_once_per_microbatch_in_order():
     model = toy.BatchNormNet()
     data = toy.batches(2, 8)
     [record] = train(2, optax.sgd(0.0), model=model, n_steps=2, data=data)[:1]
-    # Step 1 with two microbatches of 4: the running statistics move on the first half, then the second.
+    # Step 1 with two microbatches of 4, interleaved (examples 0, 2, 4, 6, then 1, 3, 5, 7, whatever the
+    # placement): the running statistics move on the first microbatch, then the second.
     x = data[0][0]
     variables = model.init({"params": jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0)}, x[:8])
     stats = variables["batch_stats"]
-    for half in (x[:4], x[4:]):
+    for half in (x[0::2], x[1::2]):
         _, updated = model.apply(
             {"params": variables["params"], "batch_stats": stats},
             half,
@@ -152,3 +154,22 @@ def test_dropout_masks_differ_per_microbatch(n_microbatches, n_magnitudes):
     [record, _] = train(n_microbatches, optax.sgd(0.0), model=toy.DropoutProbe(), n_steps=2)
     magnitudes = np.unique(np.round(np.abs(np.asarray(record.grads["w"])), 4))
     assert len(magnitudes) == n_magnitudes, magnitudes
+
+
+def test_microbatches_hold_the_same_examples_with_and_without_a_mesh():
+    """BatchNorm statistics and dropout masks of M = 2 do not depend on the placement: a 1-device mesh equals none."""
+    model = toy.BatchNormNet()
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+
+    def trained(**placement):
+        task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
+        loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=4, n_microbatches=2, stdout=False, **placement)
+        return list(loop)[-1]
+
+    with pytest.warns(UserWarning, match="names no logical axes"):
+        sharded = trained(mesh=mesh, axis_rules=[("batch", "data")])
+    plain = trained()
+    for a, b in zip(jax.tree.leaves(sharded.state), jax.tree.leaves(plain.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    stats = plain.state.flax_mutables["batch_stats"]["BatchNorm_0"]["mean"]
+    assert np.abs(stats).max() > 0

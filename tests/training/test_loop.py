@@ -196,6 +196,20 @@ def test_eval_loop_returns_metrics_of_the_record():
     np.testing.assert_allclose(summary.metrics["eval"]["loss"], expected, rtol=1e-5)
 
 
+def test_eval_loop_weights_each_batch_by_its_examples(capsys):
+    """1,797 digits in batches of 64 end in a batch of 5: it counts as 5 examples, not as 64."""
+    loop = make_loop(model=MODEL, n_steps=2, every=2)
+    record = loop.next_checkpoint()
+    x, y = (np.concatenate(parts) for parts in zip(*toy.batches(3, 8, seed=5), strict=True))
+    eval_data = [(x[:8], y[:8]), (x[8:16], y[8:16]), (x[16:19], y[16:19])]  # 8, 8 and a ragged 3
+    metrics = {"loss": toy.mse, "close": lambda outputs, targets: (abs(outputs - targets) < 1.0).mean()}
+    evaluate = fs.EvalLoop(fs.EvalTask(apply=MODEL.apply, metrics=metrics, data=eval_data), rng=0, n_steps=3)
+    summary = evaluate(record)
+    outputs = MODEL.apply({"params": record.state.params, **record.state.flax_mutables}, x[:19])
+    np.testing.assert_allclose(summary.metrics["eval"]["loss"], float(toy.mse(outputs, y[:19])), rtol=1e-5)
+    np.testing.assert_allclose(summary.metrics["eval"]["close"], float((abs(outputs - y[:19]) < 1.0).mean()))
+
+
 def test_stdout_shows_size_and_progress(capsys):
     data = toy.batches(4, 8)
     task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)

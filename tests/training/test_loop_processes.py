@@ -5,19 +5,26 @@ import pytest
 from flaxstate_testing import processes
 
 
-def train(tmp_path, name, model, n_processes, n_steps, global_batch=16):
+def train(tmp_path, name, model, n_processes, n_steps, global_batch=16, counts=False):
     out = tmp_path / name
     out.mkdir()
-    config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out)}
+    config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out), "counts": counts}
     processes.run("train.py", config, n_processes=n_processes, timeout=240)
     return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
 
 
 @pytest.mark.parametrize("n_processes", [2, 4])
 def test_processes_equal_one_device_on_the_full_batch(tmp_path, n_processes):
-    one = train(tmp_path, "one", "mlp", 1, n_steps=5)[0]
-    several = train(tmp_path, "several", "mlp", n_processes, n_steps=5)
+    one = train(tmp_path, "one", "mlp", 1, n_steps=5, counts=True)[0]
+    several = train(tmp_path, "several", "mlp", n_processes, n_steps=5, counts=True)
+    for run in [one, *several]:  # an integer metric is averaged as a number, as the same count in float
+        assert run["counts/close_int"] == run["counts/close_float"], run
+    assert several[0]["counts/close_float"] == pytest.approx(
+        one["counts/close_float"] / n_processes, abs=1 / n_processes
+    )
     for key, value in one.items():
+        if key.startswith("counts/"):
+            continue
         np.testing.assert_allclose(several[0][key], value, rtol=2e-5, atol=2e-6, err_msg=key)
         for other in several[1:]:
             np.testing.assert_array_equal(several[0][key], other[key], err_msg=f"processes differ at {key}")

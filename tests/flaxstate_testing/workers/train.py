@@ -32,10 +32,18 @@ loop = fs.TrainLoop(
     stdout=False,
 )
 records = list(loop)
+
+
+def close_count(dtype):
+    """How many predictions of a batch (this device's part) lie within 1 of their target, as `dtype`."""
+    return lambda outputs, targets: (abs(outputs - targets) < 1.0).sum().astype(dtype)
+
+
+counts = {"close_int": close_count(np.int32), "close_float": close_count(np.float32)} if config.get("counts") else {}
 evaluate = fs.EvalLoop(
     fs.EvalTask(
         apply=model.apply,
-        metrics={"loss": toy.mse},
+        metrics={"loss": toy.mse, **counts},
         data=toy.shard(toy.batches(2, config["global_batch"], seed=7), jax.process_index(), jax.process_count()),
     ),
     rng=jax.random.key(1),
@@ -47,5 +55,7 @@ flat.update({f"mutables/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(fi
 flat.update({f"grads/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.grads).items()})
 flat["loss"] = np.asarray(final.loss)
 flat["eval_loss"] = np.asarray(final.metrics["eval"]["loss"])
+for name in counts:  # a count is per device: compared within a run, not across device counts
+    flat[f"counts/{name}"] = np.asarray(final.metrics["eval"][name])
 np.savez(Path(config["out"]) / f"process_{jax.process_index()}.npz", **flat)
 print("done", jax.process_index(), final.step, final.loss)

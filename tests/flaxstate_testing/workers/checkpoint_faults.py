@@ -1,0 +1,119 @@
+"""Breaks checkpoints as users do: Ctrl-C inside restores, a writer rotating beside readers, a full disk.
+
+Modes (config["mode"]):
+- `restore_interrupts`: restores a checkpoint of about 100 MB again and again;
+  prints `START i`, then after the attempt `RESTORED i`, `INTERRUPTED i` or
+  `FAULT i ...` (any other exception). The test sends one SIGINT per
+  attempt, then creates `sent-<i>` in the directory; the worker reports only
+  once that file exists (absorbing a signal that lands after its restore).
+- `rotating_writer`: saves steps 1, 2, ... with `keep`, each array filled
+  with its step, as fast as it can, until `n_steps`; prints `SAVED n`.
+- `full_disk`: trains 6 steps with a writer; from step 4 on, files may not
+  grow past 2,000 bytes (RLIMIT_FSIZE), so array writes fail inside tensorstore.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flaxstate_testing.workers.common import setup
+
+config = setup()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
+
+directory = Path(config["dir"])
+
+
+def filled_state(value: float, n_arrays: int, shape: tuple[int, ...]) -> fs.FlaxOptimTrainState:
+    params = {f"w{i}": np.full(shape, value, np.float32) for i in range(n_arrays)}
+    return fs.FlaxOptimTrainState.create(optax.sgd(0.1), {"params": params}).replace_step(int(value))
+
+
+def record(state: fs.FlaxOptimTrainState, step: int) -> fs.Checkpoint:
+    return fs.Checkpoint(
+        state=jax.device_get(state),
+        grads=None,
+        loss=0.0,
+        n_completed_steps=1,
+        elapsed_time=1.0,
+        step=step,
+        run_id="faults",
+    )
+
+
+def restore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    state = filled_state(7.0, 16, (1500, 1000))  # 96 MB
+    if not directory.exists():
+        with fs.CheckpointFileWriter(directory) as writer:
+            writer(record(state, 7))
+    template = jax.eval_shape(lambda: state)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = fs.sharded_like(template, jax.tree.map(lambda _: sharding, template))
+    reader = fs.CheckpointFileReader(directory)
+    start = time.perf_counter()
+    reader.restore(template)
+    print(f"RESTORE SECONDS {time.perf_counter() - start:.3f}", flush=True)
+    for attempt in range(config["attempts"]):
+        print(f"START {attempt}", flush=True)
+        try:
+            restored = reader.restore(template)
+            outcome = "RESTORED"
+            assert all(float(np.asarray(leaf).max()) == 7.0 for leaf in jax.tree.leaves(restored.params))
+        except KeyboardInterrupt:
+            outcome = "INTERRUPTED"
+        except Exception as error:  # noqa: BLE001 - what the test looks for
+            outcome = f"FAULT {type(error).__name__}: {str(error)[:200]}"
+        while not (directory / f"sent-{attempt}").exists():
+            try:
+                time.sleep(0.01)
+            except KeyboardInterrupt:
+                pass
+        try:
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            pass
+        print(f"{outcome.split()[0]} {attempt} {outcome}", flush=True)
+    restored = reader.restore(template)
+    print(f"DONE {int(restored.step)}", flush=True)
+
+
+def rotating_writer() -> None:
+    writer = fs.CheckpointFileWriter(directory, keep=config["keep"])
+    for step in range(1, config["n_steps"] + 1):
+        writer(record(filled_state(float(step), 4, (256, 256)), step))
+        writer.wait()
+        print(f"SAVED {step}", flush=True)
+    writer.close()
+
+
+def full_disk() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    model = toy.MLP(width=256)
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(6, 8))
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=2, stdout=False)
+    writer = fs.CheckpointFileWriter(directory, keep=1)
+    for checkpoint in loop:
+        if checkpoint.step == 4:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+        try:
+            writer(checkpoint)
+            writer.wait()
+        except fs.CheckpointSaveError as error:
+            print(f"SAVE FAILED {checkpoint.step}: {error}", flush=True)
+    print(f"LEFT {sorted(os.listdir(directory))}", flush=True)
+
+
+{"restore_interrupts": restore_interrupts, "rotating_writer": rotating_writer, "full_disk": full_disk}[config["mode"]]()
+sys.exit(0)
