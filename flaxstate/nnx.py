@@ -43,7 +43,8 @@ def nnx_functions(model: nnx.Module) -> tuple[Callable[..., dict[str, Any]], Cal
         >>> sorted(init(None, None))
         ['params']
     """
-    graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    split: Any = nnx.split(model, nnx.Param, nnx.BatchStat, ...)  # (graphdef, one state per filter)
+    graphdef, params, batch_stats, rest = split
     tags = _stream_tags(rest)
 
     def init(rngs: Any, *inputs: Any) -> dict[str, Any]:
@@ -68,7 +69,8 @@ def nnx_functions(model: nnx.Module) -> tuple[Callable[..., dict[str, Any]], Cal
             module.train()
             if rngs and tags:
                 key = next(iter(rngs.values()))
-                nnx.reseed(module, **{tag: jax.random.fold_in(key, i) for i, tag in enumerate(tags)})
+                seeds: dict[str, Any] = {tag: jax.random.fold_in(key, i) for i, tag in enumerate(tags)}
+                nnx.reseed(module, **seeds)
         else:
             module.eval()
         outputs = module(*inputs)

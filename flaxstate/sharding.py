@@ -136,6 +136,7 @@ def logical_shardings(state: PyTree, mesh: Mesh, rules: AxisRules) -> PyTree:
                     "mesh axis to shard it.",
                 )
         spec = nn.logical_to_mesh_axes(logical, rules)
+        assert spec is not None  # names were given  # noqa: S101
         for dimension, (name, entry) in enumerate(zip(logical, spec, strict=True)):
             mesh_axes = _mesh_axes(entry)
             size = math.prod(mesh.shape[axis] for axis in mesh_axes)
@@ -188,7 +189,9 @@ class BatchLayout:
                 f"no axis rule names the logical axis {BATCH!r}: every device computes the whole batch. Add a rule "
                 f"such as ({BATCH!r}, ('data', 'fsdp')) to split it.",
             )
-        return cls(mesh, _mesh_axes(nn.logical_to_mesh_axes((BATCH,), rules)[0]))
+        spec = nn.logical_to_mesh_axes((BATCH,), rules)
+        assert spec is not None  # a name was given  # noqa: S101
+        return cls(mesh, _mesh_axes(spec[0]))
 
     def spec(self, stacked: bool) -> PartitionSpec:
         """The partition spec of a batch (with a leading axis of steps when `stacked`)."""

@@ -83,7 +83,7 @@ def _plain(tree: PyTree) -> PyTree:
 
 def _split_variables(model_variables: Mapping[str, Any]) -> tuple[PyTree, dict[str, Any], dict[str, Any]]:
     """Splits linen variables into params, the other collections, and `*_axes` collections."""
-    variables = flax.core.unfreeze(model_variables)
+    variables = flax.core.unfreeze(dict(model_variables))
     if "params" not in variables:
         raise ValueError(
             f"model_variables has no 'params' collection (found {sorted(variables)}); "
@@ -108,7 +108,8 @@ def _logical_axes(collection: PyTree, axes_collection: PyTree | None, name: str)
         if isinstance(leaf, flax.linen.LogicallyPartitioned):
             specs[path] = PartitionSpec(*leaf.names)
         elif isinstance(leaf, flax.linen.meta.AxisMetadata):
-            specs[path] = PartitionSpec(*leaf.get_partition_spec())
+            boxed: Any = leaf  # a partitioned box (e.g. nnx's) that names its axes
+            specs[path] = PartitionSpec(*boxed.get_partition_spec())
     if axes_collection:
         names = flax.core.unfreeze(partitioning.get_axis_names(axes_collection))
         specs.update(tree_paths.flatten(names))
@@ -385,9 +386,9 @@ def _statistic_axes(statistic: Any, axes: PartitionSpec, param: Any) -> Partitio
 
 
 def _mutables_axes(flax_mutables: PyTree, axes: FrozenDict | None) -> PyTree:
-    axes = flax.core.unfreeze(axes) if axes is not None else {}
+    names: dict[str, Any] = flax.core.unfreeze(axes) if axes is not None else {}
     return {
-        name: axes[name] if axes.get(name) is not None else jax.tree.map(lambda _: PartitionSpec(), value)
+        name: names[name] if names.get(name) is not None else jax.tree.map(lambda _: PartitionSpec(), value)
         for name, value in flax.core.unfreeze(flax_mutables).items()
     }
 

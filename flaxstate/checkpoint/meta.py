@@ -133,7 +133,7 @@ def validate(meta: Any, step_dir: Path) -> dict[str, Any]:
 
     if not isinstance(meta, Mapping):
         raise damaged(f"expected a JSON object, found {type(meta).__name__}")
-    version = meta.get("format_version")
+    version: Any = meta.get("format_version")
     if not (_is_int(version) and version >= 1):
         raise damaged(f"format_version is {version!r}, expected a positive int")
     if version > FORMAT_VERSION:

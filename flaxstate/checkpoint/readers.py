@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from flaxstate.checkpoint import damage
-from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
     LISTING_ATTEMPTS,
@@ -210,7 +210,7 @@ class CheckpointFileReader:
 
 
 class _BestReader(CheckpointFileReader):
-    mode = "min"
+    mode: Mode = "min"
 
     def __init__(
         self,

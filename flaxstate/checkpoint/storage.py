@@ -1,27 +1,17 @@
-"""One directory of checkpoints on orbax: the only module that imports orbax.
+"""One directory of checkpoints on orbax: save, list, read. With `layout`, `saving` and `damage`, the only
+modules that import orbax.
 
-A checkpoint directory is a standard orbax `CheckpointManager` directory,
-`<dir>/<step>/` with three items that plain orbax reads:
-
-- `model`: `{"target": params, "flax_mutables": collections}` (a PyTree item);
-- `optimizer`: `{"step": step, "param_states": optax state}` (a PyTree item);
-- `meta`: JSON: format version, step, rng, data position, metrics, metadata.
-
-Arrays are saved as the global arrays the loop holds (replicated arrays are
-stored once) and restored into whatever sharding the caller asks for, so a
-checkpoint saved on N devices or P processes restores on any other number.
-Saves are asynchronous and atomic. In one process the whole orbax save, from
-the device-to-host copy (of arrays on the devices; TrainLoop's records are
-already on the host) to the rename of orbax's temporary directory, runs in
-one background thread, so the caller waits for none of it. Under several
-processes orbax's own asynchronous save is used, whose synchronous part (the
-device-to-host copy and the cross-process barriers) runs in the caller: a
-barrier or a collective in a second thread could pair up with a different one
-on another process. A failed save is raised, naming its step, at the next
-save or when the writer waits (see `flaxstate.background` for the end of a
-script). Only missing or damaged files count as damage (`flaxstate.checkpoint.damage`). Arrays
-are stored uncompressed: zstd took 2.2x the CPU time of a save and gained 6%
-of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
+The layout of a step is `flaxstate.checkpoint.layout`'s. Arrays are saved as
+the global arrays the loop holds (replicated arrays are stored once) and
+restored into whatever sharding the caller asks for, so a checkpoint saved on
+N devices or P processes restores on any other number. Saves are
+asynchronous and atomic (`flaxstate.checkpoint.saving`); a failed save is
+raised, naming its step, at the next save or when the writer waits (see
+`flaxstate.background` for the end of a script). Only missing or damaged
+files count as damage (`flaxstate.checkpoint.damage`). A step deleted while
+it is read (a live writer rotating) is `VanishedStepError`, never damage.
+Arrays are stored uncompressed: zstd took 2.2x the CPU time of a save and
+gained 6% of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -30,10 +20,7 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,32 +31,45 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flaxstate import background, tree_paths
-from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import damage, layout, saving
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.damage import DamagedCheckpointError, is_damage
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
+from flaxstate.checkpoint.layout import (
+    LEGACY_RUN_ID,
+    LEGACY_STATE,
+    META,
+    MODEL,
+    OPTIMIZER,
+    SET_ASIDE,
+    TMP_MARK,
+    decode_rng,
+    encode_rng,
+    is_empty_or_missing,
+    to_json,
+)
 from flaxstate.records import FORMAT_VERSION
 from flaxstate.train_state import StateMismatchError
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "CheckpointStore", "StoredCheckpoint", "is_damage"]
+__all__ = [
+    "LEGACY_RUN_ID",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "CheckpointStore",
+    "StoredCheckpoint",
+    "VanishedStepError",
+    "decode_rng",
+    "encode_rng",
+    "is_damage",
+    "is_empty_or_missing",
+    "to_json",
+]
 
 logger = logging.getLogger("flaxstate")
 
-MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
-LEGACY_STATE = "state"
-"""Format 1 stored the whole state dict as one item, `state`; it is upgraded on read."""
-
-LEGACY_RUN_ID = "format-2"
-"""The run id that checkpoints of formats 1 and 2 (written before runs had ids) read as."""
-
 Rename = Mapping[str, str] | Callable[[str], str] | None
-
-SET_ASIDE = ".damaged"
-"""The suffix a writer gives a damaged step's directory (`10.damaged`): a name orbax does not list."""
-
-TMP_MARK = ".orbax-checkpoint-tmp"
-"""What orbax's temporary directory of a save in progress (or of one that failed or was killed) holds in its name."""
+"""Regex rules from stored '/'-joined paths to a template's: `{old: new}`, or a function of a path."""
 
 VANISHING_SECONDS = 1.0
 """How long a step whose read failed is watched for disappearing (a writer's rotation deletes it file by file)
@@ -81,111 +81,6 @@ LISTING_ATTEMPTS = 20
 
 class VanishedStepError(CheckpointError):
     """A step that was listed and is gone: a live writer deleted it meanwhile (never damage)."""
-
-
-def _handlers() -> dict[str, Any]:
-    return {
-        MODEL: ocp.PyTreeCheckpointHandler(use_compression=False),
-        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_compression=False),
-        META: ocp.JsonCheckpointHandler(),
-        LEGACY_STATE: ocp.PyTreeCheckpointHandler(use_compression=False),
-    }
-
-
-class _OrbaxAsyncSave:
-    """A save that orbax finishes in its own background thread."""
-
-    def __init__(self, step: int, manager: ocp.CheckpointManager) -> None:
-        self.step = step
-        self._manager = manager
-        self._error: BaseException | None = None
-        self._done = False
-
-    def join(self) -> None:
-        if not self._done:
-            try:
-                self._manager.wait_until_finished()
-            except Exception as error:  # noqa: BLE001 - kept, so that join() raises it every time
-                damage.reraise_interrupt(error)  # a Ctrl-C while waiting: the save is still pending
-                self._error = error
-            self._done = True
-        if self._error is not None:
-            raise self._error
-
-
-SAVE_NICENESS = 10
-"""How much lower a background save's thread runs than training on Linux (its `nice` increment): on a busy
-host the loop's dispatch and data come first, and a save takes what is left (benchmarks/input.py: the digits
-example's steps/s about doubled on 2 CPU cores, its total time unchanged)."""
-
-
-def _lower_priority() -> None:
-    """Lowers the calling thread's CPU priority (Linux, where `nice` is per thread; elsewhere nothing)."""
-    if sys.platform == "linux":
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICENESS)
-        except OSError:  # a sandbox that forbids it: the save runs at the loop's priority
-            pass
-
-
-class _BackgroundSave:
-    """One save running in its own (non-daemon) thread, below the loop's priority; `join` re-raises its error.
-
-    `join` waits on an event, not on `Thread.join`: in CPython 3.11 a Ctrl-C
-    inside `Thread.join` can mark a running thread as stopped, after which
-    every later join returns at once and the save would be forgotten.
-    """
-
-    def __init__(self, step: int, save: Callable[[], Any]) -> None:
-        self.step = step
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(save,), name=f"flaxstate-save-{step}")
-        self._thread.start()
-
-    def _run(self, save: Callable[[], Any]) -> None:
-        _lower_priority()
-        try:
-            save()
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by join()
-            self._error = error
-        finally:
-            self._done.set()
-
-    def join(self) -> None:
-        self._done.wait()  # a Ctrl-C here leaves the save running and this object pending
-        if self._error is not None:
-            raise self._error
-
-
-def encode_rng(rng: jax.Array | None) -> dict[str, Any] | None:
-    """Returns a random key as JSON: its implementation and its data."""
-    if rng is None:
-        return None
-    return {"impl": str(jax.random.key_impl(rng)), "data": np.asarray(jax.random.key_data(rng)).tolist()}
-
-
-def decode_rng(encoded: Mapping[str, Any] | None) -> jax.Array | None:
-    """Returns the random key that `encode_rng` encoded."""
-    if encoded is None:
-        return None
-    return jax.random.wrap_key_data(np.asarray(encoded["data"], dtype=np.uint32), impl=encoded["impl"])
-
-
-def to_json(value: Any) -> Any:
-    """Returns a dict, dataclass or plain value as JSON-ready data.
-
-    Raises:
-        CheckpointError: it is not JSON-serializable.
-    """
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    try:
-        return json.loads(json.dumps(value))
-    except TypeError as error:
-        raise CheckpointError(
-            f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
-        ) from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +124,10 @@ class CheckpointStore:
         )
         damage.quiet_orbax()
         self._manager = _listing(
-            lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers()),
+            lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=layout.handlers()),
             self.directory,
         )
-        self._pending: _BackgroundSave | _OrbaxAsyncSave | None = None
+        self._pending: saving.BackgroundSave | saving.OrbaxAsyncSave | None = None
         if not read_only:
             background.track(self)
 
@@ -294,7 +189,7 @@ class CheckpointStore:
         }
         args, metrics = ocp.args.Composite(**items), dict(metrics or {}) or None
         if self._own_thread:
-            self._pending = _BackgroundSave(step, lambda: self._manager.save(step, args=args, metrics=metrics))
+            self._pending = saving.BackgroundSave(step, lambda: self._manager.save(step, args=args, metrics=metrics))
             return
         try:
             self._manager.save(step, args=args, metrics=metrics)
@@ -302,7 +197,7 @@ class CheckpointStore:
             raise CheckpointSaveError(
                 f"saving the checkpoint of step {step} to {self.directory} failed: {error}"
             ) from error
-        self._pending = _OrbaxAsyncSave(step, self._manager)
+        self._pending = saving.OrbaxAsyncSave(step, self._manager)
 
     def settle(self) -> None:
         """Waits for the pending save without raising; a failure is raised by the next `wait()`."""
@@ -465,7 +360,7 @@ class CheckpointStore:
         def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
             meta = self.read_meta(step)
             trees = self.item_trees(step)
-            return meta, trees, _layout({**meta, "step": step}, trees, with_optimizer)
+            return meta, trees, layout.state_dict_layout({**meta, "step": step}, trees, with_optimizer)
 
         return self._reading(step, read)
 
@@ -510,7 +405,7 @@ class CheckpointStore:
             self._check_claimed_sizes(step, stored_flat)
 
         def restore_args(path: str, leaf: Any) -> Any:
-            target = expected[new_path[path]] if template is not None and path in new_path else None
+            target: Any = expected[new_path[path]] if template is not None and path in new_path else None
             if getattr(target, "sharding", None) is None:  # no template, or a host (numpy) leaf
                 return ocp.RestoreArgs(restore_type=np.ndarray)
             return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
@@ -588,29 +483,3 @@ def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:
             damage.reraise_interrupt(error)
             raise
     raise CheckpointError(f"{directory}: its steps kept vanishing while they were listed; is a writer deleting them?")
-
-
-def _layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
-    """The stored items' trees in the state-dict layout (format 1's single item as it is).
-
-    Raises:
-        FileNotFoundError: an item the layout needs is missing (damage).
-    """
-    needed = [LEGACY_STATE] if meta["format_version"] < 2 else [MODEL, OPTIMIZER] if with_optimizer else [MODEL]
-    missing = [name for name in needed if name not in trees]
-    if missing:
-        raise FileNotFoundError(f"the checkpoint of step {meta['step']} has no item {', '.join(missing)}")
-    if meta["format_version"] < 2:
-        tree = dict(trees[LEGACY_STATE])
-    else:
-        model = trees[MODEL]
-        tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
-        tree["state"] = dict(trees[OPTIMIZER]) if with_optimizer else {}
-    if not with_optimizer:
-        tree["state"] = {}
-    return tree
-
-
-def is_empty_or_missing(directory: Path) -> bool:
-    """Whether a directory does not exist or holds no checkpoint steps at all."""
-    return not directory.is_dir() or not any(entry.name.isdigit() for entry in directory.iterdir())

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
@@ -53,7 +53,9 @@ from flaxstate.sharding import logical_axes_by_path
 logger = logging.getLogger("flaxstate")
 
 _OPEN: weakref.WeakValueDictionary[Path, _Writer] = weakref.WeakValueDictionary()
-"""The open writer of each directory (by resolved path)."""
+"""The open writer of each directory (by resolved path): a registry of this process, because two writers made
+by unrelated code (two chains, a notebook cell run twice) must still find each other to refuse a shared
+directory; entries go with their writer (weak references)."""
 
 
 def record_meta(checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None) -> dict[str, Any]:
@@ -86,19 +88,26 @@ def metadata_changes(old: Any, new: Any) -> list[str]:
 class _Writer:
     def __init__(
         self,
-        directory: Path,
+        output_dir: Path,
+        subdir: str | None,
         keep: int,
         metadata: Any,
         best: BestPolicy | None,
         overwrite: bool,
         description: str,
         every_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         if every_seconds is not None and not every_seconds > 0:
             raise ValueError(f"every_seconds must be a positive number of seconds or None, got {every_seconds}.")
-        self.output_dir = directory
+        self.output_dir = output_dir
+        """The run's directory."""
+        directory = output_dir / subdir if subdir is not None else output_dir
+        self.directory = directory
+        """Where this writer's checkpoints go: the run's directory, or a best writer's subdirectory of it."""
+        self._clock = clock
         self._description = description
         key = directory.absolute().resolve()
         first = _OPEN.get(key)
@@ -112,7 +121,7 @@ class _Writer:
         self._overwrite = overwrite
         self._claimed = False
         self._every_seconds = every_seconds
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._clock()
         self._saved_step: int | None = None
         self._store = CheckpointStore(directory, keep=keep, best=best)
         _OPEN[key] = self
@@ -158,7 +167,7 @@ class _Writer:
                 metrics,
             )
             self._saved_step = int(checkpoint.step)
-            self._last_save_time = time.monotonic()
+            self._last_save_time = self._clock()
         if last:
             self.wait()
         return checkpoint
@@ -167,7 +176,7 @@ class _Writer:
         """Whether `every_seconds` have passed since the last save (the primary process decides)."""
         if self._every_seconds is None:
             return True
-        due = time.monotonic() - self._last_save_time >= self._every_seconds
+        due = self._clock() - self._last_save_time >= self._every_seconds
         if jax.process_count() > 1:
             due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
@@ -196,7 +205,7 @@ class _Writer:
         skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
         damaged = []
         for step in self._store.steps():
-            if (self.output_dir / str(step)).resolve() in skipped:
+            if (self.directory / str(step)).resolve() in skipped:
                 damaged.append(step)
                 continue
             try:
@@ -241,7 +250,7 @@ class _Writer:
             if not self._overwrite:
                 raise CheckpointError(self._refusal(checkpoint, others, ahead, run_of))
             if jax.process_index() == 0:
-                logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others + ahead, self.output_dir)
+                logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others + ahead, self.directory)
             self._store.delete(others + ahead)
         own = sorted(step for step in metas if step not in others and step < checkpoint.step)
         if own and self._best is None and jax.process_index() == 0:
@@ -251,7 +260,7 @@ class _Writer:
                 logger.warning(
                     "the resumed run's metadata differs from the checkpoint at step %d in %s:\n  %s",
                     own[-1],
-                    self.output_dir,
+                    self.directory,
                     "\n  ".join(changes),
                 )
 
@@ -259,14 +268,14 @@ class _Writer:
         if others:
             runs = sorted({run_of[step] for step in others})
             return (
-                f"{self.output_dir} holds checkpoints of another run (steps {others}, run {', '.join(runs)}); "
+                f"{self.directory} holds checkpoints of another run (steps {others}, run {', '.join(runs)}); "
                 f"this run ({checkpoint.run_id}) would mix with them and its checkpoints would not be the "
-                f"newest. To resume that run, give TrainLoop init=CheckpointFileReader({str(self.output_dir)!r}, "
+                f"newest. To resume that run, give TrainLoop init=CheckpointFileReader({str(self.directory)!r}, "
                 "target=model.init); to replace it, make the writer with overwrite=True (its checkpoints are "
                 "removed first); or write to another directory."
             )
         return (
-            f"{self.output_dir} already holds steps {ahead} of this run, at or after the record's step "
+            f"{self.directory} already holds steps {ahead} of this run, at or after the record's step "
             f"{checkpoint.step} (was it resumed from an earlier checkpoint?); saving would mix two histories. "
             "Make the writer with overwrite=True to remove those steps first, or write to another directory."
         )
@@ -309,6 +318,8 @@ class CheckpointFileWriter(_Writer):
         metadata: Any = None,
         every_seconds: float | None = None,
         overwrite: bool = False,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -324,6 +335,8 @@ class CheckpointFileWriter(_Writer):
             overwrite: remove another run's checkpoints (and this run's at or
                 after the first record's step) at the first save, instead of
                 refusing to save.
+            clock: the monotonic clock that `every_seconds` is measured on
+                (in seconds; a test moves time by giving its own).
 
         Raises:
             CheckpointError: another open writer writes `output_dir`, or
@@ -332,11 +345,11 @@ class CheckpointFileWriter(_Writer):
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every})"
-        super().__init__(Path(output_dir), keep, metadata, None, overwrite, description, every_seconds)
+        super().__init__(Path(output_dir), None, keep, metadata, None, overwrite, description, every_seconds, clock)
 
 
 class _BestWriter(_Writer):
-    mode = "min"
+    mode: Mode = "min"
 
     def __init__(
         self,
@@ -350,7 +363,7 @@ class _BestWriter(_Writer):
         self.metric, self.group = metric, group
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
         description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"
-        super().__init__(Path(output_dir) / self.policy.subdir, keep, metadata, self.policy, overwrite, description)
+        super().__init__(Path(output_dir), self.policy.subdir, keep, metadata, self.policy, overwrite, description)
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         if checkpoint.preempted and self.policy.value(checkpoint.metrics) is None:

@@ -48,7 +48,7 @@ class DataStream:
     def __init__(self, data: Iterable[Any], task_name: str) -> None:
         self._data = data
         self._task_name = task_name
-        self._iterator: Iterator[Any] = iter(data)
+        self._iterator: Any = iter(data)  # with get_state/set_state where the data has them (grain's)
         self._one_shot = self._iterator is data
         """An iterator that `iter()` gives back as it is: it cannot be re-created."""
         self._stateful = _has_state(self._iterator)

@@ -13,6 +13,8 @@ and averaging over devices).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -44,7 +46,7 @@ class LossScale(struct.PyTreeNode):
         ds = self.dynamic
         grow = ds.fin_steps == ds.growth_interval
         grown = jnp.where(grow & finite, jnp.minimum(ds.scale * ds.growth_factor, jnp.finfo(jnp.float32).max), ds.scale)
-        lowered = ds.scale * ds.backoff_factor
+        lowered: Any = ds.scale * ds.backoff_factor
         if ds.minimum_scale is not None:
             lowered = jnp.maximum(lowered, ds.minimum_scale)
         return self.replace(

@@ -21,6 +21,7 @@ that sees it. Compilation, inside the dispatch call, is not counted.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -37,7 +38,7 @@ class DeviceWaitClock:
     """Counts the devices' wait for the host into a segment's `WaitTimes`, from draw and dispatch boundaries."""
 
     def __init__(self) -> None:
-        self._newest: jax.Array | None = None
+        self._newest: Any = None  # a jax.Array (`is_ready`, which JAX's stubs do not name)
         """An output of the newest dispatch: ready once the devices finished everything given."""
         self._idle_since: float | None = None
         """When the devices were first seen idle since the newest dispatch (None: not seen idle)."""

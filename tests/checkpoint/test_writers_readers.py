@@ -64,7 +64,7 @@ def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority (nice) exists on Linux only")
 def test_a_save_runs_in_the_background_below_the_loops_priority(tmp_path, monkeypatch):
-    from flaxstate.checkpoint import storage
+    from flaxstate.checkpoint import saving
 
     seen = []
     save = ocp.CheckpointManager.save
@@ -77,7 +77,7 @@ def test_a_save_runs_in_the_background_below_the_loops_priority(tmp_path, monkey
     loop_priority = os.getpriority(os.PRIO_PROCESS, 0)
     with fs.CheckpointFileWriter(tmp_path) as writer:
         writer(records(n_steps=2)[-1])
-    assert seen == [(False, min(19, loop_priority + storage.SAVE_NICENESS))]
+    assert seen == [(False, min(19, loop_priority + saving.SAVE_NICENESS))]
     assert os.getpriority(os.PRIO_PROCESS, 0) == loop_priority  # the loop's own thread is untouched
     assert saved_steps(tmp_path) == [2]
 
@@ -92,11 +92,10 @@ class Clock:
         return self.now
 
 
-def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path, monkeypatch):
+def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path):
     clock = Clock()
-    monkeypatch.setattr("flaxstate.checkpoint.writers.time", clock)
     recs = records(n_steps=12, every=2)  # steps 2, 4, ..., 12 (final)
-    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every_seconds=60)
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every_seconds=60, clock=clock.monotonic)
     writer(recs[0])  # 0 s since the writer was made
     clock.now += 59
     writer(recs[1])  # 59 s

@@ -1,0 +1,108 @@
+"""The layout of a checkpoint on disk: its items, their handlers, and the JSON forms of what `meta` holds.
+
+A step is a standard orbax `CheckpointManager` step directory, `<dir>/<step>/`,
+with three items that plain orbax reads:
+
+- `model`: `{"target": params, "flax_mutables": collections}` (a PyTree item);
+- `optimizer`: `{"step": step, "param_states": optax state}` (a PyTree item);
+- `meta`: JSON: format version, step, rng, data position, metrics, metadata
+  (checked on read by `flaxstate.checkpoint.meta`).
+
+Format 1 stored the whole state dict as one item, `state`; formats 1 and 2
+are upgraded on read. Names orbax never lists: a save in progress (or one
+that failed or was killed), `<step>.orbax-checkpoint-tmp`, and a damaged
+step a writer set aside, `<step>.damaged`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from flaxstate.checkpoint.errors import CheckpointError
+
+MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
+LEGACY_STATE = "state"
+"""Format 1 stored the whole state dict as one item, `state`; it is upgraded on read."""
+
+LEGACY_RUN_ID = "format-2"
+"""The run id that checkpoints of formats 1 and 2 (written before runs had ids) read as."""
+
+SET_ASIDE = ".damaged"
+"""The suffix a writer gives a damaged step's directory (`10.damaged`): a name orbax does not list."""
+
+TMP_MARK = ".orbax-checkpoint-tmp"
+"""What orbax's temporary directory of a save in progress (or of one that failed or was killed) holds in its name."""
+
+
+def handlers() -> dict[str, Any]:
+    return {
+        MODEL: ocp.PyTreeCheckpointHandler(use_compression=False),
+        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_compression=False),
+        META: ocp.JsonCheckpointHandler(),
+        LEGACY_STATE: ocp.PyTreeCheckpointHandler(use_compression=False),
+    }
+
+
+def encode_rng(rng: jax.Array | None) -> dict[str, Any] | None:
+    """Returns a random key as JSON: its implementation and its data."""
+    if rng is None:
+        return None
+    return {"impl": str(jax.random.key_impl(rng)), "data": np.asarray(jax.random.key_data(rng)).tolist()}
+
+
+def decode_rng(encoded: Mapping[str, Any] | None) -> jax.Array | None:
+    """Returns the random key that `encode_rng` encoded."""
+    if encoded is None:
+        return None
+    data: Any = np.asarray(encoded["data"], dtype=np.uint32)  # numpy: JAX's stubs name only its own arrays
+    return jax.random.wrap_key_data(data, impl=encoded["impl"])
+
+
+def to_json(value: Any) -> Any:
+    """Returns a dict, dataclass or plain value as JSON-ready data.
+
+    Raises:
+        CheckpointError: it is not JSON-serializable.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    try:
+        return json.loads(json.dumps(value))
+    except TypeError as error:
+        raise CheckpointError(
+            f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
+        ) from error
+
+
+def state_dict_layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
+    """The stored items' trees in the state-dict layout (format 1's single item as it is).
+
+    Raises:
+        FileNotFoundError: an item the layout needs is missing (damage).
+    """
+    needed = [LEGACY_STATE] if meta["format_version"] < 2 else [MODEL, OPTIMIZER] if with_optimizer else [MODEL]
+    missing = [name for name in needed if name not in trees]
+    if missing:
+        raise FileNotFoundError(f"the checkpoint of step {meta['step']} has no item {', '.join(missing)}")
+    if meta["format_version"] < 2:
+        tree = dict(trees[LEGACY_STATE])
+    else:
+        model = trees[MODEL]
+        tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
+        tree["state"] = dict(trees[OPTIMIZER]) if with_optimizer else {}
+    if not with_optimizer:
+        tree["state"] = {}
+    return tree
+
+
+def is_empty_or_missing(directory: Path) -> bool:
+    """Whether a directory does not exist or holds no checkpoint steps at all."""
+    return not directory.is_dir() or not any(entry.name.isdigit() for entry in directory.iterdir())
