@@ -7,7 +7,7 @@ them. Neither side imports the other: this module is what they share.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -105,6 +105,10 @@ class Checkpoint:
             resumed from skipped as damaged (absolute paths): the run's
             writer sets those of its directory aside (`<step>.damaged`)
             instead of taking them for another history.
+        device_state: the loop's own device state that `state` copies,
+            while it is valid (until the loop's next dispatch donates it),
+            else `None`; an `EvalLoop` evaluates it instead of putting the
+            host copy on the devices again. `None` for records made by hand.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -128,6 +132,7 @@ class Checkpoint:
     data_time: float = 0.0
     idle_time: float = 0.0
     skipped_damaged: tuple[str, ...] = ()
+    device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def steps_per_second(self) -> float:

@@ -19,7 +19,6 @@ donate that buffer: XLA would silently allocate the state anew.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,16 +85,16 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 class DeviceViews:
     """The loop's own device state behind its newest record's host copy, until the loop's next dispatch.
 
-    An `EvalLoop` given that record (or a summary of it) evaluates the
-    device arrays instead of putting the host copy's parameters on the
-    devices again: no second copy of the parameters, no host-to-device
-    transfer. The loop `clear`s its view before it dispatches (and donates).
+    A record carries `lookup` bound to its state (`Checkpoint.device_state`):
+    an `EvalLoop` given that record (or a summary of it) evaluates the device
+    arrays instead of putting the host copy's parameters on the devices
+    again: no second copy of the parameters, no host-to-device transfer. The
+    loop `clear`s its view before it dispatches (and donates).
     """
 
     def __init__(self) -> None:
         self._host: PyTree = None
         self._device: PyTree = None
-        _ALL_VIEWS.add(self)
 
     def publish(self, host: PyTree, device: PyTree) -> None:
         """Notes that `host` (a record's state) is a copy of `device` (the loop's state)."""
@@ -106,13 +105,5 @@ class DeviceViews:
         self._host = self._device = None
 
     def lookup(self, host: PyTree) -> PyTree | None:
-        """The device state behind `host`, or `None`."""
+        """The device state behind `host`, or `None` (another state, or the loop has dispatched since)."""
         return self._device if host is not None and host is self._host else None
-
-
-_ALL_VIEWS: weakref.WeakSet[DeviceViews] = weakref.WeakSet()
-
-
-def device_view(host: PyTree) -> PyTree | None:
-    """The device state that a loop's newest record's `state` (`host`) copies, while it is valid; else `None`."""
-    return next((view for views in list(_ALL_VIEWS) if (view := views.lookup(host)) is not None), None)

@@ -13,9 +13,8 @@ from jax.sharding import Mesh
 from flaxstate.records import Checkpoint, Summary
 from flaxstate.sharding import AxisRules
 from flaxstate.train_state import InferenceState
-from flaxstate.training import batching, copies
-from flaxstate.training.placement import Placement
-from flaxstate.training.step import compile_eval_step, compile_sharded_eval_step, make_eval_step
+from flaxstate.training import batching, placement
+from flaxstate.training.step import make_eval_step
 from flaxstate.training.task import EvalTask
 
 
@@ -97,12 +96,13 @@ class EvalLoop:
         self._rng_collections = tuple(rng_collections)
         self._n_steps = n_steps
         self._group = group
-        self._placement = Placement.create("EvalLoop", devices, mesh, axis_rules)
+        self._placement = placement.create("EvalLoop", devices, mesh, axis_rules)
         self._iterator = iter(task.data)
         self._rng_data = jax.random.key_data(self._rng)
         self._rng_impl = jax.random.key_impl(self._rng)
-        n_devices = 1 if self._placement.sharded else self._placement.mesh.size  # a sharded step is the global one
-        self._eval_step = make_eval_step(task.apply, task.metrics, self._rng_collections, n_devices, self._rng_impl)
+        self._eval_step = make_eval_step(
+            task.apply, task.metrics, self._rng_collections, self._placement.across, self._rng_impl
+        )
         self._compiled: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         """The state's shardings and compiled evaluation by its structure and shapes (one, unless several models
         come)."""
@@ -136,7 +136,7 @@ class EvalLoop:
         Returns:
             the record with the evaluation's metrics.
         """
-        record_state = copies.device_view(checkpoint.state)
+        record_state = checkpoint.device_state() if checkpoint.device_state is not None else None
         if record_state is None:
             record_state = checkpoint.state
         needed = InferenceState(
@@ -171,11 +171,7 @@ class EvalLoop:
         key = (jax.tree.structure(state), tuple(np.shape(leaf) for leaf in jax.tree.leaves(state)))
         if key not in self._compiled:
             shardings = self._placement.state_shardings(state)
-            if self._placement.sharded:
-                evaluate = compile_sharded_eval_step(self._eval_step, shardings, self._placement.batch_layout)
-            else:
-                evaluate = compile_eval_step(self._eval_step, self._placement.mesh)
-            self._compiled[key] = (shardings, evaluate)
+            self._compiled[key] = (shardings, self._placement.compile_eval(self._eval_step, shardings))
         return self._compiled[key]
 
     def _batch_rng_data(self, step: int, index: int) -> jax.Array:

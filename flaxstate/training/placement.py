@@ -1,71 +1,149 @@
-"""Where a loop runs: its devices, and, sharded over a mesh, how its state and batches lie there.
+"""Where a loop runs: the one module that knows data-parallel from sharded.
 
 `TrainLoop` and `EvalLoop` take the same `devices=` or `mesh=` with
-`axis_rules=`. Without a mesh they are data-parallel: every device holds the
-whole state and computes on its part of the batch, split over the local
-devices. With one, each state leaf is sharded by its logical axes through the
-rules, and the batch over the mesh axes of the logical axis `batch`; each
-process then feeds the part of the global batch that its devices hold.
+`axis_rules=`, and `create` turns them into one of two strategies behind one
+interface (`Placement`):
+
+- `DataParallel`: every device holds the whole state and computes on its part
+  of the batch, split over the local devices; the step functions are per
+  device, mapped with `jax.shard_map` under `jax.jit` (gradients, the loss
+  and the mutable collections averaged with `pmean`).
+- `Sharded`: each state leaf is sharded by its logical axes through the rules,
+  and the batch over the mesh axes of the logical axis `batch`; the step
+  functions are the global ones, compiled with `jax.jit` and explicit
+  shardings (GSPMD inserts the collectives). Each process feeds the part of
+  the global batch that its devices hold.
+
+The step functions themselves (`flaxstate.training.step`) carry no mode: a
+placement hands them its `Across` (how devices are told apart and averaged)
+and compiles what they return. A third placement (pipeline stages, hybrid
+rules) is a third class here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings
+from flaxstate.sharding import AxisRules, BatchLayout, check_rules, logical_shardings
 from flaxstate.training import batching
 
 PyTree = Any
 
 
+class Across(Protocol):
+    """How a step function sees the devices it runs on: its index among them, and a mean over them."""
+
+    def index(self) -> jax.Array | int:
+        """This device's index (folded into its rngs)."""
+        ...
+
+    def mean(self, tree: PyTree) -> PyTree:
+        """The mean over the devices: floating leaves averaged, others (counters) their maximum."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
-class Placement:
-    """A loop's devices, and for a sharded loop its rules and batch layout.
+class _PerDevice:
+    """A per-device function mapped over `n_devices` along `batching.AXIS`."""
+
+    n_devices: int
+
+    def index(self) -> jax.Array | int:
+        return lax.axis_index(batching.AXIS) if self.n_devices > 1 else 0
+
+    def mean(self, tree: PyTree) -> PyTree:
+        if self.n_devices == 1:
+            return tree
+        return jax.tree.map(
+            lambda x: (
+                lax.pmean(x, batching.AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, batching.AXIS)
+            ),
+            tree,
+        )
+
+
+class _Global:
+    """A global function (GSPMD partitions it): one device's view, nothing to average."""
+
+    def index(self) -> jax.Array | int:
+        return 0
+
+    def mean(self, tree: PyTree) -> PyTree:
+        return tree
+
+
+class Placement(Protocol):
+    """What a loop asks of where it runs (see the module's docstring for the two there are)."""
+
+    mesh: Mesh
+
+    @property
+    def across(self) -> Across: ...
+
+    @property
+    def n_local_devices(self) -> int: ...
+
+    @property
+    def n_local_parts(self) -> int: ...
+
+    def check_batch(self, batch: batching.Batch, task_name: str, n_microbatches: int = 1) -> None: ...
+
+    def global_batch_size(self, local_size: int) -> int: ...
+
+    def state_shardings(self, state: PyTree) -> PyTree: ...
+
+    def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch: ...
+
+    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]: ...
+
+    def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
+
+    def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
+
+
+def create(
+    owner: str, devices: Sequence[jax.Device] | None, mesh: Mesh | None, axis_rules: AxisRules | None
+) -> DataParallel | Sharded:
+    """A data-parallel placement on `devices`, or a sharded one on `mesh` by `axis_rules` (checked here, once).
+
+    Raises:
+        ValueError: only one of `mesh` and `axis_rules`, or `mesh` with
+            `devices`; rules that are not pairs or name a mesh axis the mesh does not have.
+    """
+    if (mesh is None) != (axis_rules is None):
+        raise ValueError(
+            f"{owner} shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
+            f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
+            "work."
+        )
+    if mesh is None:
+        return DataParallel(batching.mesh_of(devices))
+    if devices is not None:
+        raise ValueError(f"{owner} takes devices= or mesh=, not both: a sharded loop runs on the mesh's devices.")
+    rules = check_rules(mesh, axis_rules)
+    return Sharded(mesh, rules, BatchLayout.create(mesh, rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Every device holds the whole state (replicated) and computes on its part of the batch.
 
     Attributes:
-        mesh: the devices (data-parallel: one axis, `batching.AXIS`).
-        axis_rules: flax-style logical axis rules (`None`: data-parallel).
-        batch_layout: how a batch lies on the mesh (`None`: data-parallel).
+        mesh: the devices, on one axis (`batching.AXIS`).
     """
 
     mesh: Mesh
-    axis_rules: AxisRules | None = None
-    batch_layout: BatchLayout | None = None
-
-    @classmethod
-    def create(
-        cls,
-        owner: str,
-        devices: Sequence[jax.Device] | None,
-        mesh: Mesh | None,
-        axis_rules: AxisRules | None,
-    ) -> Placement:
-        """A data-parallel placement on `devices`, or a sharded one on `mesh` by `axis_rules`.
-
-        Raises:
-            ValueError: only one of `mesh` and `axis_rules`, or `mesh` with
-                `devices`; rules naming a mesh axis the mesh does not have.
-        """
-        if (mesh is None) != (axis_rules is None):
-            raise ValueError(
-                f"{owner} shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
-                f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
-                "work."
-            )
-        if mesh is None:
-            return cls(batching.mesh_of(devices))
-        if devices is not None:
-            raise ValueError(f"{owner} takes devices= or mesh=, not both: a sharded loop runs on the mesh's devices.")
-        return cls(mesh, axis_rules, BatchLayout.create(mesh, axis_rules))
 
     @property
-    def sharded(self) -> bool:
-        return self.batch_layout is not None
+    def across(self) -> Across:
+        return _PerDevice(self.mesh.size)
 
     @property
     def n_local_devices(self) -> int:
@@ -74,43 +152,139 @@ class Placement:
 
     @property
     def n_local_parts(self) -> int:
-        """How many parts this process's batch splits into: its devices, or the batch parts they hold."""
-        if self.batch_layout is None:
-            return self.n_local_devices
-        return len(self.batch_layout.local_parts())
-
-    @property
-    def parts(self) -> str:
-        """What those parts are, for an error."""
-        if self.batch_layout is None:
-            return "local devices"
-        return f"parts of the batch axes {self.batch_layout.axes} that this process's devices hold"
+        """How many parts this process's batch splits into: its devices."""
+        return self.n_local_devices
 
     def check_batch(self, batch: batching.Batch, task_name: str, n_microbatches: int = 1) -> None:
-        """Checks that this process's batch splits into its parts, then into microbatches.
+        """Checks that this process's batch splits over its devices, then into microbatches.
+
+        Raises:
+            ValueError: naming the sizes, the device count and M.
+        """
+        batching.check_divisible(batch, self.n_local_devices, task_name, n_microbatches, "local devices")
+
+    def global_batch_size(self, local_size: int) -> int:
+        """The global batch's size when this process feeds `local_size` examples."""
+        return local_size * jax.process_count()
+
+    def state_shardings(self, state: PyTree) -> NamedSharding:
+        """Replicated: one sharding for every leaf."""
+        return batching.replicated(self.mesh)
+
+    def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch:
+        """This process's batch as global arrays (several processes) or as it is (see `batching.to_devices`)."""
+        return batching.to_devices(batch, self.mesh, stacked=stacked)
+
+    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]:
+        """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated."""
+        return self._map(program, stacked, donate=(0,))
+
+    def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
+        """Maps `program(state_leaves, batch, rng_data) -> grads` over the devices (nothing donated)."""
+        return self._map(program, False, donate=())
+
+    def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
+        """Maps `program(state, batch, rng_data) -> metrics` over the devices (nothing donated)."""
+        return self._map(program, False, donate=())
+
+    def _map(self, per_device: Callable[..., Any], stacked: bool, donate: tuple[int, ...]) -> Callable[..., Any]:
+        """Compiles `per_device(state, batch, rng_data)` over the mesh: the state and outputs replicated.
+
+        The compiled call states where its inputs live, so it takes host arrays
+        (placed by the call itself, the fastest path on a CPU) as well as arrays
+        already on the devices. On a single device the function is compiled as
+        it is: no collective is needed, and the update is the XLA program a
+        hand-written jit loop runs.
+        """
+        replicated = PartitionSpec()
+        in_specs = (replicated, batching.batch_spec(stacked), replicated)
+        in_shardings = tuple(NamedSharding(self.mesh, spec) for spec in in_specs)
+        if self.mesh.size == 1:
+            return jax.jit(per_device, in_shardings=in_shardings, donate_argnums=donate)
+        mapped = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=replicated,
+            # Per-device gradients as under pmap: with check_vma, the gradient of a replicated
+            # parameter would already be summed over devices before our explicit pmean.
+            check_vma=False,
+        )
+        return jax.jit(mapped, in_shardings=in_shardings, donate_argnums=donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """Each state leaf sharded by its logical axes through the rules; the batch over the batch axes.
+
+    Attributes:
+        mesh: the devices, with named axes.
+        axis_rules: flax-style logical axis rules, checked against the mesh.
+        batch_layout: how a batch lies on the mesh.
+    """
+
+    mesh: Mesh
+    axis_rules: AxisRules
+    batch_layout: BatchLayout
+
+    @property
+    def across(self) -> Across:
+        return _Global()
+
+    @property
+    def n_local_devices(self) -> int:
+        """How many of the mesh's devices this process holds."""
+        return batching.local_device_count(self.mesh)
+
+    def check_batch(self, batch: batching.Batch, task_name: str, n_microbatches: int = 1) -> None:
+        """Checks that this process's batch splits into the batch parts its devices hold, then into microbatches.
 
         Raises:
             ValueError: naming the sizes, the parts and M.
         """
-        batching.check_divisible(batch, self.n_local_parts, task_name, n_microbatches, self.parts)
+        parts = f"parts of the batch axes {self.batch_layout.axes} that this process's devices hold"
+        batching.check_divisible(batch, self.n_local_parts, task_name, n_microbatches, parts)
+
+    @property
+    def n_local_parts(self) -> int:
+        """How many parts this process's batch splits into: the batch parts its devices hold."""
+        return len(self.batch_layout.local_parts())
 
     def global_batch_size(self, local_size: int) -> int:
         """The global batch's size when this process feeds `local_size` examples."""
-        if self.batch_layout is None:
-            return local_size * jax.process_count()
         return local_size * self.batch_layout.n_parts // self.n_local_parts
 
-    @property
-    def replicated(self) -> NamedSharding:
-        return batching.replicated(self.mesh)
-
-    def state_shardings(self, state: PyTree) -> Any:
-        """The state's shardings: one per leaf from its logical axes, or replicated (one sharding for all)."""
-        if self.batch_layout is None:
-            return self.replicated
+    def state_shardings(self, state: PyTree) -> PyTree:
+        """One sharding per leaf, from its logical axes through the rules."""
         return logical_shardings(state, self.mesh, self.axis_rules)
 
     def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch:
-        """This process's batch as global arrays (several processes) or as it is (see `batching.to_devices`)."""
-        sharding = self.batch_layout.sharding(stacked) if self.batch_layout is not None else None
-        return batching.to_devices(batch, self.mesh, stacked=stacked, sharding=sharding)
+        """This process's part of the global batch as global arrays (several processes) or as it is."""
+        return batching.to_devices(batch, self.mesh, stacked=stacked, sharding=self.batch_layout.sharding(stacked))
+
+    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]:
+        """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)`, the state donated.
+
+        The gradients (a K-step program's last step's; `None` for one step) lie as their parameters.
+        """
+        leaves = jax.tree.leaves(shardings)
+        grads = shardings.params if stacked else None
+        return self._jit(program, leaves, stacked, (leaves, self._replicated, grads), donate=(0,))
+
+    def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
+        """Compiles `program(state_leaves, batch, rng_data) -> grads`, sharded as their parameters."""
+        return self._jit(program, jax.tree.leaves(shardings), False, shardings.params, donate=())
+
+    def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
+        """Compiles `program(state, batch, rng_data) -> metrics`: the global batch's, replicated."""
+        return self._jit(program, shardings, False, self._replicated, donate=())
+
+    @property
+    def _replicated(self) -> NamedSharding:
+        return batching.replicated(self.mesh)
+
+    def _jit(
+        self, function: Callable[..., Any], state: PyTree, stacked: bool, out: Any, donate: tuple[int, ...]
+    ) -> Callable[..., Any]:
+        in_shardings = (state, self.batch_layout.sharding(stacked), self._replicated)
+        return jax.jit(function, in_shardings=in_shardings, out_shardings=out, donate_argnums=donate)

@@ -1,22 +1,18 @@
-"""The per-device update and evaluation, and their mapping across devices.
+"""The update and the evaluation as pure functions of `(state, batch, rng)`, and the programs made of them.
 
-The update is one per-device function of `(state, batch, rng)`: loss and
-gradients, `pmean` of the gradients, the loss and the mutable collections
-across all devices (of all processes), then the optax update through
-`state.apply_gradient`. It is mapped over the mesh with `jax.shard_map` under
-`jax.jit` (what `jax.pmap` itself is built on since JAX 0.8), with the state
-donated, so the state stays one global array per leaf, replicated, that orbax
-saves once and any device count restores.
-
-A sharded loop (a mesh and logical axis rules) compiles the same function as
-the global update instead: no `pmean`, no mapping, `jax.jit` with each state
-leaf's sharding from its logical axes and the batch's over the batch axes
-(`Sharded`); GSPMD partitions the program and inserts the collectives.
+The update is one function: loss and gradients (over M microbatches, with
+loss scaling when the state has it), their mean over the devices, the mutable
+collections', then the optax update through `state.apply_gradient`. It has no
+mode: where it runs (`flaxstate.training.placement`) hands it an `Across`,
+which tells devices apart and averages over them (per device under
+`shard_map`, `pmean` across the devices; the identity for the global update
+that GSPMD partitions), and compiles the programs built here:
+`update_program` (K steps in one call) and `gradients_program` (a record's
+gradients).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import CollectionFilter
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxstate.sharding import BatchLayout
-from flaxstate.training.batching import AXIS, Batch, batch_spec, replicated
+from flaxstate.training.batching import Batch
+from flaxstate.training.placement import Across
 
 PyTree = Any
 
@@ -46,14 +41,14 @@ def microbatches(x: jax.Array, n_microbatches: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0] // n_microbatches, n_microbatches, *x.shape[1:]), 1, 0)
 
 
-def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str], n_devices: int) -> dict[str, jax.Array]:
+def device_rngs(rng: jax.Array, step: jax.Array, names: Sequence[str], across: Across) -> dict[str, jax.Array]:
     """Returns this device's rngs for one step: one per rng collection name.
 
-    Derived from the loop's key, the step and the device's index on the mesh,
-    so a run is reproducible from its seed and masks differ per device.
+    Derived from the loop's key, the step and the device's index on the mesh
+    (0 for a global update), so a run is reproducible from its seed and masks
+    differ per device.
     """
-    device = lax.axis_index(AXIS) if n_devices > 1 else 0
-    key = jax.random.fold_in(jax.random.fold_in(rng, step), device)
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), across.index())
     return {name: jax.random.fold_in(key, position) for position, name in enumerate(names)}
 
 
@@ -68,15 +63,6 @@ def _check_scalar(value: jax.Array, what: str) -> jax.Array:
             "(reduce it, e.g. with .mean())."
         )
     return value
-
-
-def _device_mean(tree: PyTree, n_devices: int) -> PyTree:
-    """Averages floating leaves over all devices; other leaves take their maximum."""
-    if n_devices == 1:
-        return tree
-    return jax.tree.map(
-        lambda x: lax.pmean(x, AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, AXIS), tree
-    )
 
 
 def _in_float32(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -94,7 +80,7 @@ def make_train_step(
     loss: Callable[..., Any],
     rng_names: Sequence[str],
     mutable: CollectionFilter,
-    n_devices: int,
+    across: Across,
     n_microbatches: int = 1,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
@@ -115,8 +101,8 @@ def make_train_step(
     leaves parameters, optimizer state and mutable collections as they were
     (the step count still advances) and lowers the scale.
 
-    With `n_devices` 1 the function is also the global update of a sharded
-    loop (GSPMD partitions it).
+    `across` is the placement's: per device, the loss, the gradients and the
+    mutable collections are averaged over the devices; globally, not at all.
     """
 
     def grads_of(
@@ -160,12 +146,12 @@ def make_train_step(
 
     def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
         inputs, targets = batch
-        rngs = device_rngs(rng, state.step, rng_names, n_devices)
+        rngs = device_rngs(rng, state.step, rng_names, across)
         if n_microbatches == 1:
             (value, mutables), grads = grads_of(state, state.flax_mutables, inputs, targets, rngs)
         else:
             (value, mutables), grads = accumulated(state, inputs, targets, rngs)
-        grads, value, mutables = _device_mean((grads, value, mutables), n_devices)
+        grads, value, mutables = across.mean((grads, value, mutables))
         mutables = {**state.flax_mutables, **mutables}
         if state.loss_scale is None:
             return state.apply_gradient(grads, flax_mutables=mutables), grads, value
@@ -196,7 +182,7 @@ def make_eval_step(
     apply: Callable[..., Any],
     metrics: Mapping[str, Callable[..., Any]],
     rng_names: Sequence[str],
-    n_devices: int,
+    across: Across,
     rng_impl: Any = None,
 ) -> Callable[[PyTree, Batch, jax.Array], dict[str, jax.Array]]:
     """Returns the per-device evaluation `(state, batch, rng_data) -> {name: mean over devices}`.
@@ -208,7 +194,7 @@ def make_eval_step(
         inputs, targets = batch
         variables = {"params": state.params, **state.flax_mutables}
         if rng_names:
-            rngs = device_rngs(jax.random.wrap_key_data(rng_data, impl=rng_impl), state.step, rng_names, n_devices)
+            rngs = device_rngs(jax.random.wrap_key_data(rng_data, impl=rng_impl), state.step, rng_names, across)
             outputs = _as_tuple(apply(variables, *inputs, rngs=rngs))
         else:
             outputs = _as_tuple(apply(variables, *inputs))
@@ -216,7 +202,7 @@ def make_eval_step(
             name: _check_scalar(metric(*outputs, *targets), f"EvalTask.metrics[{name!r}]").astype(jnp.float32)
             for name, metric in metrics.items()
         }
-        return _device_mean(values, n_devices)
+        return across.mean(values)
 
     return eval_step
 
@@ -226,159 +212,54 @@ def _rebuild(treedef: Any, leaves: list[jax.Array], rng_impl: Any, rng_data: jax
     return jax.tree.unflatten(treedef, leaves), jax.random.wrap_key_data(rng_data, impl=rng_impl)
 
 
-@dataclasses.dataclass(frozen=True)
-class Sharded:
-    """Where a sharded loop's arrays live: each state leaf, the gradients (their parameter's), the batch.
+def update_program(
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], n_steps: int, treedef: Any, rng_impl: Any
+) -> Callable[..., tuple[list[jax.Array], jax.Array, PyTree]]:
+    """Returns `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)`: `n_steps` updates in one call.
 
-    Attributes:
-        state: one sharding per leaf of the state, in `jax.tree.leaves` order.
-        params: the shardings of the parameters' tree (the gradients').
-        batch: the batch's layout.
+    One output structure whatever K: `losses` has shape `(n_steps,)`;
+    `grads` are the last step's for K > 1 (a `lax.scan` over K stacked
+    batches) and `None` for one step, whose record computes its gradients
+    with `gradients_program` before the update (one more output buffer per
+    parameter every step would cost more; every step still runs the one same
+    XLA program, so where records fall never moves a result by an ulp). The
+    state travels as its flat list of leaves (`treedef` rebuilds it inside)
+    and the key as its raw data (`rng_impl` rewraps it), which keeps the
+    per-step dispatch in JAX's C++ path, off Python's pytree flattening.
     """
 
-    state: list[NamedSharding]
-    params: PyTree
-    batch: BatchLayout
+    def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[PyTree, jax.Array, PyTree]:
+        if n_steps == 1:
+            state, _, loss = train_step(state, batches, rng)
+            return state, jnp.reshape(loss.astype(jnp.float32), (1,)), None
 
-    @property
-    def replicated(self) -> NamedSharding:
-        return replicated(self.batch.mesh)
+        def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
+            state, grads, loss = train_step(carry[0], batch, rng)
+            return (state, grads), loss.astype(jnp.float32)
 
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (state, grads), losses = lax.scan(body, (state, zeros), batches, length=n_steps)
+        return state, losses, grads
 
-def compile_train_steps(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
-    mesh: Mesh,
-    n_steps: int,
-    treedef: Any,
-    rng_impl: Any,
-    sharded: Sharded | None = None,
-) -> Callable[..., tuple[Any, ...]]:
-    """Maps `n_steps` updates in one compiled call over the mesh, the state donated.
-
-    The call is `(state_leaves, batch, rng_data) -> (state_leaves, loss)` for
-    one step, and `(state_leaves, batches, rng_data) -> (state_leaves, grads,
-    losses)` for several (a `lax.scan`; `grads` are the last step's, `losses`
-    has shape `(n_steps,)`). The state travels as its flat list of leaves
-    (`treedef` rebuilds it inside) and the key as its raw data (`rng_impl`
-    rewraps it), which keeps the per-step dispatch in JAX's C++ path, off
-    Python's pytree flattening. A single step returns no gradients: they
-    would be one more output buffer per parameter every step, and a record
-    computes its last step's with `compile_gradients` instead; every step
-    still runs the one same XLA program, so where records fall never moves
-    a result by an ulp.
-
-    Without `sharded`, `train_step` is per device and mapped with
-    `shard_map` (the state replicated); with it, `train_step` is the global
-    update, compiled with `jax.jit` and these explicit shardings (GSPMD
-    inserts the collectives).
-    """
-
-    if n_steps == 1:
-
-        def steps(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[Any, ...]:
-            state, _, loss = train_step(state, batch, rng)
-            return state, loss
-
-    else:
-
-        def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[Any, ...]:
-            def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
-                state, grads, loss = train_step(carry[0], batch, rng)
-                return (state, grads), loss.astype(jnp.float32)
-
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (state, grads), losses = lax.scan(body, (state, zeros), batches, length=n_steps)
-            return state, grads, losses
-
-    def flat_steps(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
+    def program(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
-        state, *outputs = steps(state, batches, rng)
-        return jax.tree.leaves(state), *outputs
+        state, losses, grads = steps(state, batches, rng)
+        return jax.tree.leaves(state), losses, grads
 
-    if sharded is not None:
-        outputs = (sharded.replicated,) if n_steps == 1 else (sharded.params, sharded.replicated)
-        return _jit_sharded(sharded.state, sharded.batch, flat_steps, n_steps > 1, (sharded.state, *outputs), (0,))
-    return _map_over(mesh, flat_steps, in_specs=(batch_spec(n_steps > 1), PartitionSpec()), donate=(0,))
+    return program
 
 
-def compile_gradients(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
-    mesh: Mesh,
-    treedef: Any,
-    rng_impl: Any,
-    sharded: Sharded | None = None,
+def gradients_program(
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], treedef: Any, rng_impl: Any
 ) -> Callable[..., PyTree]:
-    """Maps `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated) over the mesh.
+    """Returns `(state_leaves, batch, rng_data) -> grads` of one step.
 
     The gradients that the update of that state on that batch applies (the
-    same function; XLA drops the update itself), sharded as their
-    parameters under `sharded`.
+    same function; XLA drops the update itself).
     """
 
-    def gradients(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
+    def program(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
         return train_step(state, batch, rng)[1]
 
-    if sharded is not None:
-        return _jit_sharded(sharded.state, sharded.batch, gradients, False, sharded.params, donate=())
-    return _map_over(mesh, gradients, in_specs=(batch_spec(False), PartitionSpec()), donate=())
-
-
-def _jit_sharded(
-    state_shardings: PyTree,
-    layout: BatchLayout,
-    function: Callable[..., Any],
-    stacked: bool,
-    out_shardings: Any,
-    donate: tuple[int, ...],
-) -> Callable[..., Any]:
-    """Compiles a global `function(state, batch, rng_data)` with explicit shardings (GSPMD).
-
-    The state's shardings match what the function takes: the update's flat
-    list of leaves, or the evaluation's state tree.
-    """
-    in_shardings = (state_shardings, layout.sharding(stacked), replicated(layout.mesh))
-    return jax.jit(function, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate)
-
-
-def _map_over(
-    mesh: Mesh, per_device: Callable[..., Any], in_specs: tuple[PartitionSpec, ...], donate: tuple[int, ...]
-) -> Callable[..., Any]:
-    """Compiles `per_device(state, *rest)` over the mesh: the state and outputs replicated.
-
-    The compiled call states where its inputs live, so it takes host arrays
-    (placed by the call itself, the fastest path on a CPU) as well as arrays
-    already on the devices. On a single device the function is compiled as
-    it is: no collective is needed, and the update is the XLA program a
-    hand-written jit loop runs.
-    """
-    replicated = PartitionSpec()
-    in_shardings = tuple(NamedSharding(mesh, spec) for spec in (replicated, *in_specs))
-    if mesh.size == 1:
-        return jax.jit(per_device, in_shardings=in_shardings, donate_argnums=donate)
-    mapped = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(replicated, *in_specs),
-        out_specs=replicated,
-        # Per-device gradients as under pmap: with check_vma, the gradient of a replicated
-        # parameter would already be summed over devices before our explicit pmean.
-        check_vma=False,
-    )
-    return jax.jit(mapped, in_shardings=in_shardings, donate_argnums=donate)
-
-
-def compile_eval_step(eval_step: Callable[..., dict[str, jax.Array]], mesh: Mesh) -> Callable[..., Any]:
-    """Maps the evaluation over the mesh (nothing donated: the state is the record's)."""
-    return _map_over(mesh, eval_step, in_specs=(batch_spec(False), PartitionSpec()), donate=())
-
-
-def compile_sharded_eval_step(
-    eval_step: Callable[..., dict[str, jax.Array]], state_shardings: PyTree, layout: BatchLayout
-) -> Callable[..., Any]:
-    """Compiles a global evaluation (`make_eval_step(n_devices=1)`) with the state's and the batch's shardings.
-
-    GSPMD partitions it as it does the sharded update; the metrics come back
-    replicated, and nothing is donated.
-    """
-    return _jit_sharded(state_shardings, layout, eval_step, False, replicated(layout.mesh), donate=())
+    return program

@@ -11,7 +11,6 @@ import pytest
 from flaxstate_testing import toy
 
 import flaxstate as fs
-from flaxstate.training import copies
 
 MLP = toy.MLP()
 
@@ -156,12 +155,12 @@ def test_evaluation_of_the_newest_record_uses_the_loops_arrays_and_an_older_one_
     loop = fs.TrainLoop(MLP.init, task, rng=0, n_steps=8, n_steps_per_checkpoint=4, stdout=False)
     evaluate = fs.EvalLoop(fs.EvalTask(apply=MLP.apply, metrics={"loss": toy.mse}, data=toy.batches(1, 8, seed=3)), 1)
     record = loop.next_checkpoint()
-    view = copies.device_view(record.state)
+    view = record.device_state()
     assert view is not None and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(view))
     newest = evaluate(record).metrics["eval"]["loss"]
-    assert copies.device_view(record.with_metrics({}).state) is view  # a summary shares the state
+    assert record.with_metrics({}).device_state() is view  # a summary shares the state
     loop.next_checkpoint()
-    assert copies.device_view(record.state) is None
+    assert record.device_state() is None
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(view.params))  # donated: why the view ended
     assert evaluate(record).metrics["eval"]["loss"] == newest
 

@@ -1,0 +1,77 @@
+"""The options of a training loop that need checking, checked once, at construction.
+
+Each error names the setting, the value found and the fix, before anything
+is read, compiled or restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from flaxstate.training import copies
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        least = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
+        raise ValueError(f"TrainLoop {name} must be {least}, got {value!r}.")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How many steps, how often a record, how many steps a dispatch, how many microbatches a step.
+
+    Attributes:
+        n_steps: the total number of steps (0: none until `run` or `next_step` asks).
+        n_steps_per_checkpoint: N; a record at steps N, 2N, ... and at the last.
+        n_steps_per_dispatch: K steps in one compiled call; N must be a multiple of K.
+        n_microbatches: M microbatches a step.
+
+    Raises:
+        ValueError: a count that is not a positive int (`n_steps`: not a
+            non-negative int), or N not a multiple of K, naming both.
+    """
+
+    n_steps: int = 0
+    n_steps_per_checkpoint: int = 1
+    n_steps_per_dispatch: int = 1
+    n_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("n_steps", self.n_steps, minimum=0)
+        for name in ("n_steps_per_checkpoint", "n_steps_per_dispatch", "n_microbatches"):
+            _positive_int(name, getattr(self, name))
+        if self.n_steps_per_checkpoint % self.n_steps_per_dispatch:
+            raise ValueError(
+                f"TrainLoop n_steps_per_checkpoint ({self.n_steps_per_checkpoint}) must be a multiple of "
+                f"n_steps_per_dispatch ({self.n_steps_per_dispatch}): a record can only be taken between dispatches."
+            )
+
+    def next_record_step(self, step: int) -> int:
+        """The step of the next record after `step`: the next multiple of N, or the last step."""
+        every = self.n_steps_per_checkpoint
+        return min(self.n_steps, (step // every + 1) * every)
+
+    def dispatch_sizes(self, step: int, target: int) -> list[int]:
+        """The steps of each dispatch from `step` to `target`: K at a time, then single steps for the rest."""
+        remaining, per_dispatch = target - step, self.n_steps_per_dispatch
+        return [per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch)
+
+
+def check_record_memory(record_memory: str) -> str:
+    """Returns `record_memory`, checked.
+
+    Raises:
+        ValueError: not one of `copies.RECORD_MEMORIES`.
+    """
+    if record_memory not in copies.RECORD_MEMORIES:
+        raise ValueError(
+            f"TrainLoop record_memory must be one of {copies.RECORD_MEMORIES}, got {record_memory!r}: "
+            "'host' keeps records' copies in host memory (one copy of the state on the devices), 'device' on the "
+            "devices (faster to make, room for the state twice)."
+        )
+    return record_memory

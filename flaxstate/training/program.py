@@ -1,0 +1,64 @@
+"""A loop's compiled programs: the update of K steps in one call, and a record's gradients.
+
+Built from the pure step functions of `flaxstate.training.step` and compiled
+by the loop's placement, once each (the update once per K used). The update
+of any K returns one structure, `(state_leaves, losses, grads)`, see
+`step.update_program`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flaxstate.training import step
+from flaxstate.training.placement import Placement
+
+PyTree = Any
+
+
+class Program:
+    """The compiled update and gradients of one loop's state, on its placement.
+
+    Args:
+        placement: where the loop runs.
+        train_step: `step.make_train_step(...)`, with the placement's `across`.
+        shardings: the state's shardings (`placement.state_shardings(state)`).
+        treedef: the state's tree structure (the programs take its flat leaves).
+        rng_impl: the loop key's implementation (the programs take its raw data).
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        train_step: Callable[..., Any],
+        shardings: PyTree,
+        treedef: Any,
+        rng_impl: Any,
+    ) -> None:
+        self._placement = placement
+        self._train_step = train_step
+        self._shardings = shardings
+        self._treedef = treedef
+        self._rng_impl = rng_impl
+        self._updates: dict[int, Callable[..., Any]] = {}
+        self._gradients: Callable[..., Any] | None = None
+
+    def update(self, n_steps: int) -> Callable[..., Any]:
+        """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)` of `n_steps` steps.
+
+        The state is donated; `batches` are stacked along a leading axis of
+        `n_steps` when it is more than one. A `jax.jit` object: its
+        `lower(...).compile()` gives XLA's cost and memory analyses.
+        """
+        if n_steps not in self._updates:
+            program = step.update_program(self._train_step, n_steps, self._treedef, self._rng_impl)
+            self._updates[n_steps] = self._placement.compile_update(program, self._shardings, stacked=n_steps > 1)
+        return self._updates[n_steps]
+
+    def gradients(self) -> Callable[..., Any]:
+        """The compiled `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated)."""
+        if self._gradients is None:
+            program = step.gradients_program(self._train_step, self._treedef, self._rng_impl)
+            self._gradients = self._placement.compile_gradients(program, self._shardings)
+        return self._gradients

@@ -1,0 +1,241 @@
+"""The steps between two records: drawing batches ahead, dispatching them, and watching their losses.
+
+A `SegmentRunner` owns the loop's live state (its flat leaves, its step and
+its key's raw data) and trains it up to a step: it draws batches ahead of use
+(`PREFETCH` dispatches; under several processes also placed on the devices
+ahead), dispatches the compiled update K steps at a time, stores the state
+and step and commits the batches trained right after each dispatch, before
+anything can raise, and checks the losses for nan and inf on the devices. It
+counts the time the devices waited for the host and for the data
+(`flaxstate.training.waiting`). Between dispatches it hands a Ctrl-C over
+(`KeyboardInterrupt`) and stops early on a preemption notice. An interrupted
+segment is kept, so the record that the next call makes covers all its steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import batching, scaling
+from flaxstate.training.copies import DeviceViews
+from flaxstate.training.data import DataStream
+from flaxstate.training.interrupts import Signals
+from flaxstate.training.nonfinite import LossWatch
+from flaxstate.training.options import Schedule
+from flaxstate.training.placement import Placement
+from flaxstate.training.program import Program
+from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
+
+PyTree = Any
+PREFETCH = 2
+"""How many dispatches' batches are drawn from the data ahead of use (under several processes,
+also placed on the devices ahead of use), within one record's segment."""
+
+
+@dataclasses.dataclass
+class _Segment:
+    """The steps since the last record: kept across an interruption, so the record is the same."""
+
+    start_step: int
+    watch: LossWatch
+    elapsed: float = 0.0
+    waits: WaitTimes = dataclasses.field(default_factory=WaitTimes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What a segment's training gives its record.
+
+    Attributes:
+        grads: the last step's gradients (`None` after a preemption notice).
+        loss: the last loss (`None` if no step ran).
+        n_steps: the steps the segment trained.
+        elapsed: seconds training, up to the devices finishing the last step.
+        waits: seconds of `elapsed` the devices waited for the host, and for the data.
+    """
+
+    grads: PyTree
+    loss: float | None
+    n_steps: int
+    elapsed: float
+    waits: WaitTimes
+
+
+class SegmentRunner:
+    """Trains the loop's live state from record to record (see the module's docstring).
+
+    Args:
+        program: the compiled update and gradients.
+        placement: where the batches go.
+        data: the training data.
+        signals: Ctrl-C and preemption notices.
+        progress: the progress bar.
+        views: the newest record's device view, cleared before a dispatch donates the state.
+        schedule: K steps a dispatch, M microbatches a step.
+        state: the state to train (placed on the devices).
+        rng_data: the run key's raw data, on the devices.
+        loss_scaling: whether the state has loss scaling (which tolerates some non-finite losses).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        placement: Placement,
+        data: DataStream,
+        signals: Signals,
+        progress: ProgressDisplay,
+        views: DeviceViews,
+        schedule: Schedule,
+        state: FlaxOptimTrainState,
+        rng_data: jax.Array,
+        loss_scaling: bool,
+    ) -> None:
+        self._program = program
+        self._placement = placement
+        self._data = data
+        self._signals = signals
+        self._progress = progress
+        self._views = views
+        self._schedule = schedule
+        self.leaves, self._treedef = jax.tree.flatten(state)
+        self.step = int(jax.device_get(state.step))
+        self._rng_data = rng_data
+        self._patience = scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
+        self._nonfinite_run: jax.Array | None = None
+        """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
+        self._segment: _Segment | None = None
+        self._clock = DeviceWaitClock()
+        self._checked_shapes: set[tuple[Any, ...]] = set()
+        self._check_every_shape = placement.n_local_parts * schedule.n_microbatches > 1
+        """Whether a batch of a new shape can fail to split (else any size divides, and the first is checked)."""
+
+    @property
+    def state(self) -> FlaxOptimTrainState:
+        """The live state (its arrays are donated at the next dispatch)."""
+        return jax.tree.unflatten(self._treedef, self.leaves)
+
+    def train(self, target: int, total: int) -> Trained:
+        """Trains up to step `target` (or a preemption notice) of a run of `total` steps (for the progress bar).
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C, at a dispatch boundary; the segment is
+                kept, and the next call goes on with it.
+            FloatingPointError: a non-finite loss (more than loss scaling
+                tolerates), naming the step.
+        """
+        segment = self._segment
+        if segment is None:
+            segment = self._segment = _Segment(self.step, LossWatch(self.step, self._patience, self._nonfinite_run))
+        resumed_at = time.perf_counter()
+        self._clock.resume(resumed_at)
+        try:
+            grads = self._dispatch_until(target, total, segment)
+            first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
+        finally:
+            segment.elapsed += time.perf_counter() - resumed_at
+        self._segment = None
+        if first_nonfinite is not None:
+            raise self._nonfinite_error(first_nonfinite)
+        self._nonfinite_run = segment.watch.run
+        return Trained(grads, loss, self.step - segment.start_step, segment.elapsed, segment.waits)
+
+    def _nonfinite_error(self, step: int) -> FloatingPointError:
+        if self._patience:
+            return FloatingPointError(
+                f"the training loss was non-finite (nan or inf) for {self._patience + 1} steps in a "
+                f"row, up to step {step}: loss scaling skips such steps, but no scale mends a "
+                "forward pass that overflows. No record was yielded after it. Compute the loss in float32, "
+                "lower the learning rate, or check the data."
+            )
+        return FloatingPointError(
+            f"the training loss became non-finite (nan or inf) at step {step}; no record "
+            "was yielded after it. Lower the learning rate, clip gradients, or check the data."
+        )
+
+    def check_batch(self, batch: batching.Batch) -> None:
+        """Checks a batch's split over the placement and into microbatches, once per shape."""
+        if not self._check_every_shape and self._checked_shapes:
+            return
+        shapes = tuple([array.shape for part in batch for array in part])
+        if shapes not in self._checked_shapes:
+            self._placement.check_batch(batch, "TrainTask", self._schedule.n_microbatches)
+            self._checked_shapes.add(shapes)
+
+    def _host_batch(self, n_steps: int, first_step: int, waits: WaitTimes) -> Any:
+        if n_steps == 1:
+            return self._next_batch(waits)
+        return batching.stack([self._next_batch(waits) for _ in range(n_steps)], first_step)
+
+    def _next_batch(self, waits: WaitTimes) -> Any:
+        self._signals.in_data = True
+        start = time.perf_counter()
+        try:
+            batch = batching.normalize(self._data.next(), "TrainTask")
+        finally:
+            self._signals.in_data = False
+            self._clock.drew(start, time.perf_counter(), waits)
+        self.check_batch(batch)
+        return batch
+
+    def _dispatch_until(self, target: int, total: int, segment: _Segment) -> Any:
+        """Runs the dispatches up to step `target`; returns the last step's gradients.
+
+        Between dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`)
+        and stops early on a preemption notice (returning `None`). The state
+        and step are stored, and the batches trained committed, right after
+        each dispatch, before anything can raise.
+        """
+        sizes = self._schedule.dispatch_sizes(self.step, target)
+        queue: collections.deque[tuple[int, Any]] = collections.deque()
+        chunks = iter(sizes)
+        queued_steps = 0
+        several_processes = jax.process_count() > 1  # one process hands host arrays to the compiled call
+
+        def prefetch() -> None:
+            nonlocal queued_steps
+            while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
+                batch = self._host_batch(n, self.step + queued_steps + 1, segment.waits)
+                if several_processes:
+                    batch = self._placement.to_devices(batch, stacked=n > 1)
+                queue.append((n, batch))
+                queued_steps += n
+
+        self._progress.start(self.step, total)
+        self._views.clear()  # the newest record's device view ends where the state is donated
+        signals = self._signals
+        if signals.reached_preemption():
+            return None
+        prefetch()
+        updates = {n: self._program.update(n) for n in set(sizes)}
+        grads = None
+        for n_left in range(len(sizes) - 1, -1, -1):
+            n, batch = queue.popleft()
+            self._clock.dispatching(time.perf_counter(), segment.waits)
+            if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates its state
+                grads = self._program.gradients()(self.leaves, batch, self._rng_data)
+            self.leaves, losses, step_grads = updates[n](self.leaves, batch, self._rng_data)
+            self.step += n
+            queued_steps -= n
+            self._clock.dispatched(losses)
+            self._data.commit(n)
+            segment.watch.add(losses, n)
+            self._progress.advance(n)
+            if n > 1:
+                grads = step_grads
+            if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
+                grads = step_grads = None  # not the record's: freed before the next dispatch
+                if signals.interrupted:
+                    signals.interrupt_now()
+                if signals.reached_preemption():
+                    return None
+                prefetch()
+        if signals.reached_preemption():
+            return None
+        return grads

@@ -1,0 +1,167 @@
+"""Where a run starts: a fresh state or a restored one, the run's key and id, and the data's position.
+
+`TrainLoop(init=...)` takes a model's `init`, or a checkpoint reader (a
+`CheckpointSource`) that restores the newest checkpoint, or says there is none
+and a `target` to start fresh from. A restore reads into an abstract template
+with the placement's shardings, so a resumed run never holds a fresh state
+beside the restored one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxstate.records import CheckpointFile
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import multihost, scaling
+from flaxstate.training.data import DataStream
+from flaxstate.training.placement import Placement
+from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.task import TrainTask
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """What `TrainLoop(init=...)` needs of a checkpoint reader.
+
+    `target` is the model's `init` (or `None`). `read(template)` returns the
+    checkpoint to resume from, its state restored into the tree, shapes,
+    dtypes and shardings of `template.state` (a state whose leaves are
+    `jax.ShapeDtypeStruct`s; `template` is `None` when `target` is), or `None`
+    when there is none yet and training starts fresh.
+    """
+
+    target: Callable[..., Any] | None
+
+    def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
+
+
+def as_key(rng: jax.Array | int) -> jax.Array:
+    """A typed key from a key, raw key data (uint32), or an int seed.
+
+    Raises:
+        TypeError: neither a key nor an int.
+    """
+    if isinstance(rng, int | np.integer) and not isinstance(rng, bool):
+        return jax.random.key(int(rng))
+    if not hasattr(rng, "dtype"):
+        raise TypeError(
+            f"TrainLoop rng must be a random key (jax.random.key(0)) or an int seed, got {type(rng).__name__}."
+        )
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    return jax.random.wrap_key_data(jnp.asarray(rng, dtype=jnp.uint32))
+
+
+def rng_names(collections: Mapping[str, Sequence[str]] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The rng collection names at init and in training.
+
+    Raises:
+        ValueError: `collections` has keys other than `init` and `apply`.
+    """
+    if collections is None:
+        return ("params", "dropout"), ("dropout",)
+    unknown = set(collections) - {"init", "apply"}
+    if unknown:
+        raise ValueError(
+            f"TrainLoop collections has keys {sorted(unknown)}; it maps 'init' and 'apply' to rng collection "
+            "names, e.g. {'init': ['params', 'dropout'], 'apply': ['dropout']}."
+        )
+    return tuple(collections.get("init", ("params",))), tuple(collections.get("apply", ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """A run's start: its state (on the placement), key and id, and what it was restored from.
+
+    Attributes:
+        state: the state to train, placed on the devices.
+        rng: the run's key (the checkpoint's on resume).
+        run_id: the run's id (new for a fresh run, the checkpoint's on resume).
+        restored: the checkpoint restored, or `None` for a fresh run.
+    """
+
+    state: FlaxOptimTrainState
+    rng: jax.Array
+    run_id: str
+    restored: CheckpointFile | None
+
+
+def start(
+    init: Callable[..., Any] | CheckpointSource,
+    task: TrainTask,
+    rng: jax.Array,
+    placement: Placement,
+    inputs: tuple[Any, ...],
+    init_names: tuple[str, ...],
+    data: DataStream,
+    batch_size: int,
+    progress: ProgressDisplay,
+) -> Start:
+    """Creates or restores the state, and moves the data to the restored position.
+
+    Raises:
+        ValueError: no way to make a state (no `init`, a reader with neither
+            a checkpoint nor a target), or a data position that cannot be kept.
+    """
+    state, restored = _state(init, task, rng, placement, inputs, init_names, progress)
+    if restored is None:
+        return Start(state, rng, multihost.agree(uuid.uuid4().hex[:12]), None)
+    message = data.restore(multihost.local_position(restored.data_position), int(restored.step), batch_size)
+    progress.log(f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else ""))
+    key = as_key(restored.rng) if restored.rng is not None else rng
+    return Start(state, key, restored.run_id or multihost.agree(uuid.uuid4().hex[:12]), restored)
+
+
+def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
+    return None if task.loss_scale is None else scaling.LossScale.create(task.loss_scale)
+
+
+def _state(
+    init: Any,
+    task: TrainTask,
+    rng: jax.Array,
+    placement: Placement,
+    inputs: tuple[Any, ...],
+    init_names: tuple[str, ...],
+    progress: ProgressDisplay,
+) -> tuple[FlaxOptimTrainState, CheckpointFile | None]:
+    reader = init if isinstance(init, CheckpointSource) else None
+    model_init = reader.target if reader is not None else init
+    if model_init is None:
+        restored = reader.read(None) if reader is not None else None
+        if restored is None:
+            raise ValueError("TrainLoop needs init: a model's init, or a reader with a checkpoint or a target.")
+        return _from_state_dict(task, placement, restored.state), restored
+    init_rng = jax.random.fold_in(rng, 0)
+    per_device = [np.asarray(x)[: max(1, len(x) // placement.n_local_devices)] for x in inputs]
+
+    def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
+        rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
+        return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task))
+
+    shardings = placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
+    fresh = jax.jit(create, out_shardings=shardings)
+    if reader is None:
+        return fresh(init_rng, *per_device), None
+    # The template is abstract: a resumed run never holds a fresh state beside the restored one.
+    restored = reader.read(CheckpointFile(state=fresh.eval_shape(init_rng, *per_device), step=0, rng=rng))
+    if restored is None:
+        progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
+        return fresh(init_rng, *per_device), None
+    return restored.state, restored
+
+
+def _from_state_dict(task: TrainTask, placement: Placement, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
+    def create() -> FlaxOptimTrainState:
+        variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
+        return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
+
+    return jax.jit(create, out_shardings=placement.state_shardings(jax.eval_shape(create)))()
