@@ -18,6 +18,8 @@ demo: install
 
 lint: install
 	$(BIN)/ruff check flaxstate tests examples benchmarks
+	$(BIN)/ruff format --check flaxstate tests examples benchmarks
+	$(BIN)/mypy flaxstate
 
 test: install lint
 	$(BIN)/python -m pytest -q

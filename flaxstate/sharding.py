@@ -39,6 +39,8 @@ BATCH = "batch"
 """The logical name of a batch's first dimension."""
 
 _warned: set[tuple[str, ...]] = set()
+"""The warnings said in this process (a registry: TrainLoop, EvalLoop and readers compute shardings of the same
+state many times, and a user should hear of an unruled axis or a model without axes once)."""
 
 
 def check_rules(mesh: Mesh, rules: AxisRules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -108,7 +110,7 @@ def logical_shardings(state: PyTree, mesh: Mesh, rules: AxisRules) -> PyTree:
     rules = check_rules(mesh, rules)
     if getattr(state, "params_axes", None) is None:
         _warn_once(
-            ("no axes",),
+            ("no axes", str(jax.tree.structure(state.params))),  # once per model
             "the model names no logical axes (nn.with_logical_partitioning): its whole state is replicated on every "
             "device of the mesh, and only the batch is sharded.",
         )

@@ -82,7 +82,8 @@ class _Global:
 class Placement(Protocol):
     """What a loop asks of where it runs (see the module's docstring for the two there are)."""
 
-    mesh: Mesh
+    @property
+    def mesh(self) -> Mesh: ...
 
     @property
     def across(self) -> Across: ...
@@ -127,6 +128,7 @@ def create(
         return DataParallel(batching.mesh_of(devices))
     if devices is not None:
         raise ValueError(f"{owner} takes devices= or mesh=, not both: a sharded loop runs on the mesh's devices.")
+    assert axis_rules is not None  # both or neither, checked above  # noqa: S101
     rules = check_rules(mesh, axis_rules)
     return Sharded(mesh, rules, BatchLayout.create(mesh, rules))
 

@@ -55,9 +55,10 @@ def as_key(rng: jax.Array | int) -> jax.Array:
         raise TypeError(
             f"TrainLoop rng must be a random key (jax.random.key(0)) or an int seed, got {type(rng).__name__}."
         )
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        return rng
-    return jax.random.wrap_key_data(jnp.asarray(rng, dtype=jnp.uint32))
+    key: Any = rng
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(jnp.asarray(key, dtype=jnp.uint32))
 
 
 def rng_names(collections: Mapping[str, Sequence[str]] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
