@@ -150,6 +150,20 @@ except fs.CheckpointError as error:
 """
 
 
+def read_in_a_process(directory):
+    """Reads the newest checkpoint with no template in a process of its own (an allocation of 160 GB would
+    abort it); returns the finished process, which must have exited 0."""
+    result = subprocess.run(
+        [sys.executable, "-c", HOSTILE_READ, str(directory)],
+        env=processes.worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
 def test_a_hostile_shape_is_refused_before_anything_is_allocated(tmp_path, caplog):
     writer = fs.CheckpointFileWriter(tmp_path, keep=3)
     recs = records(4, 2)
@@ -157,25 +171,11 @@ def test_a_hostile_shape_is_refused_before_anything_is_allocated(tmp_path, caplo
         writer(record)
     writer.close()
     claim_shape(tmp_path / "4", "target.Dense_0.kernel", (200_000, 200_000))
-    # With no template, in a process of its own (an allocation of 160 GB would abort it).
-    result = subprocess.run(
-        [sys.executable, "-c", HOSTILE_READ, str(tmp_path)],
-        env=processes.worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    # With no template:
+    result = read_in_a_process(tmp_path)
     assert f"{tmp_path}/4 is damaged" in result.stderr  # falls back to step 2
     claim_shape(tmp_path / "2", "target.Dense_0.kernel", (200_000, 200_000))
-    result = subprocess.run(
-        [sys.executable, "-c", HOSTILE_READ, str(tmp_path)],
-        env=processes.worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = read_in_a_process(tmp_path)
     assert "target/Dense_0/kernel claims shape [200000, 200000] (160,000,000,000 bytes)" in result.stdout
     assert "the step's files hold" in result.stdout
     # With a template, the shapes are compared first: a clear mismatch, nothing read.
