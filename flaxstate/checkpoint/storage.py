@@ -253,7 +253,9 @@ class CheckpointStore:
             return read()
         except Exception as error:
             damage.reraise_interrupt(error)
-            if self.vanished(step):
+            # Files that read but do not validate are no deletion in progress: only a gone step is watched for.
+            gone = not (self.directory / str(step)).is_dir() if isinstance(error, DamagedCheckpointError) else None
+            if gone or (gone is None and self.vanished(step)):
                 raise VanishedStepError(f"{self.directory / str(step)} was deleted while it was read.") from error
             raise
 
