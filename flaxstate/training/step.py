@@ -75,37 +75,20 @@ def _in_float32(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
     return jax.tree.map(widen, outputs)
 
 
-def make_train_step(
-    apply: Callable[..., Any],
-    loss: Callable[..., Any],
-    rng_names: Sequence[str],
-    mutable: CollectionFilter,
-    across: Across,
-    n_microbatches: int = 1,
-) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
-    """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
+GradientFunction = Callable[..., tuple[tuple[jax.Array, PyTree], PyTree]]
+"""`(state, mutables, inputs, targets, rngs) -> ((loss, updated mutables), grads)` of one batch."""
+
+
+def loss_gradients(apply: Callable[..., Any], loss: Callable[..., Any], mutable: CollectionFilter) -> GradientFunction:
+    """Returns the loss and gradients of a batch with respect to `state.params` (a `GradientFunction`).
 
     The model's floating outputs narrower than float32 reach the loss as
-    float32, so a model computing in bfloat16 has its loss computed and
-    averaged in float32. With `n_microbatches` M > 1 the per-device batch is
-    split into M equal microbatches, interleaved: microbatch i holds examples
-    i, i + M, i + 2M, ... (`microbatches`); a `lax.scan` takes
-    the loss and gradients of one at a time (the activations of one
-    microbatch live at a time), with the mutable collections (batch
-    statistics) carried from one to the next in order, as over M smaller
-    steps, and dropout rngs folded with the microbatch's index. Loss and
-    gradients are their mean over the M; then one `pmean` and one update.
-    With loss scaling (a state whose `loss_scale` is set), each loss is
-    multiplied by the scale before its backward pass and the gradients
-    divided by it after; a step whose averaged gradients are not all finite
-    leaves parameters, optimizer state and mutable collections as they were
-    (the step count still advances) and lowers the scale.
-
-    `across` is the placement's: per device, the loss, the gradients and the
-    mutable collections are averaged over the devices; globally, not at all.
+    float32. With loss scaling (a state whose `loss_scale` is set), the loss
+    is multiplied by the scale before its backward pass and the gradients
+    divided by it after.
     """
 
-    def grads_of(
+    def gradients(
         state: PyTree, mutables: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
     ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
         def loss_fn(params: PyTree) -> tuple[jax.Array, PyTree]:
@@ -125,32 +108,69 @@ def make_train_step(
         (_, (value, updated)), grads = jax.value_and_grad(scaled_loss_fn, has_aux=True)(state.params)
         return (value, updated), jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
 
+    return gradients
+
+
+def microbatched(gradients: GradientFunction, n_microbatches: int) -> GradientFunction:
+    """Returns `gradients` accumulated over `n_microbatches` microbatches of the batch (as Levanter's `microbatched`).
+
+    The batch is split into M equal microbatches, interleaved (`microbatches`);
+    a `lax.scan` takes the loss and gradients of one at a time (the
+    activations of one microbatch live at a time), with the mutable
+    collections (batch statistics) carried from one to the next in order, as
+    over M smaller steps, and dropout rngs folded with the microbatch's
+    index. Loss and gradients are their mean over the M. M = 1 is
+    `gradients` itself.
+    """
+    if n_microbatches == 1:
+        return gradients
+
     def accumulated(
-        state: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
+        state: PyTree, mutables: PyTree, inputs: Any, targets: Any, rngs: dict[str, jax.Array]
     ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
         def body(carry: tuple[Any, ...], micro: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
             grads_sum, loss_sum, mutables = carry
             index, micro_inputs, micro_targets = micro
             micro_rngs = {name: jax.random.fold_in(key, index) for name, key in rngs.items()}
-            (value, updated), grads = grads_of(state, mutables, micro_inputs, micro_targets, micro_rngs)
+            (value, updated), grads = gradients(state, mutables, micro_inputs, micro_targets, micro_rngs)
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
             return (grads_sum, loss_sum + value.astype(jnp.float32), {**mutables, **updated}), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         split = functools.partial(microbatches, n_microbatches=n_microbatches)
         micro = (jnp.arange(n_microbatches), jax.tree.map(split, inputs), jax.tree.map(split, targets))
-        start = (zeros, jnp.zeros((), jnp.float32), state.flax_mutables)
+        start = (zeros, jnp.zeros((), jnp.float32), mutables)
         (grads_sum, loss_sum, mutables), _ = lax.scan(body, start, micro)
         grads = jax.tree.map(lambda g: g / n_microbatches, grads_sum)
         return (loss_sum / n_microbatches, mutables), grads
 
+    return accumulated
+
+
+def make_train_step(
+    apply: Callable[..., Any],
+    loss: Callable[..., Any],
+    rng_names: Sequence[str],
+    mutable: CollectionFilter,
+    across: Across,
+    n_microbatches: int = 1,
+) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
+    """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
+
+    The loss and gradients of the batch (`loss_gradients`, over M
+    microbatches with `microbatched`), their mean over the devices with the
+    mutable collections' (`across` is the placement's: per device, averaged
+    over the devices; globally, not at all), then one update. With loss
+    scaling, a step whose averaged gradients are not all finite leaves
+    parameters, optimizer state and mutable collections as they were (the
+    step count still advances) and lowers the scale.
+    """
+    gradients = microbatched(loss_gradients(apply, loss, mutable), n_microbatches)
+
     def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
         inputs, targets = batch
         rngs = device_rngs(rng, state.step, rng_names, across)
-        if n_microbatches == 1:
-            (value, mutables), grads = grads_of(state, state.flax_mutables, inputs, targets, rngs)
-        else:
-            (value, mutables), grads = accumulated(state, inputs, targets, rngs)
+        (value, mutables), grads = gradients(state, state.flax_mutables, inputs, targets, rngs)
         grads, value, mutables = across.mean((grads, value, mutables))
         mutables = {**state.flax_mutables, **mutables}
         if state.loss_scale is None:

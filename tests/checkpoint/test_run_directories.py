@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import loops, processes, toy
 from flaxstate_testing.checkpoints import saved_steps
 
 import flaxstate as fs
@@ -20,8 +20,9 @@ TX = optax.adam(1e-2)
 
 
 def make_loop(init, n_steps=4, every=2, seed=0):
-    task = fs.TrainTask(apply=MODEL.apply, optimizer=TX, loss=toy.mse, data=toy.batches(8, 8))
-    return fs.TrainLoop(init, task, jax.random.key(seed), n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False)
+    return loops.make_loop(
+        toy.batches(8, 8), model=MODEL, init=init, optimizer=TX, seed=seed, n_steps=n_steps, every=every
+    )
 
 
 def fresh_state():

@@ -5,11 +5,9 @@ import signal
 
 import jax
 import numpy as np
-import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import loops, processes, toy
 
-import flaxstate as fs
 from flaxstate.training.interrupts import Signals
 
 MODEL = toy.BatchNormNet()
@@ -79,11 +77,7 @@ class FlakyIterator:
 
 
 def make_loop(data, per_dispatch=1, loss=toy.mse):
-    task = fs.TrainTask(apply=MODEL.apply, optimizer=optax.adam(1e-2), loss=loss, data=data)
-    return fs.TrainLoop(
-        MODEL.init, task, jax.random.key(0), n_steps=30, n_steps_per_checkpoint=10,
-        n_steps_per_dispatch=per_dispatch, stdout=False,
-    )  # fmt: skip
+    return loops.make_loop(data, model=MODEL, loss=loss, n_steps=30, every=10, per_dispatch=per_dispatch)
 
 
 def train_through_errors(loop, errors, records=None):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import loops, processes, toy
 
 import flaxstate as fs
 
@@ -15,16 +15,14 @@ MLP = toy.MLP()
 
 
 def make_loop(data=None, model=MLP, n_steps=12, every=4, per_dispatch=1, optimizer=None, loss=toy.mse, **kwargs):
-    data = toy.batches(40, 8) if data is None else data
-    task = fs.TrainTask(apply=model.apply, optimizer=optimizer or optax.adam(1e-2), loss=loss, data=data)
-    return fs.TrainLoop(
-        init=model.init,
-        task=task,
-        rng=jax.random.key(0),
+    return loops.make_loop(
+        data,
+        model=model,
+        optimizer=optimizer,
+        loss=loss,
         n_steps=n_steps,
-        n_steps_per_checkpoint=every,
-        n_steps_per_dispatch=per_dispatch,
-        stdout=False,
+        every=every,
+        per_dispatch=per_dispatch,
         **kwargs,
     )
 

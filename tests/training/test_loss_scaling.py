@@ -4,10 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax.training.dynamic_scale import DynamicScale
-from flaxstate_testing import toy
+from flaxstate_testing import loops, toy
 
 import flaxstate as fs
 from flaxstate.training import scaling
@@ -25,14 +24,15 @@ START = 2.0**24  # the scaled loss's gradient overflows float16 (max 65504) unti
 
 
 def make_loop(data=None, n_steps=12, every=4, init=MODEL.init, loss_scale=None, **kwargs):
-    task = fs.TrainTask(
-        apply=MODEL.apply,
-        optimizer=optax.adam(1e-2),
-        loss=toy.mse,
-        data=toy.batches(1, 16) * 40 if data is None else data,
+    return loops.make_loop(
+        toy.batches(1, 16) * 40 if data is None else data,
+        model=MODEL,
+        init=init,
         loss_scale=loss_scale or DynamicScale(scale=START, growth_interval=4),
+        n_steps=n_steps,
+        every=every,
+        **kwargs,
     )
-    return fs.TrainLoop(init, task, rng=0, n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False, **kwargs)
 
 
 def leaves(tree):
