@@ -105,6 +105,13 @@ class Checkpoint:
             resumed from skipped as damaged (absolute paths): the run's
             writer sets those of its directory aside (`<step>.damaged`)
             instead of taking them for another history.
+        flops_per_step: the FLOPs of one global training step (all devices),
+            from XLA's cost analysis of the compiled update
+            (`flaxstate.training.throughput`); `None` where unknown.
+        batch_size: the global batch's examples a step (all processes).
+        n_devices: the devices the step runs on (all processes').
+        peak_flops: the devices' dense peak FLOP/s, all of them together;
+            `None` where unknown (a CPU), so `mfu` is `None` there.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -132,12 +139,38 @@ class Checkpoint:
     data_time: float = 0.0
     idle_time: float = 0.0
     skipped_damaged: tuple[str, ...] = ()
+    flops_per_step: float | None = None
+    batch_size: int | None = None
+    n_devices: int | None = None
+    peak_flops: float | None = None
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def steps_per_second(self) -> float:
         """Steps a second since the previous record (0 when no time elapsed)."""
         return self.n_completed_steps / self.elapsed_time if self.elapsed_time > 0 else 0.0
+
+    @property
+    def examples_per_second(self) -> float:
+        """Examples a second since the previous record, all processes' (0 when unknown or no time elapsed)."""
+        return self.steps_per_second * (self.batch_size or 0)
+
+    @property
+    def flops_per_second(self) -> float | None:
+        """Achieved FLOP/s since the previous record, all devices' (`None` where the FLOPs are unknown)."""
+        return None if self.flops_per_step is None else self.flops_per_step * self.steps_per_second
+
+    @property
+    def tflops_per_device(self) -> float | None:
+        """Achieved TFLOP/s of one device (`None` where the FLOPs or the devices are unknown)."""
+        achieved = self.flops_per_second
+        return None if achieved is None or not self.n_devices else achieved / self.n_devices / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization: `flops_per_second / peak_flops` (`None` where either is unknown)."""
+        achieved = self.flops_per_second
+        return None if achieved is None or not self.peak_flops else achieved / self.peak_flops
 
     @property
     def data_fraction(self) -> float:

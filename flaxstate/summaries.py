@@ -49,6 +49,9 @@ class SummaryLogger:
         speed = checkpoint.steps_per_second
         data, idle = checkpoint.data_fraction, checkpoint.idle_fraction
         waits = f", {data:.0%} waiting for data, devices idle {idle:.0%}" if checkpoint.elapsed_time > 0 else ""
+        if checkpoint.batch_size and checkpoint.elapsed_time > 0:
+            mfu = f", MFU {checkpoint.mfu:.1%}" if checkpoint.mfu is not None else ""
+            waits = f", {checkpoint.examples_per_second:,.0f} examples/s{mfu}" + waits
         bound = bound_note(data, idle)
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
         line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{waits}){'  ' + bound if bound else ''}{stopped}"
@@ -61,7 +64,9 @@ class SummaryWriter:
 
     Beside the metrics: `train/steps_per_second`, `train/data_fraction` and
     `train/idle_fraction` (the shares of the record's time that the devices
-    waited for the training data, and for the host at all).
+    waited for the training data, and for the host at all), and where the
+    record knows them `train/examples_per_second`, `train/tflops_per_device`
+    and `train/mfu`.
 
     Event files come from tensorboardX (no TensorFlow); only the primary
     process writes.
@@ -92,8 +97,11 @@ class SummaryWriter:
             for name, value in values.items():
                 self._writer.add_scalar(f"{group}/{name}", value, global_step=int(checkpoint.step))
         if checkpoint.elapsed_time > 0:
-            for name in ("steps_per_second", "data_fraction", "idle_fraction"):
-                self._writer.add_scalar(f"train/{name}", getattr(checkpoint, name), global_step=int(checkpoint.step))
+            names = ["steps_per_second", "data_fraction", "idle_fraction", "tflops_per_device", "mfu"]
+            names += ["examples_per_second"] if checkpoint.batch_size else []
+            for name in names:
+                if (value := getattr(checkpoint, name)) is not None:  # FLOPs and MFU only where known
+                    self._writer.add_scalar(f"train/{name}", value, global_step=int(checkpoint.step))
         self._writer.flush()
         return checkpoint
 

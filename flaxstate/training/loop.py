@@ -25,7 +25,7 @@ from flaxstate import background
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import AxisRules
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, copies, multihost, placement, startup
+from flaxstate.training import batching, copies, multihost, placement, startup, throughput
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.options import Schedule, check_record_memory
@@ -98,6 +98,7 @@ class TrainLoop:
         record_memory: str = "host",
         handle_preemption: bool = True,
         stdout: bool = True,
+        peak_flops_per_device: float | None = None,
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
 
@@ -116,6 +117,9 @@ class TrainLoop:
             mutable_collections: which collections the update may change.
             devices: the devices to train on (all devices of all processes by default).
             stdout: print the model's size and live progress.
+            peak_flops_per_device: one device's peak FLOP/s, for records' MFU
+                (`Checkpoint.mfu`); by default the devices' dense bfloat16
+                peak where `flaxstate.training.throughput` knows it, else no MFU.
             handle_preemption: on SIGTERM (a preemption notice; under several
                 processes, on a notice to any one of them), stop at the next
                 dispatch boundary and yield one last record with
@@ -170,6 +174,11 @@ class TrainLoop:
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
         record_memory = check_record_memory(record_memory)
+        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+            raise ValueError(
+                f"TrainLoop peak_flops_per_device must be a positive FLOP/s figure (e.g. 989e12 for an H100's dense "
+                f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."
+            )
         init_names, apply_names = startup.rng_names(collections)
         self._placement = placement.create("TrainLoop", devices, mesh, axis_rules)
         self._progress = ProgressDisplay(stdout)
@@ -179,6 +188,13 @@ class TrainLoop:
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
         self._placement.check_batch(first_batch, "TrainTask", self._schedule.n_microbatches)
         self._batch_size = self._placement.global_batch_size(int(np.shape(first_batch[0][0])[0]))
+        self._global_batch = jax.tree.map(  # the one-step update's batch, for XLA's count of its FLOPs
+            lambda array: jax.ShapeDtypeStruct((self._batch_size, *np.shape(array)[1:]), np.asarray(array).dtype),
+            first_batch,
+        )
+        mesh_devices = list(self._placement.mesh.devices.flat)
+        peak = peak_flops_per_device or throughput.peak_flops_per_device(mesh_devices)
+        self._peak_flops = None if peak is None else peak * len(mesh_devices)
         if input_sample is None:
             inputs = first_batch[0]
         else:
@@ -331,6 +347,12 @@ class TrainLoop:
         record, self._made = self._made, None
         return record
 
+    def _flops_per_step(self) -> float | None:
+        """The global FLOPs of a step (compiled for XLA's count at the first record, then kept)."""
+        leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in self._runner.leaves]
+        rng_data = self._runner.rng_data
+        return self._program.flops_per_step(leaves, self._global_batch, rng_data)
+
     def _make_record(self, trained: Trained) -> Checkpoint:
         self._last_loss = self._last_loss if trained.loss is None else trained.loss
         preempted = self._signals.take_preemption()
@@ -353,6 +375,10 @@ class TrainLoop:
             idle_time=trained.waits.idle,
             metrics=_scaling_metrics(state),
             skipped_damaged=self._skipped_damaged,
+            flops_per_step=self._flops_per_step(),
+            batch_size=self._batch_size,
+            n_devices=self._placement.mesh.size,
+            peak_flops=self._peak_flops,
             device_state=functools.partial(self._views.lookup, state),
         )
         self._progress.record(record)

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flaxstate.training import step
+from flaxstate.training import step, throughput
 from flaxstate.training.placement import Placement
 
 PyTree = Any
+_UNKNOWN = object()
 
 
 class Program:
@@ -43,6 +44,7 @@ class Program:
         self._rng_impl = rng_impl
         self._updates: dict[int, Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
+        self._flops: Any = _UNKNOWN
 
     def update(self, n_steps: int) -> Callable[..., Any]:
         """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)` of `n_steps` steps.
@@ -55,6 +57,24 @@ class Program:
             program = step.update_program(self._train_step, n_steps, self._treedef, self._rng_impl)
             self._updates[n_steps] = self._placement.compile_update(program, self._shardings, stacked=n_steps > 1)
         return self._updates[n_steps]
+
+    def flops_per_step(self, state_leaves: list[Any], batch: Any, rng_data: Any) -> float | None:
+        """The FLOPs of one global step, from XLA's cost analysis of the one-step update (computed once).
+
+        Args:
+            state_leaves, batch, rng_data: what the update takes (arrays or
+                `jax.ShapeDtypeStruct`s: only their shapes and dtypes count).
+
+        Returns:
+            the one-device program's count times the devices, or `None`
+            where XLA gives none (see `flaxstate.training.throughput`).
+        """
+        if self._flops is _UNKNOWN:
+            update: Any = self.update(1)  # a jax.jit object
+            lowered = update.lower(state_leaves, batch, rng_data)
+            per_device = throughput.flops_of(lowered.compile())
+            self._flops = None if per_device is None else per_device * self._placement.mesh.size
+        return self._flops
 
     def gradients(self) -> Callable[..., Any]:
         """The compiled `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated)."""

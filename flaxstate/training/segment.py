@@ -106,7 +106,7 @@ class SegmentRunner:
         self._schedule = schedule
         self.leaves, self._treedef = jax.tree.flatten(state)
         self.step = int(jax.device_get(state.step))
-        self._rng_data = rng_data
+        self.rng_data = rng_data
         self._patience = scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
         self._nonfinite_run: jax.Array | None = None
         """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
@@ -219,8 +219,8 @@ class SegmentRunner:
             n, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
             if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates its state
-                grads = self._program.gradients()(self.leaves, batch, self._rng_data)
-            self.leaves, losses, step_grads = updates[n](self.leaves, batch, self._rng_data)
+                grads = self._program.gradients()(self.leaves, batch, self.rng_data)
+            self.leaves, losses, step_grads = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
             queued_steps -= n
             self._clock.dispatched(losses)

@@ -1,0 +1,70 @@
+"""FLOPs, examples a second and MFU in records: XLA's count against a hand count; MFU only where a peak is known."""
+
+import io
+import types
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import loops, toy
+
+import flaxstate as fs
+from flaxstate.training import throughput
+
+
+class Wide(nn.Module):
+    """An MLP 4-512-512-1: its first layer is a small share of its parameters."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(512)(x))
+        x = nn.relu(nn.Dense(512)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+def first_record(per_dispatch=1, **options):
+    loop = loops.make_loop(
+        toy.batches(20, 64), model=Wide(), optimizer=optax.sgd(1e-4), n_steps=20, every=10, per_dispatch=per_dispatch,
+        **options,
+    )  # fmt: skip
+    record = loop.next_checkpoint()
+    return record, sum(np.size(leaf) for leaf in jax.tree.leaves(record.state.params))
+
+
+def test_the_flops_of_a_step_are_six_times_parameters_times_examples_for_an_mlp():
+    record, n_params = first_record()
+    hand_count = 6 * n_params * 64  # forward and backward matmuls, batch 64
+    assert record.flops_per_step == pytest.approx(hand_count, rel=0.03)
+    # K steps a dispatch: the same FLOPs a step (XLA counts a scan's body once, so the one-step program is read).
+    assert first_record(per_dispatch=5)[0].flops_per_step == record.flops_per_step
+    assert record.batch_size == 64
+    assert record.examples_per_second == pytest.approx(record.steps_per_second * 64)
+
+
+def test_mfu_is_absent_on_a_cpu_and_follows_the_records_own_fields_with_a_given_peak():
+    record, _ = first_record()
+    assert record.peak_flops is None and record.mfu is None  # a CPU: no guess
+    assert record.tflops_per_device == pytest.approx(record.flops_per_step * record.steps_per_second / 1e12)
+    record, _ = first_record(peak_flops_per_device=2e12)
+    assert record.peak_flops == 2e12 * record.n_devices
+    assert record.mfu == pytest.approx(record.flops_per_step * record.steps_per_second / record.peak_flops)
+    assert 0 < record.mfu < 1
+    out = io.StringIO()
+    fs.SummaryLogger(out)(record)
+    assert f"{record.examples_per_second:,.0f} examples/s, MFU {record.mfu:.1%}" in out.getvalue()
+    with pytest.raises(ValueError, match="peak_flops_per_device must be a positive FLOP/s figure"):
+        first_record(peak_flops_per_device=0)
+
+
+def test_the_peaks_of_known_devices_and_none_for_others():
+    def devices(*kinds):
+        return [types.SimpleNamespace(device_kind=kind) for kind in kinds]
+
+    assert throughput.peak_flops_per_device(devices("NVIDIA H100 80GB HBM3")) == 989e12
+    assert throughput.peak_flops_per_device(devices("NVIDIA H100 PCIe")) == 756e12
+    assert throughput.peak_flops_per_device(devices("NVIDIA H200")) == 989e12
+    assert throughput.peak_flops_per_device(devices("TPU v5 lite", "TPU v5 lite")) == 197e12
+    assert throughput.peak_flops_per_device(devices("cpu")) is None
+    assert throughput.peak_flops_per_device(devices("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")) is None
