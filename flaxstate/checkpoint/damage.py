@@ -11,7 +11,9 @@ When one read of a step fails, orbax's restore stops and its other reads
 still finish on tensorstore's threads: asyncio reports each as "Task
 exception was never retrieved", and each completion into orbax's closed
 event loop as `RuntimeError: Event loop is closed` (and a read that a Ctrl-C
-stopped as its coroutine's exception) through `sys.unraisablehook`. A failed save logs every failed array write at ERROR
+stopped as its coroutine's exception, and an event loop whose construction
+it stopped as an `AttributeError` from the loop's `__del__`) through
+`sys.unraisablehook`. A failed save logs every failed array write at ERROR
 with a traceback through absl (about 330 lines for a small state).
 `quiet_orbax()` keeps one line of ours for each, and orbax's own reports in
 the log at DEBUG; it is installed by the first `CheckpointStore`, not at import.
@@ -108,6 +110,11 @@ def _late_completion_hook(previous: Any) -> Any:
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
         late = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        # An event loop of orbax's whose construction a Ctrl-C stopped: its __del__ finds no self-pipe.
+        late = late or (
+            isinstance(error, AttributeError)
+            and getattr(unraisable.object, "__qualname__", "") == "BaseEventLoop.__del__"
+        )
         # A read abandoned by a stopped restore: its coroutine closed (GeneratorExit), interrupted or damaged.
         abandoned = error is not None and any(
             isinstance(link, GeneratorExit | KeyboardInterrupt) for link in _chain(error)
