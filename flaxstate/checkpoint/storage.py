@@ -359,12 +359,13 @@ class CheckpointStore:
     def _stored(self, step: int, with_optimizer: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """A step's meta, its items' trees, and the state-dict layout of those trees (metadata only)."""
 
-        def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-            meta = self.read_meta(step)
-            trees = self.item_trees(step)
-            return meta, trees, layout.state_dict_layout({**meta, "step": step}, trees, with_optimizer)
+        meta = self.read_meta(step)  # a read of its own (vanishing judged once, there)
 
-        return self._reading(step, read)
+        def read() -> tuple[dict[str, Any], dict[str, Any]]:
+            trees = self.item_trees(step)
+            return trees, layout.state_dict_layout({**meta, "step": step}, trees, with_optimizer)
+
+        return (meta, *self._reading(step, read))
 
     def read(
         self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True

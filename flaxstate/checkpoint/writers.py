@@ -200,29 +200,33 @@ class _Writer:
                 return None
             raise
 
-    def _damaged_steps(self, checkpoint: Checkpoint) -> list[int]:
-        """The steps here that the run's reader skipped as damaged, or whose meta is damaged."""
+    def _stored(self, checkpoint: Checkpoint) -> tuple[dict[int, dict[str, Any] | None], list[int]]:
+        """Each step's meta (`None`: not flaxstate's), read once, and the damaged steps apart.
+
+        Damaged: the steps the run's reader skipped, and those whose meta is damage.
+        """
         skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
+        metas: dict[int, dict[str, Any] | None] = {}
         damaged = []
         for step in self._store.steps():
             if (self.directory / str(step)).resolve() in skipped:
                 damaged.append(step)
                 continue
             try:
-                self._store.read_meta(step)
+                metas[step] = self._store.read_meta(step)
             except VanishedStepError:
                 continue
             except Exception as error:
-                if not is_damage(error):
-                    if isinstance(error, CheckpointError):
-                        continue  # not flaxstate's: the claim below refuses it
+                if is_damage(error):
+                    damaged.append(step)
+                elif isinstance(error, CheckpointError):
+                    metas[step] = None  # not flaxstate's: the claim refuses it
+                else:
                     raise
-                damaged.append(step)
-        return damaged
+        return metas, damaged
 
-    def _set_aside(self, checkpoint: Checkpoint) -> None:
+    def _set_aside(self, damaged: list[int]) -> None:
         """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
-        damaged = self._damaged_steps(checkpoint)
         if jax.process_index() == 0:
             for step in damaged:
                 target = self._store.set_aside(step)
@@ -241,8 +245,8 @@ class _Writer:
         validate) are set aside first: they are no other run's, and no reason
         to refuse this one.
         """
-        self._set_aside(checkpoint)
-        metas = {step: self._readable_meta(step) for step in self._store.steps()}
+        metas, damaged = self._stored(checkpoint)
+        self._set_aside(damaged)
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
         others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
         ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)

@@ -28,7 +28,7 @@ from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, copies, multihost, placement, startup, throughput
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
-from flaxstate.training.options import Schedule, check_record_memory
+from flaxstate.training.options import Schedule, check_peak_flops, check_record_memory
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
 from flaxstate.training.segment import SegmentRunner, Trained
@@ -174,11 +174,7 @@ class TrainLoop:
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
         record_memory = check_record_memory(record_memory)
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(
-                f"TrainLoop peak_flops_per_device must be a positive FLOP/s figure (e.g. 989e12 for an H100's dense "
-                f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."
-            )
+        peak_flops_per_device = check_peak_flops(peak_flops_per_device)
         init_names, apply_names = startup.rng_names(collections)
         self._placement = placement.create("TrainLoop", devices, mesh, axis_rules)
         self._progress = ProgressDisplay(stdout)
@@ -212,9 +208,7 @@ class TrainLoop:
         train_step = make_train_step(
             task.apply, task.loss, apply_names, mutable_collections, self._placement.across, n_microbatches
         )
-        self._program = Program(
-            self._placement, train_step, shardings, jax.tree.structure(begun.state), jax.random.key_impl(self._rng)
-        )
+        self._program = Program(self._placement, train_step, shardings, begun.state, jax.random.key_impl(self._rng))
         rng_data = jax.device_put(jax.random.key_data(self._rng), batching.replicated(self._placement.mesh))
         self._runner = SegmentRunner(
             self._program,
@@ -347,12 +341,6 @@ class TrainLoop:
         record, self._made = self._made, None
         return record
 
-    def _flops_per_step(self) -> float | None:
-        """The global FLOPs of a step (compiled for XLA's count at the first record, then kept)."""
-        leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in self._runner.leaves]
-        rng_data = self._runner.rng_data
-        return self._program.flops_per_step(leaves, self._global_batch, rng_data)
-
     def _make_record(self, trained: Trained) -> Checkpoint:
         self._last_loss = self._last_loss if trained.loss is None else trained.loss
         preempted = self._signals.take_preemption()
@@ -375,7 +363,7 @@ class TrainLoop:
             idle_time=trained.waits.idle,
             metrics=_scaling_metrics(state),
             skipped_damaged=self._skipped_damaged,
-            flops_per_step=self._flops_per_step(),
+            flops_per_step=self._program.flops_per_step(self._global_batch, self._runner.rng_data),  # once
             batch_size=self._batch_size,
             n_devices=self._placement.mesh.size,
             peak_flops=self._peak_flops,

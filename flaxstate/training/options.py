@@ -75,3 +75,17 @@ def check_record_memory(record_memory: str) -> str:
             "devices (faster to make, room for the state twice)."
         )
     return record_memory
+
+
+def check_peak_flops(peak_flops_per_device: float | None) -> float | None:
+    """Returns `peak_flops_per_device`, checked.
+
+    Raises:
+        ValueError: given, and not a positive number.
+    """
+    if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+        raise ValueError(
+            f"TrainLoop peak_flops_per_device must be a positive FLOP/s figure (e.g. 989e12 for an H100's dense "
+            f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."
+        )
+    return peak_flops_per_device

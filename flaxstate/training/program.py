@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from flaxstate.training import step, throughput
 from flaxstate.training.placement import Placement
 
@@ -25,7 +27,8 @@ class Program:
         placement: where the loop runs.
         train_step: `step.make_train_step(...)`, with the placement's `across`.
         shardings: the state's shardings (`placement.state_shardings(state)`).
-        treedef: the state's tree structure (the programs take its flat leaves).
+        state: the state (the programs take its flat leaves; only its
+            structure, shapes, dtypes and shardings are kept).
         rng_impl: the loop key's implementation (the programs take its raw data).
     """
 
@@ -34,13 +37,16 @@ class Program:
         placement: Placement,
         train_step: Callable[..., Any],
         shardings: PyTree,
-        treedef: Any,
+        state: PyTree,
         rng_impl: Any,
     ) -> None:
         self._placement = placement
         self._train_step = train_step
         self._shardings = shardings
-        self._treedef = treedef
+        leaves, self._treedef = jax.tree.flatten(state)
+        self._abstract_leaves = [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in leaves
+        ]
         self._rng_impl = rng_impl
         self._updates: dict[int, Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
@@ -58,11 +64,11 @@ class Program:
             self._updates[n_steps] = self._placement.compile_update(program, self._shardings, stacked=n_steps > 1)
         return self._updates[n_steps]
 
-    def flops_per_step(self, state_leaves: list[Any], batch: Any, rng_data: Any) -> float | None:
+    def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The FLOPs of one global step, from XLA's cost analysis of the one-step update (computed once).
 
         Args:
-            state_leaves, batch, rng_data: what the update takes (arrays or
+            batch, rng_data: what the update takes beside the state (arrays or
                 `jax.ShapeDtypeStruct`s: only their shapes and dtypes count).
 
         Returns:
@@ -71,7 +77,7 @@ class Program:
         """
         if self._flops is _UNKNOWN:
             update: Any = self.update(1)  # a jax.jit object
-            lowered = update.lower(state_leaves, batch, rng_data)
+            lowered = update.lower(self._abstract_leaves, batch, rng_data)
             per_device = throughput.flops_of(lowered.compile())
             self._flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._flops
