@@ -169,20 +169,23 @@ class SegmentRunner:
             self._checked_shapes.add(shapes)
 
     def _host_batch(self, n_steps: int, first_step: int, waits: WaitTimes) -> Any:
-        if n_steps == 1:
-            return self._next_batch(waits)
-        return batching.stack([self._next_batch(waits) for _ in range(n_steps)], first_step)
-
-    def _next_batch(self, waits: WaitTimes) -> Any:
+        """The next dispatch's batch (K batches stacked), drawn as one timed draw."""
         self._signals.in_data = True
         start = time.perf_counter()
         try:
-            batch = batching.normalize(self._data.next(), "TrainTask")
+            if n_steps == 1:
+                batch = batching.normalize(self._data.next(), "TrainTask")
+            else:
+                batches = [batching.normalize(self._data.next(), "TrainTask") for _ in range(n_steps)]
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)
-        self.check_batch(batch)
-        return batch
+        if n_steps == 1:
+            self.check_batch(batch)
+            return batch
+        for each in batches:
+            self.check_batch(each)
+        return batching.stack(batches, first_step)
 
     def _dispatch_until(self, target: int, total: int, segment: _Segment) -> Any:
         """Runs the dispatches up to step `target`; returns the last step's gradients.
