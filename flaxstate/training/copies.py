@@ -63,7 +63,7 @@ def record_copier(
     kind = host_memory_kind(mesh)
     transfers: dict[tuple[Sharding, ...], Callable[[list[jax.Array]], list[jax.Array]]] = {}
 
-    def stage(sources: list[jax.Array]) -> list[jax.Array]:
+    def stage(sources: list[jax.Array], kind: str) -> list[jax.Array]:
         """The sources' copies in host memory: one compiled transfer where they share one device set."""
         shardings = tuple([source.sharding for source in sources])
         if shardings not in transfers:
@@ -81,7 +81,7 @@ def record_copier(
             return jax.tree.unflatten(treedef, [_read_only(np.array(leaf)) for leaf in leaves])
         # Every transfer starts before the first is waited for. A replicated array moves one replica.
         sources = [leaf.addressable_shards[0].data if leaf.is_fully_replicated else leaf for leaf in leaves]
-        return jax.tree.unflatten(treedef, [_host_value(array) for array in stage(sources)])
+        return jax.tree.unflatten(treedef, [_host_value(array) for array in stage(sources, kind)])
 
     return to_host
 
