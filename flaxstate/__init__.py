@@ -17,9 +17,10 @@ from flaxstate.checkpoint import (
     LowestCheckpointFileWriter,
 )
 from flaxstate.nnx import nnx_functions
-from flaxstate.records import Checkpoint, CheckpointFile, Summary
+from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary
 from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
+from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
@@ -42,10 +43,12 @@ __all__ = [
     "InferenceState",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
+    "Session",
     "StateMismatchError",
     "Summary",
     "SummaryLogger",
     "SummaryWriter",
+    "TraceWriter",
     "TrainLoop",
     "TrainState",
     "TrainTask",

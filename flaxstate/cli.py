@@ -3,6 +3,7 @@
 flaxstate ls DIR                  a table of the checkpoints (best marked per writer)
 flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes, logical axes; metadata
 flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
+flaxstate goodput DIR [--json]    where the run's time went, per session and in total (its goodput ledger)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from flaxstate import goodput
+from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.catalog import describe_state, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
@@ -133,6 +136,22 @@ def command_plot(args: argparse.Namespace) -> None:
     print(f"wrote {args.output} ({', '.join(sorted(scalars))})")
 
 
+def command_goodput(args: argparse.Namespace) -> None:
+    path = Path(args.dir) / ledger.FILENAME
+    if not path.is_file():
+        raise UsageError(
+            f"{path} does not exist: a run's CheckpointFileWriter(output_dir) keeps its goodput ledger there "
+            "(unless made with ledger=False); give the run's directory."
+        )
+    summary = goodput.report(ledger.read_events(path))
+    if not summary["sessions"]:
+        raise UsageError(f"{path} holds no session: the run wrote no record yet.")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(goodput.format_report(summary))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of the `flaxstate` command."""
     parser = argparse.ArgumentParser(prog="flaxstate", description="Inspect flaxstate runs and checkpoints.")
@@ -148,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("dir")
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
     plot.set_defaults(run=command_plot)
+    time_spent = commands.add_parser("goodput", help="where the run's time went: its goodput ledger, added up")
+    time_spent.add_argument("dir")
+    time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
+    time_spent.set_defaults(run=command_goodput)
     return parser
 
 

@@ -52,6 +52,30 @@ def bound_note(data_fraction: float, idle_fraction: float) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Session:
+    """One process's start of a training run, as its records carry it (for the goodput ledger).
+
+    Attributes:
+        started: when the process started (wall clock, seconds since the epoch).
+        startup: seconds from the process's start to the loop's state created
+            or restored (imports, the data's first batch, the restore).
+        restore: seconds of `startup` spent restoring a checkpoint (0 for a fresh start).
+        restored_step: the step the run resumed from (`None`: it started fresh).
+        n_processes: the processes of the run.
+        n_devices: the devices of the run (all processes').
+        device_kind: the devices' kind, e.g. "NVIDIA H100 80GB HBM3" or "cpu".
+    """
+
+    started: float
+    startup: float
+    restore: float = 0.0
+    restored_step: int | None = None
+    n_processes: int = 1
+    n_devices: int = 1
+    device_kind: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """The training state at one step, as `TrainLoop` yields it.
 
@@ -85,7 +109,8 @@ class Checkpoint:
             their interval and wait for the save.
         elapsed_time: seconds since the previous record: the loop's time
             training, up to the devices finishing the record's step (not the
-            time the caller held the previous record).
+            time the caller held the previous record), compilation included
+            (`compile_time`).
         data_time: seconds of `elapsed_time` that the devices waited for the
             training data, on this process: the time in the data iterator's
             `next` of each batch by whose end the devices had finished all
@@ -112,6 +137,15 @@ class Checkpoint:
         n_devices: the devices the step runs on (all processes').
         peak_flops: the devices' dense peak FLOP/s, all of them together;
             `None` where unknown (a CPU), so `mfu` is `None` there.
+        compile_time: seconds of `elapsed_time` spent compiling (tracing,
+            lowering and XLA's compilation, on this process): the first
+            record's, and a record's after a new batch shape. The speeds
+            (`steps_per_second`, `examples_per_second`, `mfu`) leave it out.
+        outside_time: seconds between the previous record's return and this
+            record's training (evaluation, writers and the caller's code; for
+            a session's first record, from the state's start to training).
+        session: this process's start of the run (for the goodput ledger);
+            `None` for records made by hand.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -143,12 +177,25 @@ class Checkpoint:
     batch_size: int | None = None
     n_devices: int | None = None
     peak_flops: float | None = None
+    compile_time: float = 0.0
+    outside_time: float = 0.0
+    session: Session | None = None
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
+    def training_time(self) -> float:
+        """`elapsed_time` without `compile_time`: the time the speeds are over."""
+        return max(self.elapsed_time - self.compile_time, 0.0)
+
+    @property
+    def productive_time(self) -> float:
+        """`training_time` without `idle_time`: the devices' time on the steps (goodput's numerator)."""
+        return max(self.training_time - self.idle_time, 0.0)
+
+    @property
     def steps_per_second(self) -> float:
-        """Steps a second since the previous record (0 when no time elapsed)."""
-        return self.n_completed_steps / self.elapsed_time if self.elapsed_time > 0 else 0.0
+        """Steps a second since the previous record, compilation left out (0 when no time elapsed)."""
+        return self.n_completed_steps / self.training_time if self.training_time > 0 else 0.0
 
     @property
     def examples_per_second(self) -> float:

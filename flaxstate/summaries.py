@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -52,6 +53,8 @@ class SummaryLogger:
         if checkpoint.batch_size and checkpoint.elapsed_time > 0:
             mfu = f", MFU {checkpoint.mfu:.1%}" if checkpoint.mfu is not None else ""
             waits = f", {checkpoint.examples_per_second:,.0f} examples/s{mfu}" + waits
+        if checkpoint.compile_time >= 0.05 * checkpoint.elapsed_time > 0:
+            waits += f", compiling {checkpoint.compile_time:.1f} s (not in the speeds)"
         bound = bound_note(data, idle)
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
         line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{waits}){'  ' + bound if bound else ''}{stopped}"
@@ -66,7 +69,11 @@ class SummaryWriter:
     `train/idle_fraction` (the shares of the record's time that the devices
     waited for the training data, and for the host at all), and where the
     record knows them `train/examples_per_second`, `train/tflops_per_device`
-    and `train/mfu`.
+    and `train/mfu`; `train/compile_seconds` where the record compiled; and
+    `train/goodput`, this process's running goodput: the records' productive
+    time (`Checkpoint.productive_time`) over the wall time since the process
+    started (`Checkpoint.session`). The run's whole account, across restarts,
+    is `flaxstate goodput DIR`.
 
     Event files come from tensorboardX (no TensorFlow); only the primary
     process writes.
@@ -86,6 +93,7 @@ class SummaryWriter:
         """
         self.output_dir = Path(output_dir)
         self._writer: _EventWriter | None = None
+        self._productive = 0.0
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         """Writes the record's scalars at its step and returns the record unchanged."""
@@ -102,6 +110,13 @@ class SummaryWriter:
             for name in names:
                 if (value := getattr(checkpoint, name)) is not None:  # FLOPs and MFU only where known
                     self._writer.add_scalar(f"train/{name}", value, global_step=int(checkpoint.step))
+            if checkpoint.compile_time > 0:
+                self._writer.add_scalar("train/compile_seconds", checkpoint.compile_time, int(checkpoint.step))
+        self._productive += checkpoint.productive_time
+        if checkpoint.session is not None:
+            wall = time.time() - checkpoint.session.started
+            if wall > 0:
+                self._writer.add_scalar("train/goodput", self._productive / wall, global_step=int(checkpoint.step))
         self._writer.flush()
         return checkpoint
 

@@ -3,6 +3,7 @@ import io
 
 import jax
 import optax
+import pytest
 from flaxstate_testing import toy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -68,3 +69,38 @@ def test_summary_writer_writes_tensorboard_scalars(tmp_path):
     eval_loss = events.Scalars("eval/loss")
     assert [e.step for e in eval_loss] == [3, 6]
     assert abs(eval_loss[1].value - records[1].metrics["eval"]["loss"]) < 1e-6
+
+
+def test_summary_writer_writes_the_compile_time_and_the_running_goodput(tmp_path):
+    writer = fs.SummaryWriter(tmp_path)
+    records = [writer(record) for record in summaries()]
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    compiled = events.Scalars("train/compile_seconds")
+    assert compiled[0].step == 3 and abs(compiled[0].value - records[0].compile_time) < 1e-6
+    goodput = events.Scalars("train/goodput")
+    assert [e.step for e in goodput] == [3, 6] and all(0 < e.value < 1 for e in goodput)
+    productive = sum(record.productive_time for record in records)
+    assert goodput[1].value <= productive / (records[1].session.startup + records[1].elapsed_time) + 1e-6
+
+
+def test_the_speeds_leave_the_compile_time_out():
+    record = fs.Checkpoint(
+        state=None,
+        grads=None,
+        loss=0.5,
+        n_completed_steps=10,
+        elapsed_time=2.0,
+        step=10,
+        compile_time=1.5,
+        idle_time=0.1,
+        batch_size=4,
+        flops_per_step=100.0,
+    )
+    assert record.training_time == 0.5 and record.steps_per_second == 20.0
+    assert record.examples_per_second == 80.0 and record.flops_per_second == 2000.0
+    assert record.productive_time == pytest.approx(0.4)
+    stream = io.StringIO()
+    fs.SummaryLogger(stream)(record)
+    assert "(20.0 steps/s" in stream.getvalue() and "compiling 1.5 s (not in the speeds)" in stream.getvalue()

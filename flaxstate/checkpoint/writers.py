@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from flaxstate import tree_paths
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
+from flaxstate.checkpoint.ledger import Ledger
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
     CheckpointError,
@@ -97,6 +98,7 @@ class _Writer:
         description: str,
         every_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ledger: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
@@ -124,6 +126,7 @@ class _Writer:
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
         self._store = CheckpointStore(directory, keep=keep, best=best)
+        self._ledger = Ledger(directory) if ledger else None
         _OPEN[key] = self
         self._key = key
 
@@ -153,13 +156,17 @@ class _Writer:
             CheckpointSaveError: this save or the previous one failed, naming the step.
         """
         last = checkpoint.final or checkpoint.preempted
+        held = self._holds(checkpoint)
+        if not held and not self._claimed:  # at the first record, saved or not: the ledger writes after it
+            self._claim(checkpoint)
+            self._claimed = True
+        if self._ledger is not None and self._claimed:
+            self._ledger.record(checkpoint)
         if not last and not self._due():
             return checkpoint
-        if not self._holds(checkpoint):
+        if not held:
             metrics = self._metrics(checkpoint)
-            if not self._claimed:
-                self._claim(checkpoint)
-                self._claimed = True
+            began = time.perf_counter()
             self._store.save(
                 int(checkpoint.step),
                 checkpoint.state.state_dict(),
@@ -168,8 +175,14 @@ class _Writer:
             )
             self._saved_step = int(checkpoint.step)
             self._last_save_time = self._clock()
+            if last:
+                self.wait()
+            if self._ledger is not None:
+                self._ledger.saved(int(checkpoint.step), time.perf_counter() - began)
         if last:
             self.wait()
+            if self._ledger is not None:
+                self._ledger.end(checkpoint)
         return checkpoint
 
     def _due(self) -> bool:
@@ -324,6 +337,7 @@ class CheckpointFileWriter(_Writer):
         overwrite: bool = False,
         *,
         clock: Callable[[], float] = time.monotonic,
+        ledger: bool = True,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -341,6 +355,9 @@ class CheckpointFileWriter(_Writer):
                 refusing to save.
             clock: the monotonic clock that `every_seconds` is measured on
                 (in seconds; a test moves time by giving its own).
+            ledger: keep the run's goodput ledger, `output_dir/goodput.jsonl`
+                (`flaxstate.checkpoint.ledger`; `flaxstate goodput DIR` reads
+                it): a line each record and save, fsync'd.
 
         Raises:
             CheckpointError: another open writer writes `output_dir`, or
@@ -349,7 +366,9 @@ class CheckpointFileWriter(_Writer):
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every})"
-        super().__init__(Path(output_dir), None, keep, metadata, None, overwrite, description, every_seconds, clock)
+        super().__init__(
+            Path(output_dir), None, keep, metadata, None, overwrite, description, every_seconds, clock, ledger
+        )
 
 
 class _BestWriter(_Writer):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
 from flaxstate import background
-from flaxstate.records import Checkpoint
+from flaxstate.records import Checkpoint, Session
 from flaxstate.sharding import AxisRules
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, copies, multihost, placement, startup, throughput
@@ -184,7 +185,7 @@ class TrainLoop:
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
         self._placement.check_batch(first_batch, "TrainTask", self._schedule.n_microbatches)
         self._batch_size = self._placement.global_batch_size(int(np.shape(first_batch[0][0])[0]))
-        self._global_batch = jax.tree.map(  # the one-step update's batch, for XLA's count of its FLOPs
+        global_batch = jax.tree.map(  # the one-step update's batch, for XLA's count of its FLOPs
             lambda array: jax.ShapeDtypeStruct((self._batch_size, *np.shape(array)[1:]), np.asarray(array).dtype),
             first_batch,
         )
@@ -201,6 +202,16 @@ class TrainLoop:
         )
         self._rng, self._run_id = begun.rng, begun.run_id
         self._restored_step = None if begun.restored is None else int(begun.restored.step)
+        started = startup.process_start_time()
+        self._session = Session(
+            started=started,
+            startup=max(time.time() - started, 0.0),
+            restore=begun.restore_seconds,
+            restored_step=self._restored_step,
+            n_processes=jax.process_count(),
+            n_devices=len(mesh_devices),
+            device_kind=mesh_devices[0].device_kind,
+        )
         self._skipped_damaged = () if begun.restored is None else begun.restored.skipped_damaged
         shardings = self._placement.state_shardings(begun.state)
         self._copy = copies.record_copier(self._placement.mesh, shardings, record_memory)
@@ -220,11 +231,15 @@ class TrainLoop:
             self._schedule,
             begun.state,
             rng_data,
+            global_batch,
             loss_scaling=task.loss_scale is not None,
         )
         self._made: Checkpoint | None = None
         """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
         self._last_loss = float("nan")
+        self._outside: float | None = None
+        """Seconds between the previous record's return (or the start) and the next record's training."""
+        self._returned_at = time.perf_counter()
         n_params, n_bytes = count_parameters(begun.state.params)
         self._progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
 
@@ -335,13 +350,17 @@ class TrainLoop:
         are put back; the record stays for the next call.
         """
         if self._made is None and target is not None:
+            if self._outside is None:  # an interrupted call's segment goes on: its outside time is counted
+                self._outside = time.perf_counter() - self._returned_at
             self._data.rewind()  # batches drawn by an interrupted call come again
             with self._signals.installed(interrupts=True):
-                self._made = self._make_record(self._runner.train(target, self.n_steps))
+                self._made = self._make_record(self._runner.train(target, self.n_steps), self._outside)
+            self._outside = None
         record, self._made = self._made, None
+        self._returned_at = time.perf_counter()
         return record
 
-    def _make_record(self, trained: Trained) -> Checkpoint:
+    def _make_record(self, trained: Trained, outside: float) -> Checkpoint:
         self._last_loss = self._last_loss if trained.loss is None else trained.loss
         preempted = self._signals.take_preemption()
         current = self._runner.state
@@ -363,10 +382,13 @@ class TrainLoop:
             idle_time=trained.waits.idle,
             metrics=_scaling_metrics(state),
             skipped_damaged=self._skipped_damaged,
-            flops_per_step=self._program.flops_per_step(self._global_batch, self._runner.rng_data),  # once
+            flops_per_step=self._runner.flops_per_step,
             batch_size=self._batch_size,
             n_devices=self._placement.mesh.size,
             peak_flops=self._peak_flops,
+            compile_time=trained.compile,
+            outside_time=outside,
+            session=self._session,
             device_state=functools.partial(self._views.lookup, state),
         )
         self._progress.record(record)

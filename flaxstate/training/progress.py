@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import collections
+import datetime
 import math
 import sys
 from typing import Any
 
 import jax
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from flaxstate.records import Checkpoint, bound_note
 
 _UNITS = ("B", "kB", "MB", "GB", "TB")
+SPEED_WINDOW = 5
+"""The bar's speed is the steps the devices completed over the last this many records' training time."""
 
 
 def format_bytes(size: int) -> str:
@@ -32,7 +36,11 @@ def count_parameters(params: Any) -> tuple[int, int]:
 class ProgressDisplay:
     """A live progress bar (step, steps/s, last loss, ETA) that stays silent when disabled.
 
-    Only the primary process of a multi-process run shows anything.
+    The step count moves at each dispatch; the speed and the ETA are the
+    records' (steps the devices completed over the last `SPEED_WINDOW`
+    records' training time, compilation left out), so the bar and the
+    records say one speed. Only the primary process of a multi-process run
+    shows anything.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -40,6 +48,7 @@ class ProgressDisplay:
         self._progress: Progress | None = None
         self._task: Any = None
         self._console = Console(file=sys.stdout)
+        self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=SPEED_WINDOW)
 
     def log(self, message: str) -> None:
         """Prints one line."""
@@ -55,14 +64,13 @@ class ProgressDisplay:
                 TextColumn("step"),
                 MofNCompleteColumn(),
                 BarColumn(),
-                TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}"),
-                TimeRemainingColumn(),
+                TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}  {task.fields[eta]}"),
                 TextColumn("{task.fields[bound]}"),
                 console=self._console,
                 transient=False,
             )
             self._task = self._progress.add_task(
-                "train", total=total, completed=step, loss="-", speed_text="-", bound=""
+                "train", total=total, completed=step, loss="-", speed_text="-", eta="", bound=""
             )
             self._progress.start()
         else:
@@ -73,19 +81,30 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.advance(self._task, n_steps)
 
+    @property
+    def speed(self) -> float:
+        """The speed the bar shows: steps a second over the last records' training time (0 before any)."""
+        seconds = sum(seconds for _, seconds in self._window)
+        return sum(n_steps for n_steps, _ in self._window) / seconds if seconds > 0 else 0.0
+
     def record(self, record: Checkpoint) -> None:
         """Shows the newest record's loss, the speed so far, and whether the devices waited most of the time.
 
         Above one half of the record's time, the bar says the run is
         input-bound (waiting for data) or host-bound (waiting for the host).
         """
+        self._window.append((record.n_completed_steps, record.training_time))
         if self._progress is not None:
-            speed = self._progress.tasks[0].speed
+            speed = self.speed
+            task = self._progress.tasks[0]
+            left = (task.total or 0) - int(record.step)
+            eta = f"ETA {datetime.timedelta(seconds=round(left / speed))}" if speed and left > 0 else ""
             bound = bound_note(record.data_fraction, record.idle_fraction)
             self._progress.update(
                 self._task,
                 loss=f"{record.loss:.4g}",
                 speed_text=f"{speed:.1f}" if speed else "-",
+                eta=eta,
                 bound=f"  {bound}" if bound else "",
             )
 

@@ -15,14 +15,16 @@ segment is kept, so the record that the next call makes covers all its steps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, scaling
+from flaxstate.training import batching, compiling, scaling
 from flaxstate.training.copies import DeviceViews
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
@@ -34,6 +36,18 @@ from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 
 PyTree = Any
+_NOT_COUNTED = object()
+_NOT_TRACED = contextlib.nullcontext()
+try:  # whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read
+    from jax._src.lib import _profiler
+
+    _tracing: Callable[[], bool] = _profiler.TraceMe.is_enabled
+except (ImportError, AttributeError):  # a JAX without it: annotate every dispatch (0.7 us each)
+
+    def _tracing() -> bool:
+        return True
+
+
 PREFETCH = 2
 """How many dispatches' batches are drawn from the data ahead of use (under several processes,
 also placed on the devices ahead of use), within one record's segment."""
@@ -46,6 +60,7 @@ class _Segment:
     start_step: int
     watch: LossWatch
     elapsed: float = 0.0
+    compile: float = 0.0
     waits: WaitTimes = dataclasses.field(default_factory=WaitTimes)
 
 
@@ -58,6 +73,7 @@ class Trained:
         loss: the last loss (`None` if no step ran).
         n_steps: the steps the segment trained.
         elapsed: seconds training, up to the devices finishing the last step.
+        compile: seconds of `elapsed` spent compiling.
         waits: seconds of `elapsed` the devices waited for the host, and for the data.
     """
 
@@ -65,6 +81,7 @@ class Trained:
     loss: float | None
     n_steps: int
     elapsed: float
+    compile: float
     waits: WaitTimes
 
 
@@ -81,6 +98,8 @@ class SegmentRunner:
         schedule: K steps a dispatch, M microbatches a step.
         state: the state to train (placed on the devices).
         rng_data: the run key's raw data, on the devices.
+        global_batch: the one-step update's global batch (`jax.ShapeDtypeStruct`s), whose
+            FLOPs the first segment counts (`flops_per_step`) before its first dispatch.
         loss_scaling: whether the state has loss scaling (which tolerates some non-finite losses).
     """
 
@@ -95,6 +114,7 @@ class SegmentRunner:
         schedule: Schedule,
         state: FlaxOptimTrainState,
         rng_data: jax.Array,
+        global_batch: PyTree,
         loss_scaling: bool,
     ) -> None:
         self._program = program
@@ -107,6 +127,8 @@ class SegmentRunner:
         self.leaves, self._treedef = jax.tree.flatten(state)
         self.step = int(jax.device_get(state.step))
         self.rng_data = rng_data
+        self._global_batch = global_batch
+        self._flops: Any = _NOT_COUNTED
         self._patience = scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
         self._nonfinite_run: jax.Array | None = None
         """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
@@ -121,6 +143,11 @@ class SegmentRunner:
         """The live state (its arrays are donated at the next dispatch)."""
         return jax.tree.unflatten(self._treedef, self.leaves)
 
+    @property
+    def flops_per_step(self) -> float | None:
+        """The FLOPs of one global step (`Program.flops_per_step`), once a segment has counted them."""
+        return None if self._flops is _NOT_COUNTED else self._flops
+
     def train(self, target: int, total: int) -> Trained:
         """Trains up to step `target` (or a preemption notice) of a run of `total` steps (for the progress bar).
 
@@ -134,17 +161,22 @@ class SegmentRunner:
         if segment is None:
             segment = self._segment = _Segment(self.step, LossWatch(self.step, self._patience, self._nonfinite_run))
         resumed_at = time.perf_counter()
-        self._clock.resume(resumed_at)
+        compiled_before = compiling.seconds()
         try:
+            if self._flops is _NOT_COUNTED:  # compiles the one-step update ahead of its first dispatch
+                self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
+            self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(target, total, segment)
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
+            segment.compile += compiling.seconds() - compiled_before
         self._segment = None
         if first_nonfinite is not None:
             raise self._nonfinite_error(first_nonfinite)
         self._nonfinite_run = segment.watch.run
-        return Trained(grads, loss, self.step - segment.start_step, segment.elapsed, segment.waits)
+        n_steps = self.step - segment.start_step
+        return Trained(grads, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
 
     def _nonfinite_error(self, step: int) -> FloatingPointError:
         if self._patience:
@@ -221,9 +253,10 @@ class SegmentRunner:
         for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
-            if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates its state
-                grads = self._program.gradients()(self.leaves, batch, self.rng_data)
-            self.leaves, losses, step_grads = updates[n](self.leaves, batch, self.rng_data)
+            with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
+                if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates
+                    grads = self._program.gradients()(self.leaves, batch, self.rng_data)
+                self.leaves, losses, step_grads = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
             queued_steps -= n
             self._clock.dispatched(losses)

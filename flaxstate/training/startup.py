@@ -10,6 +10,8 @@ beside the restored one.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -87,12 +89,14 @@ class Start:
         rng: the run's key (the checkpoint's on resume).
         run_id: the run's id (new for a fresh run, the checkpoint's on resume).
         restored: the checkpoint restored, or `None` for a fresh run.
+        restore_seconds: the time spent reading checkpoints (0 without a reader).
     """
 
     state: FlaxOptimTrainState
     rng: jax.Array
     run_id: str
     restored: CheckpointFile | None
+    restore_seconds: float = 0.0
 
 
 def start(
@@ -112,13 +116,14 @@ def start(
         ValueError: no way to make a state (no `init`, a reader with neither
             a checkpoint nor a target), or a data position that cannot be kept.
     """
-    state, restored = _state(init, task, rng, placement, inputs, init_names, progress)
+    state, restored, restore_seconds = _state(init, task, rng, placement, inputs, init_names, progress)
     if restored is None:
-        return Start(state, rng, multihost.agree(uuid.uuid4().hex[:12]), None)
+        return Start(state, rng, multihost.agree(uuid.uuid4().hex[:12]), None, restore_seconds)
     message = data.restore(multihost.local_position(restored.data_position), int(restored.step), batch_size)
     progress.log(f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else ""))
     key = as_key(restored.rng) if restored.rng is not None else rng
-    return Start(state, key, restored.run_id or multihost.agree(uuid.uuid4().hex[:12]), restored)
+    run_id = restored.run_id or multihost.agree(uuid.uuid4().hex[:12])
+    return Start(state, key, run_id, restored, restore_seconds)
 
 
 def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
@@ -133,14 +138,15 @@ def _state(
     inputs: tuple[Any, ...],
     init_names: tuple[str, ...],
     progress: ProgressDisplay,
-) -> tuple[FlaxOptimTrainState, CheckpointFile | None]:
+) -> tuple[FlaxOptimTrainState, CheckpointFile | None, float]:
     reader = init if isinstance(init, CheckpointSource) else None
     model_init = reader.target if reader is not None else init
+    began = time.perf_counter()
     if model_init is None:
         restored = reader.read(None) if reader is not None else None
         if restored is None:
             raise ValueError("TrainLoop needs init: a model's init, or a reader with a checkpoint or a target.")
-        return _from_state_dict(task, placement, restored.state), restored
+        return _from_state_dict(task, placement, restored.state), restored, time.perf_counter() - began
     init_rng = jax.random.fold_in(rng, 0)
     per_device = [np.asarray(x)[: max(1, len(x) // placement.n_local_devices)] for x in inputs]
 
@@ -151,13 +157,15 @@ def _state(
     shardings = placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
     fresh = jax.jit(create, out_shardings=shardings)
     if reader is None:
-        return fresh(init_rng, *per_device), None
+        return fresh(init_rng, *per_device), None, 0.0
     # The template is abstract: a resumed run never holds a fresh state beside the restored one.
+    began = time.perf_counter()
     restored = reader.read(CheckpointFile(state=fresh.eval_shape(init_rng, *per_device), step=0, rng=rng))
+    read_seconds = time.perf_counter() - began
     if restored is None:
         progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
-        return fresh(init_rng, *per_device), None
-    return restored.state, restored
+        return fresh(init_rng, *per_device), None, read_seconds
+    return restored.state, restored, read_seconds
 
 
 def _from_state_dict(task: TrainTask, placement: Placement, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
@@ -166,3 +174,22 @@ def _from_state_dict(task: TrainTask, placement: Placement, state_dict: Mapping[
         return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
 
     return jax.jit(create, out_shardings=placement.state_shardings(jax.eval_shape(create)))()
+
+
+_IMPORTED = time.time()
+"""When flaxstate was imported: the process's start where the system does not say it."""
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock, seconds since the epoch): from `/proc` on Linux.
+
+    Elsewhere, when flaxstate was imported (later than the process's start by the imports before it).
+    """
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as stat_file:
+            fields = stat_file.read().rsplit(")", 1)[1].split()
+        ticks_since_boot = int(fields[19])  # field 22 of proc(5), counted after the command name
+        boot_time = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # /proc/stat's btime is whole seconds
+        return boot_time + ticks_since_boot / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED

@@ -55,6 +55,5 @@ def make_loop(
         n_steps=n_steps,
         n_steps_per_checkpoint=every,
         n_steps_per_dispatch=per_dispatch,
-        stdout=False,
-        **options,
+        **{"stdout": False, **options},
     )

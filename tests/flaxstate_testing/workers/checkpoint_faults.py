@@ -112,7 +112,7 @@ def full_disk() -> None:
             writer.wait()
         except fs.CheckpointSaveError as error:
             print(f"SAVE FAILED {checkpoint.step}: {error}", flush=True)
-    print(f"LEFT {sorted(os.listdir(directory))}", flush=True)
+    print(f"LEFT {sorted(name for name in os.listdir(directory) if name != 'goodput.jsonl')}", flush=True)
 
 
 {"restore_interrupts": restore_interrupts, "rotating_writer": rotating_writer, "full_disk": full_disk}[config["mode"]]()

@@ -64,9 +64,20 @@ loop = fs.TrainLoop(
     handle_preemption=config.get("handle_preemption", True),
 )
 print("start", loop.step, flush=True)
-writer = fs.CheckpointFileWriter(output_dir, keep=config.get("keep", 2), every_seconds=config.get("every_seconds"))
+now = [0.0]
+save_steps = config.get("save_steps")  # saves only these steps (and the last): a clock that moves at them
+writer = fs.CheckpointFileWriter(
+    output_dir,
+    keep=config.get("keep", 2),
+    every_seconds=1.0 if save_steps else config.get("every_seconds"),
+    clock=(lambda: now[0]) if save_steps else time.monotonic,
+)
 process = redex.combinator.serial(writer)
 for checkpoint in loop:
+    if save_steps:
+        now[0] = 100.0 * sum(step <= checkpoint.step for step in save_steps)
+    if config.get("outside_sleep"):
+        time.sleep(config["outside_sleep"])  # the caller's own time between records
     process(checkpoint)
     print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", flush=True)
     if checkpoint.step == config.get("sigterm_after_save"):

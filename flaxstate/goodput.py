@@ -1,0 +1,196 @@
+"""Where a run's time went: the goodput ledger's events added up, per session and in total.
+
+A session is one process's part of a run, from the process's start to its
+last event in the ledger (`flaxstate.checkpoint.ledger`). Its wall time is
+split into productive step time and buckets of lost time:
+
+- `startup`: the process's start to the state created or restored (imports,
+  the restore, the data's first batch);
+- `compile`: tracing and compiling, within the records' training time;
+- `data_wait`: the devices waiting for the data;
+- `host_idle`: the devices waiting for the host otherwise;
+- `checkpoint`: the writer's calls blocking on saves;
+- `lost_progress`: the productive time of steps that the next session
+  trained again, because it resumed from an earlier step (a `kill -9`
+  between checkpoints): `lost_steps` of them;
+- `outside_loop`: the rest, between records: evaluation, other writers and
+  the caller's code (and what the ledger cannot see, such as the steps a
+  killed session trained after its last record);
+- `down_time`: the gap before a session, from the previous session's last
+  event to this one's process start (in the total: all gaps).
+
+`productive` plus the buckets equals `wall_time`; `goodput` is
+`productive / wall_time`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+BUCKETS = (
+    "startup",
+    "compile",
+    "data_wait",
+    "host_idle",
+    "outside_loop",
+    "checkpoint",
+    "lost_progress",
+    "down_time",
+)
+"""The buckets of lost time, in the order `flaxstate goodput` prints them."""
+
+
+@dataclasses.dataclass
+class _Session:
+    start: dict[str, Any]
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    saves: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    last_time: float = 0.0
+    ended: bool = False
+
+
+def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
+    """The events grouped by session (the newest run's only), oldest first."""
+    events = list(events)
+    runs = [event.get("run_id") for event in events if event.get("event") == "session"]
+    run_id = runs[-1] if runs else None
+    sessions: list[_Session] = []
+    seen: set[tuple[Any, Any]] = set()
+    for event in events:
+        if event.get("run_id") != run_id:
+            continue
+        kind = event.get("event")
+        if kind == "session":
+            key = (event.get("pid"), event.get("time"))
+            if key in seen:  # a second writer of the same process: the same session
+                continue
+            seen.add(key)
+            sessions.append(_Session(event, last_time=float(event["time"])))
+            continue
+        if not sessions:
+            continue
+        session = sessions[-1]
+        session.last_time = max(session.last_time, float(event.get("time", session.last_time)))
+        if kind == "record":
+            session.records.append(event)
+        elif kind == "save":
+            session.saves.append(event)
+        elif kind == "end":
+            session.ended = True
+    sessions.sort(key=lambda session: float(session.start["time"]))
+    return sessions
+
+
+def _productive(record: dict[str, Any]) -> float:
+    return max(float(record["elapsed"]) - float(record["compile"]) - float(record["idle"]), 0.0)
+
+
+def _account(session: _Session, resumed_at: int | None, down_time: float) -> dict[str, Any]:
+    """One session's wall time split; `resumed_at`: the step the next session resumed from (`None`: none)."""
+    wall = max(session.last_time - float(session.start["time"]), 0.0)
+    lost_steps, lost_seconds, productive = 0, 0.0, 0.0
+    for record in session.records:
+        seconds, n_steps, step = _productive(record), int(record["steps"]), int(record["step"])
+        lost = 0 if resumed_at is None else max(0, min(n_steps, step - resumed_at))
+        lost_steps += lost
+        if n_steps:
+            lost_seconds += seconds * lost / n_steps
+        productive += seconds
+    buckets = {
+        "startup": float(session.start.get("startup", 0.0)),
+        "compile": sum(float(record["compile"]) for record in session.records),
+        "data_wait": sum(float(record["data_wait"]) for record in session.records),
+        "host_idle": sum(max(float(record["idle"]) - float(record["data_wait"]), 0.0) for record in session.records),
+        "checkpoint": sum(float(save["blocking"]) for save in session.saves),
+        "lost_progress": lost_seconds,
+    }
+    kept = productive - lost_seconds
+    buckets["outside_loop"] = wall - kept - sum(buckets.values())
+    buckets["down_time"] = down_time
+    return {
+        "started": float(session.start["time"]),
+        "wall_time": wall + down_time,
+        "goodput": kept / (wall + down_time) if wall + down_time > 0 else 0.0,
+        "productive": kept,
+        "lost_steps": lost_steps,
+        "steps": sum(int(record["steps"]) for record in session.records),
+        "last_step": max((int(record["step"]) for record in session.records), default=None),
+        "restored_step": session.start.get("restored_step"),
+        "preemptions": sum(bool(record.get("preempted")) for record in session.records),
+        "ended": session.ended,
+        "processes": session.start.get("processes"),
+        "devices": session.start.get("devices"),
+        "device_kind": session.start.get("device_kind"),
+        **{name: buckets[name] for name in BUCKETS},
+    }
+
+
+def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Adds a ledger's events up (see the module's docstring).
+
+    Args:
+        events: the ledger's events, oldest first (`flaxstate.checkpoint.ledger.read_events`).
+
+    Returns:
+        `{"sessions": [...], "total": {...}}`: each session (oldest first) and
+        the total with `wall_time`, `goodput`, `productive`, `lost_steps` and
+        each of `BUCKETS` in seconds. A session's `wall_time` includes the
+        down time before it.
+    """
+    events = list(events)
+    sessions = _sessions(events)
+    accounts = []
+    for index, session in enumerate(sessions):
+        following = sessions[index + 1] if index + 1 < len(sessions) else None
+        resumed_at = None
+        if following is not None:
+            restored = following.start.get("restored_step")
+            resumed_at = int(restored) if restored is not None else 0
+        down = 0.0 if index == 0 else max(float(session.start["time"]) - sessions[index - 1].last_time, 0.0)
+        accounts.append(_account(session, resumed_at, down))
+    return {"sessions": accounts, "total": _total(accounts)}
+
+
+def _total(accounts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    wall = sum(account["wall_time"] for account in accounts)
+    productive = sum(account["productive"] for account in accounts)
+    return {
+        "wall_time": wall,
+        "goodput": productive / wall if wall > 0 else 0.0,
+        "productive": productive,
+        "lost_steps": sum(account["lost_steps"] for account in accounts),
+        "steps": sum(account["steps"] for account in accounts),
+        "preemptions": sum(account["preemptions"] for account in accounts),
+        **{name: sum(account[name] for account in accounts) for name in BUCKETS},
+    }
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The report as a table: a column each session and one for the total, seconds and percent of wall time."""
+    columns = [(f"session {index + 1}", account) for index, account in enumerate(summary["sessions"])]
+    columns.append(("total", summary["total"]))
+    header = ["", *[name for name, _ in columns]]
+    rows = [header]
+
+    def cell(account: dict[str, Any], name: str) -> str:
+        wall = account["wall_time"]
+        share = account[name] / wall if wall > 0 else 0.0
+        return f"{account[name]:,.1f} s ({share:.1%})"
+
+    rows.append(["wall time", *[f"{account['wall_time']:,.1f} s" for _, account in columns]])
+    rows.append(["productive (goodput)", *[cell(account, "productive") for _, account in columns]])
+    rows += [[name.replace("_", " "), *[cell(account, name) for _, account in columns]] for name in BUCKETS]
+    rows.append(["steps trained", *[str(account["steps"]) for _, account in columns]])
+    rows.append(["lost steps", *[str(account["lost_steps"]) for _, account in columns]])
+    rows.append(["preemptions", *[str(account["preemptions"]) for _, account in columns]])
+    widths = [max(len(row[index]) for row in rows) for index in range(len(header))]
+    lines = [
+        "  ".join(
+            text.ljust(width) if index == 0 else text.rjust(width)
+            for index, (text, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    return "\n".join(lines)
