@@ -314,6 +314,8 @@ class _Writer:
         try:
             self._store.close()
         finally:
+            if self._ledger is not None:
+                self._ledger.close()
             if _OPEN.get(self._key) is self:
                 del _OPEN[self._key]
 
