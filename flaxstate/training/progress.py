@@ -34,7 +34,7 @@ def count_parameters(params: Any) -> tuple[int, int]:
 
 
 class ProgressDisplay:
-    """A live progress bar (step, steps/s, last loss, ETA) that stays silent when disabled.
+    """A live progress bar (step, steps/s, MFU where known, last loss, ETA) that stays silent when disabled.
 
     The step count moves at each dispatch; the speed and the ETA are the
     records' (steps the devices completed over the last `SPEED_WINDOW`
@@ -64,13 +64,15 @@ class ProgressDisplay:
                 TextColumn("step"),
                 MofNCompleteColumn(),
                 BarColumn(),
-                TextColumn("{task.fields[speed_text]} steps/s  loss {task.fields[loss]}  {task.fields[eta]}"),
+                TextColumn(
+                    "{task.fields[speed_text]} steps/s{task.fields[mfu]}  loss {task.fields[loss]}  {task.fields[eta]}"
+                ),
                 TextColumn("{task.fields[bound]}"),
                 console=self._console,
                 transient=False,
             )
             self._task = self._progress.add_task(
-                "train", total=total, completed=step, loss="-", speed_text="-", eta="", bound=""
+                "train", total=total, completed=step, loss="-", speed_text="-", mfu="", eta="", bound=""
             )
             self._progress.start()
         else:
@@ -100,10 +102,12 @@ class ProgressDisplay:
             left = (task.total or 0) - int(record.step)
             eta = f"ETA {datetime.timedelta(seconds=round(left / speed))}" if speed and left > 0 else ""
             bound = bound_note(record.data_fraction, record.idle_fraction)
+            mfu = f"  MFU {record.mfu:.1%}" if record.mfu is not None else ""
             self._progress.update(
                 self._task,
                 loss=f"{record.loss:.4g}",
                 speed_text=f"{speed:.1f}" if speed else "-",
+                mfu=mfu,
                 eta=eta,
                 bound=f"  {bound}" if bound else "",
             )

@@ -23,9 +23,10 @@ def test_the_bar_speed_is_the_recent_records_steps_over_their_training_time():
     )
 
 
-def test_the_bar_shows_the_speed_and_eta_of_the_records(capsys):
-    loop = make_loop(n_steps=40, every=4, stdout=True)
+def test_the_bar_shows_the_speed_mfu_and_loss_of_the_records(capsys):
+    loop = make_loop(n_steps=40, every=4, stdout=True, peak_flops_per_device=1e9)
     records = list(loop)
     shown = capsys.readouterr().out
-    assert "steps/s" in shown and "40/40" in shown
+    assert "steps/s  MFU " in shown and "40/40" in shown
     assert f"{records[-1].loss:.4g}" in shown
+    assert "MFU" not in (make_loop(n_steps=4, every=4, stdout=True).next_checkpoint() and capsys.readouterr().out)
