@@ -1,13 +1,14 @@
 """Input pipelines for the digits example, alone and under TrainLoop: is the run input-bound?
 
 One process, the example's data (scikit-learn's digits, 1,500 training rows
-of 64 features) and model (`examples/digits.py`). Three tables, each from
+of 64 features) and model (`examples/digits.py`). Four tables, each from
 alternating rounds, medians:
 
 1. A pipeline alone: microseconds to draw a batch of 64 (after warm-up).
    "before" is the example's pipeline until issue 14, element by element in
-   grain; "after" is the example's `shuffled_batches` (one permutation an
-   epoch, one numpy gather a batch).
+   grain; "after" its `shuffled_batches` until issue 29 (one permutation an
+   epoch, one numpy gather a batch, on grain); `fs.global_batches`, the
+   example's since (the same, addressed by the global step).
 2. TrainLoop on each pipeline (K steps a dispatch, a record every `--steps`
    steps, no writers): microseconds a step and the record's share of time
    that the devices waited for data (`Checkpoint.data_fraction`). Also a
@@ -15,7 +16,8 @@ alternating rounds, medians:
    releases the GIL) with and without a background thread that draws
    batches ahead (grain's `ThreadPrefetchIterDataset`), and read by 8 of
    grain's threads in parallel (`ReadOptions(num_threads=8)`).
-3. `make demo`'s loop as the example runs it (K=10, an evaluation and
+3. `fs.global_batches` resumed at steps 10 to 10^9: the time to its first batch.
+4. `make demo`'s loop as the example runs it (K=10, an evaluation and
    both writers every 100 steps; no console output): the records' steps a
    second, median of the records after the first (which compiles), one
    fresh run a round.
@@ -26,6 +28,7 @@ alternating rounds, medians:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import itertools
 import statistics
@@ -63,9 +66,39 @@ def shuffled_indices(x: np.ndarray, y: np.ndarray) -> Iterable:
     return indices.map(lambda rows: (x[rows], y[rows])).to_iter_dataset(grain.ReadOptions(num_threads=0))
 
 
-def after(x: np.ndarray, y: np.ndarray, read_options: grain.ReadOptions = example.READ_OPTIONS) -> grain.IterDataset:
-    """The example's pipeline since issue 14: one permutation an epoch, one numpy gather a batch."""
-    return example.shuffled_batches(x, y, BATCH, seed=0).to_iter_dataset(read_options)
+def shuffled_batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int) -> grain.MapDataset:
+    """The example's pipeline from issue 14 to issue 29: a permutation an epoch, one gather a batch, on grain.
+
+    Batch i is rows [k*batch_size, (k+1)*batch_size) of epoch e's permutation
+    (e, k = divmod(i, batches an epoch)); the examples left over at an epoch's
+    end are dropped.
+    """
+    n_batches = len(x) // batch_size
+
+    @functools.lru_cache(maxsize=2)
+    def permutation(epoch: int) -> np.ndarray:
+        return np.random.default_rng([seed, epoch]).permutation(len(x))
+
+    def gather(index: int, _: int) -> tuple[np.ndarray, np.ndarray]:
+        epoch, k = divmod(index, n_batches)
+        rows = permutation(epoch)[k * batch_size : (k + 1) * batch_size]
+        return x[rows], y[rows]
+
+    return grain.MapDataset.range(n_batches).repeat().map_with_index(gather)
+
+
+READ_OPTIONS = grain.ReadOptions(num_threads=0)
+"""Batches made in the loop's thread (grain's default 16 read threads cost more than the 30 us of work)."""
+
+
+def after(x: np.ndarray, y: np.ndarray, read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
+    """The example's pipeline from issue 14 to 29: one permutation an epoch, one numpy gather a batch."""
+    return shuffled_batches(x, y, BATCH, seed=0).to_iter_dataset(read_options)
+
+
+def global_data(x: np.ndarray, y: np.ndarray) -> fs.GlobalBatches:
+    """The example's pipeline since issue 29: `fs.global_batches`, addressed by the global step."""
+    return fs.global_batches((x, y), BATCH, seed=0)
 
 
 class NumpyGather:
@@ -93,6 +126,7 @@ def pipelines(x: np.ndarray, y: np.ndarray) -> dict[str, Iterable]:
         "before, grain ReadOptions(num_threads=0)": elementwise(x, y, grain.ReadOptions(num_threads=0)),
         "grain shuffles indices, one numpy gather a batch": shuffled_indices(x, y),
         "after: a permutation an epoch, one gather a batch (num_threads=0)": after(x, y),
+        "since issue 29: fs.global_batches (the same, by global step)": global_data(x, y),
         "after, grain's default reads (16 threads)": after(x, y, grain.ReadOptions()),
         "numpy gather alone": NumpyGather(x, y),
     }
@@ -216,6 +250,7 @@ def main() -> None:
     loops: dict[str, tuple[Callable[[], Iterable], int]] = {
         "before: grain per element, K=10": (lambda: elementwise(x, y), 10),
         "after: one gather a batch, K=10": (lambda: after(x, y), 10),
+        "fs.global_batches, K=10": (lambda: global_data(x, y), 10),
         "after + grain thread prefetch (20 batches), K=10": (lambda: thread_prefetch(after(x, y), 20), 10),
         "after, K=1": (lambda: after(x, y), 1),
         "batches in memory, K=10": (lambda: itertools.cycle(in_memory), 10),
@@ -249,10 +284,24 @@ def main() -> None:
         data, idle = statistics.median(data_fractions[name]), statistics.median(idle_fractions[name])
         print(f"| {name} | {median * 1e6:,.0f} | {median / reference:.2f}x | {data:.0%} | {idle:.0%} |")
 
-    # 3. make demo's loop, with its evaluation and writers.
+    # 3. Resuming global batches: the first batch at a step, by the step (the batches before are not drawn).
+    print("\n| fs.global_batches resumed at step | us to the first batch (median of 20) |\n|---:|---:|")
+    for step in (10, 1_000, 1_000_000, 1_000_000_000):
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            next(global_data(x, y).iter_from(step))
+            times.append(time.perf_counter() - start)
+        print(f"| {step:,} | {statistics.median(times) * 1e6:,.0f} |")
+
+    # 4. make demo's loop, with its evaluation and writers.
     if not args.demo_rounds:
         return
-    demos = {"before: grain per element": lambda: elementwise(x, y), "after: one gather a batch": lambda: after(x, y)}
+    demos = {
+        "before: grain per element": lambda: elementwise(x, y),
+        "after: one gather a batch": lambda: after(x, y),
+        "fs.global_batches": lambda: global_data(x, y),
+    }
     rates: dict[str, list[float]] = {name: [] for name in demos}
     with tempfile.TemporaryDirectory(prefix="flaxstate-input-") as workdir:
         for name in alternate(list(demos), args.demo_rounds):
@@ -261,7 +310,7 @@ def main() -> None:
     print("|---|---:|")
     for name, values in rates.items():
         print(f"| {name} | {statistics.median(values):,.0f} |")
-    first, last = (statistics.median(values) for values in rates.values())
+    first, last = (statistics.median(values) for values in list(rates.values())[:2])
     print(f"\nafter / before: {last / first:.1f}x")
 
 
@@ -272,7 +321,7 @@ def io_dataset(x: np.ndarray, y: np.ndarray, seconds: float, n_threads: int = 0)
         time.sleep(seconds)
         return batch
 
-    batches = example.shuffled_batches(x, y, BATCH, seed=0).map(wait)
+    batches = shuffled_batches(x, y, BATCH, seed=0).map(wait)
     return batches.to_iter_dataset(grain.ReadOptions(num_threads=n_threads, prefetch_buffer_size=4 * max(n_threads, 1)))
 
 

@@ -15,11 +15,9 @@ standard coordinator settings, as flags or JAX's environment variables:
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 import flax.linen as nn
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,53 +48,22 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.mean(jnp.argmax(logits, -1) == labels)
 
 
-def shuffled_batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int) -> grain.MapDataset:
-    """Batches of (x, y) in a new random order each epoch, forever: batch i is a pure function of i.
+def digits(batch_size: int, seed: int = 0) -> tuple[fs.GlobalBatches, list[tuple[np.ndarray, np.ndarray]]]:
+    """The train split as global batches (shuffled each epoch, forever), and this process's shard of the eval split.
 
-    Batch i is rows [k*batch_size, (k+1)*batch_size) of epoch e's permutation
-    (e, k = divmod(i, batches an epoch)), so grain's iterator state (the next
-    index) restores the stream exactly. The examples left over at an epoch's
-    end are dropped, different ones each epoch.
-
-    Why this and not grain's element-wise pipeline: on the 2-core CPU a batch
-    of 64 costs (`python benchmarks/input.py`, benchmarks/RESULTS.md)
-      - `MapDataset.source(examples).shuffle().repeat().batch(64)`: 5,500-6,400 us,
-        Python work for every element (shuffle, repeat, then stacking 64 tuples),
-        20 times the training step it feeds;
-      - grain shuffling indices `range().shuffle().repeat().batch(64)`, then one
-        gather: ~2,850 us (the per-element cost is in shuffle and repeat);
-      - this, one permutation an epoch and one numpy gather a batch: 26-30 us,
-        a tenth of a step.
+    `fs.global_batches` fixes the examples of the global batch at every step
+    (a permutation an epoch, one numpy gather a batch): each process reads
+    its part, and a resume on any number of processes trains the same
+    examples in the same order, starting where it stopped without drawing.
     """
-    n_batches = len(x) // batch_size
-
-    @functools.lru_cache(maxsize=2)
-    def permutation(epoch: int) -> np.ndarray:
-        return np.random.default_rng([seed, epoch]).permutation(len(x))
-
-    def gather(index: int, _: int) -> tuple[np.ndarray, np.ndarray]:
-        epoch, k = divmod(index, n_batches)
-        rows = permutation(epoch)[k * batch_size : (k + 1) * batch_size]
-        return x[rows], y[rows]
-
-    return grain.MapDataset.range(n_batches).repeat().map_with_index(gather)
-
-
-READ_OPTIONS = grain.ReadOptions(num_threads=0)
-"""Batches made in the loop's thread. grain's default 16 read threads cost more than this 30 us of work (190-260 us
-a batch: a hand-off per batch), and on a CPU they take cores from the training step itself."""
-
-
-def digits(batch_size: int, seed: int = 0) -> tuple[grain.IterDataset, list[tuple[np.ndarray, np.ndarray]]]:
-    """This process's shard of the train split (shuffled, repeated) and of the eval split, batched."""
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     y = y.astype(np.int32)
     order = np.random.RandomState(seed).permutation(len(x))
     train, test = order[:1500], order[1500:]
+    train_data = fs.global_batches((x[train], y[train]), batch_size, seed=seed)
     shard = slice(jax.process_index(), None, jax.process_count())
     per_host = batch_size // jax.process_count()
-    train_data = shuffled_batches(x[train][shard], y[train][shard], per_host, seed).to_iter_dataset(READ_OPTIONS)
     x_test, y_test = x[test][shard], y[test][shard]
     eval_data = [
         (x_test[i : i + per_host], y_test[i : i + per_host]) for i in range(0, len(x_test) - per_host + 1, per_host)

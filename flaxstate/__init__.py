@@ -16,6 +16,7 @@ from flaxstate.checkpoint import (
     LowestCheckpointFileReader,
     LowestCheckpointFileWriter,
 )
+from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions
 from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary
 from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings, sharded_like
@@ -38,6 +39,7 @@ __all__ = [
     "EvalLoop",
     "EvalTask",
     "FlaxOptimTrainState",
+    "GlobalBatches",
     "HighestCheckpointFileReader",
     "HighestCheckpointFileWriter",
     "InferenceState",
@@ -52,6 +54,7 @@ __all__ = [
     "TrainLoop",
     "TrainState",
     "TrainTask",
+    "global_batches",
     "logical_shardings",
     "nnx_functions",
     "sharded_like",

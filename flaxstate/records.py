@@ -51,6 +51,33 @@ def bound_note(data_fraction: float, idle_fraction: float) -> str:
     return ""
 
 
+SLOW_PROCESS = 0.2
+"""A process that waited for its data more than this share of a record's time, and three times as much as any
+other process did, is named as the slow one."""
+
+
+def slow_process_note(process_waits: tuple[tuple[float, float, float], ...]) -> str:
+    """Names the process whose data wait stands far above the others' (else "").
+
+    Args:
+        process_waits: `(data_time, idle_time, elapsed_time)` of each process (`Checkpoint.process_waits`).
+
+    Example:
+        >>> slow_process_note(((0.02, 0.9, 1.0), (0.41, 0.45, 1.0)))
+        'process 1 waited 41% of the time for its data; the others 2%'
+        >>> slow_process_note(((0.02, 0.1, 1.0), (0.03, 0.1, 1.0)))
+        ''
+    """
+    if len(process_waits) < 2:
+        return ""
+    shares = [data / elapsed if elapsed > 0 else 0.0 for data, _, elapsed in process_waits]
+    slow = max(range(len(shares)), key=shares.__getitem__)
+    others = max(share for index, share in enumerate(shares) if index != slow)
+    if shares[slow] > SLOW_PROCESS and shares[slow] >= 3 * others:
+        return f"process {slow} waited {shares[slow]:.0%} of the time for its data; the others {others:.0%}"
+    return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Session:
     """One process's start of a training run, as its records carry it (for the goodput ledger).
@@ -146,6 +173,13 @@ class Checkpoint:
             a session's first record, from the state's start to training).
         session: this process's start of the run (for the goodput ledger);
             `None` for records made by hand.
+        requested: whether a checkpoint was asked for (SIGUSR1 to any of
+            the run's processes) since the previous record: every
+            `CheckpointFileWriter` saves it, whatever its `every_seconds`.
+        process_waits: each process's `(data_time, idle_time,
+            elapsed_time)` for this record, in process order (one entry in a
+            one-process run): a slow host shows data wait where the others
+            show idle time (`slow_process_note`).
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -180,6 +214,8 @@ class Checkpoint:
     compile_time: float = 0.0
     outside_time: float = 0.0
     session: Session | None = None
+    requested: bool = False
+    process_waits: tuple[tuple[float, float, float], ...] = ()
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property

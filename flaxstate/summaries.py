@@ -10,7 +10,7 @@ from typing import TextIO
 import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
-from flaxstate.records import Checkpoint, bound_note
+from flaxstate.records import Checkpoint, bound_note, slow_process_note
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
@@ -56,6 +56,8 @@ class SummaryLogger:
         if checkpoint.compile_time >= 0.05 * checkpoint.elapsed_time > 0:
             waits += f", compiling {checkpoint.compile_time:.1f} s (not in the speeds)"
         bound = bound_note(data, idle)
+        slow = slow_process_note(checkpoint.process_waits)
+        bound = f"{bound}  {slow}".strip() if slow else bound
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
         line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{waits}){'  ' + bound if bound else ''}{stopped}"
         print(line, file=self._stream or sys.stdout, flush=True)

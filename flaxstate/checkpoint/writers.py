@@ -18,7 +18,8 @@ open writer at a time.
 has passed since its last save (or its creation), so records can come often
 for logging while checkpoints land every few minutes. Final and preempted
 records are always saved, and the writer waits for them to be on disk
-before it returns. Under several processes the primary process's clock
+before it returns; a requested record (SIGUSR1, `Checkpoint.requested`) is
+always saved too. Under several processes the primary process's clock
 decides for all (a save is a collective).
 """
 
@@ -162,7 +163,7 @@ class _Writer:
             self._claimed = True
         if self._ledger is not None and self._claimed:
             self._ledger.record(checkpoint)
-        if not last and not self._due():
+        if not last and not checkpoint.requested and not self._due():
             return checkpoint
         if not held:
             metrics = self._metrics(checkpoint)
@@ -350,8 +351,8 @@ class CheckpointFileWriter(_Writer):
                 a resumed run logs each key that differs from the stored one.
             every_seconds: save a record only when at least this long has
                 passed since the last save (or since the writer was made);
-                final and preempted records are always saved. `None` saves
-                every record.
+                final, preempted and requested (SIGUSR1) records are always
+                saved. `None` saves every record.
             overwrite: remove another run's checkpoints (and this run's at or
                 after the first record's step) at the first save, instead of
                 refusing to save.

@@ -1,7 +1,9 @@
 """A task's data as a stream whose position can be saved and restored.
 
-An iterator with `get_state()`/`set_state()` (grain's `DatasetIterator`) is
-restored exactly from its own state. Any other iterable is re-created with
+Data addressed by the global step (`flaxstate.global_batches`: it has
+`iter_from(step)`) starts at the step resumed from, without drawing, on any
+process count. An iterator with `get_state()`/`set_state()` (grain's
+`DatasetIterator`) is restored exactly from its own state. Any other iterable is re-created with
 `iter(data)` and advanced past the batches already consumed, which is exact
 for deterministic data.
 
@@ -35,11 +37,18 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
+
 logger = logging.getLogger("flaxstate")
 
 
 def _has_state(iterator: Any) -> bool:
     return callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, "set_state", None))
+
+
+def is_global(data: Any) -> bool:
+    """Whether `data` is addressed by the global step (`iter_from(step)`, as `flaxstate.global_batches` is)."""
+    return callable(getattr(data, "iter_from", None))
 
 
 class DataStream:
@@ -51,7 +60,9 @@ class DataStream:
         self._iterator: Any = iter(data)  # with get_state/set_state where the data has them (grain's)
         self._one_shot = self._iterator is data
         """An iterator that `iter()` gives back as it is: it cannot be re-created."""
-        self._stateful = _has_state(self._iterator)
+        self._global = is_global(data)
+        """Data addressed by the global step: it starts anywhere without drawing, on any process count."""
+        self._stateful = _has_state(self._iterator) and not self._global
         self._n_committed = 0
         """Batches trained on (the restored position's included)."""
         self._n_drawn = 0
@@ -181,6 +192,16 @@ class DataStream:
         """
         position = position or {}
         n_batches = int(position.get("n_batches", n_batches))
+        saved_processes = position.get("processes")
+        if saved_processes is not None and int(saved_processes) != jax.process_count() and not self._global:
+            logger.warning(
+                "the checkpoint was trained on %d processes and this run has %d: each process's share of "
+                "%s.data changed, so the order of examples is not kept; flaxstate.global_batches keeps it "
+                "on any process count.",
+                int(saved_processes),
+                jax.process_count(),
+                self._task_name,
+            )
         saved_size = position.get("batch_size")
         if saved_size is not None and int(saved_size) != batch_size:
             return self._move_by_examples(n_batches, int(saved_size), batch_size)
@@ -227,9 +248,13 @@ class DataStream:
         self._n_committed = n_batches
 
     def _recreate(self, n_batches: int) -> None:
-        """Starts the data again with `iter(data)` and draws `n_batches` batches from it."""
+        """Starts the data again with `iter(data)` and draws `n_batches` batches from it (global data: starts there)."""
+        self._redraw.clear()
+        if self._global:
+            self._iterator = self._data.iter_from(n_batches)  # type: ignore[attr-defined]
+            self._n_drawn = n_batches
+            return
         self._iterator = iter(self._data)
         self._n_drawn = 0
-        self._redraw.clear()
         for _ in range(n_batches):
             self._draw()

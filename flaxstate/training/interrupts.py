@@ -11,6 +11,11 @@ second SIGINT that comes while the loop waits inside the data (a reader
 that hangs) is handed over at once; no batch is lost by it either (the data
 stream re-creates a generator that it finishes).
 
+SIGUSR1 asks for a checkpoint: the next record is `requested` (on every
+process, whichever was signalled), and writers save it; training goes on.
+Its handler is installed and put back as SIGTERM's is, over the default
+action only.
+
 SIGTERM, the preemption notice of cloud schedulers, sets a flag that stays
 set: the loop stops at the next dispatch boundary and yields one last record
 with `preempted=True`. A notice that comes when the loop has nothing left to
@@ -52,7 +57,7 @@ def _is_own_frame(frame: FrameType | None) -> bool:
 
 
 class Signals:
-    """SIGINT and SIGTERM as flags read between dispatches, and the handlers that set them.
+    """SIGINT, SIGTERM and SIGUSR1 as flags read between dispatches, and the handlers that set them.
 
     Args:
         handle_preemption: act on SIGTERM (a preemption notice), or leave it alone.
@@ -72,18 +77,22 @@ class Signals:
         self._preemption_taken = False
         self.in_data = False
         """The loop is drawing a batch from the data."""
+        self.requested = False
+        """A checkpoint was asked for (SIGUSR1) since the last record."""
 
     def _wanted(self, interrupts: bool) -> list[signal.Signals]:
         wanted = [signal.SIGINT] if interrupts else []
         if self._handle_preemption and not self._sync_point:
             wanted.append(signal.SIGTERM)
+        if hasattr(signal, "SIGUSR1"):
+            wanted.append(signal.SIGUSR1)
         return wanted
 
     @staticmethod
     def _takes_over(signum: int, previous: Handler) -> bool:
         if signum == signal.SIGINT:
             return callable(previous)
-        return previous == signal.SIG_DFL
+        return previous == signal.SIG_DFL  # SIGTERM, SIGUSR1: never over a handler of the user's
 
     @contextlib.contextmanager
     def installed(self, interrupts: bool) -> Iterator[None]:
@@ -142,6 +151,8 @@ class Signals:
             return
         if signum == signal.SIGTERM:
             self.preempted = True
+        elif signum == getattr(signal, "SIGUSR1", None):
+            self.requested = True
         elif self.interrupted and self.in_data and not _is_own_frame(frame):
             self._hand_over(self._previous.get(signal.SIGINT), frame)  # a second Ctrl-C in a data reader
         else:
@@ -167,6 +178,11 @@ class Signals:
         """When the loop makes its record: whether it is the preempted one (the notice is then acted on)."""
         self._preemption_taken = self.preempted
         return self.preempted
+
+    def take_request(self) -> bool:
+        """When the loop makes its record: whether a checkpoint was asked for since the previous one (then cleared)."""
+        requested, self.requested = self.requested, False
+        return requested
 
     def reached_preemption(self) -> bool:
         """At a dispatch boundary: whether a preemption notice stops the loop here (on every process)."""

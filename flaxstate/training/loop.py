@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from flaxstate.training.segment import SegmentRunner, Trained
 from flaxstate.training.startup import CheckpointSource
 from flaxstate.training.step import make_train_step
 from flaxstate.training.task import TrainTask
+from flaxstate.training.watchdog import HangTimeout, Watchdog, check_timeout
 
 __all__ = ["CheckpointSource", "TrainLoop"]
 
@@ -98,6 +100,7 @@ class TrainLoop:
         axis_rules: AxisRules | None = None,
         record_memory: str = "host",
         handle_preemption: bool = True,
+        hang_timeout: HangTimeout = "auto",
         stdout: bool = True,
         peak_flops_per_device: float | None = None,
     ) -> None:
@@ -125,6 +128,16 @@ class TrainLoop:
                 processes, on a notice to any one of them), stop at the next
                 dispatch boundary and yield one last record with
                 `preempted=True`. `False` leaves SIGTERM's handling as it is.
+            hang_timeout: the watchdog (`flaxstate.training.watchdog`): after
+                this many seconds without progress while the loop has
+                control (waiting for the data, the devices, the other
+                processes, a restore, the saves at the end), it writes what
+                the loop waited for and every thread's stack to stderr and
+                ends the process with status 75 (`EX_TEMPFAIL`), for a
+                scheduler to restart it (in an interactive session it only
+                reports). `"auto"`: ten minutes, or ten times the longest
+                wait between two signs of progress seen if more (an hour
+                while compiling or restoring). `None`: no watchdog.
             record_memory: where records (and `state`) hold their copy of the
                 state and gradients: `"host"`, host memory, so the devices hold
                 about one copy of the state (the copy is an asynchronous
@@ -174,6 +187,8 @@ class TrainLoop:
             TypeError: `rng` is neither a key nor an int.
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
+        self._watchdog = Watchdog(check_timeout(hang_timeout))
+        weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         record_memory = check_record_memory(record_memory)
         peak_flops_per_device = check_peak_flops(peak_flops_per_device)
         init_names, apply_names = startup.rng_names(collections)
@@ -197,9 +212,11 @@ class TrainLoop:
         else:
             inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
         key = startup.as_key(rng)  # after the data's first look: nothing is on the devices before the state
-        begun = startup.start(
-            init, task, key, self._placement, inputs, init_names, self._data, self._batch_size, self._progress
-        )
+        phase = "restoring the checkpoint" if isinstance(init, CheckpointSource) else "compiling the state's creation"
+        with self._watchdog.watching(phase):
+            begun = startup.start(
+                init, task, key, self._placement, inputs, init_names, self._data, self._batch_size, self._progress
+            )
         self._rng, self._run_id = begun.rng, begun.run_id
         self._restored_step = None if begun.restored is None else int(begun.restored.step)
         started = startup.process_start_time()
@@ -231,6 +248,7 @@ class TrainLoop:
             self._schedule,
             begun.state,
             rng_data,
+            self._watchdog,
             global_batch,
             loss_scaling=task.loss_scale is not None,
         )
@@ -339,7 +357,9 @@ class TrainLoop:
                     f"The checkpoint's step {self.step} is at or past n_steps ({self.n_steps}): nothing to "
                     "train. Raise n_steps to train on."
                 )
-            background.wait_all()
+            with self._watchdog.watching("waiting for the saves to finish"):
+                background.wait_all()
+            self._watchdog.close()
             return None
         return self._schedule.next_record_step(self.step)
 
@@ -353,7 +373,7 @@ class TrainLoop:
             if self._outside is None:  # an interrupted call's segment goes on: its outside time is counted
                 self._outside = time.perf_counter() - self._returned_at
             self._data.rewind()  # batches drawn by an interrupted call come again
-            with self._signals.installed(interrupts=True):
+            with self._signals.installed(interrupts=True), self._watchdog.watching():
                 self._made = self._make_record(self._runner.train(target, self.n_steps), self._outside)
             self._outside = None
         record, self._made = self._made, None
@@ -363,6 +383,12 @@ class TrainLoop:
     def _make_record(self, trained: Trained, outside: float) -> Checkpoint:
         self._last_loss = self._last_loss if trained.loss is None else trained.loss
         preempted = self._signals.take_preemption()
+        self._watchdog.phase = "agreeing with the other processes on the record"
+        position = multihost.gather_position(self._data.position(), self._batch_size)
+        waits = trained.waits
+        process_waits, requested = multihost.gather_waits(
+            waits.data, waits.idle, trained.elapsed, self._signals.take_request()
+        )
         current = self._runner.state
         state, grads = self._copy(current, None if preempted else trained.grads)
         self._views.publish(state, current)
@@ -374,7 +400,7 @@ class TrainLoop:
             elapsed_time=trained.elapsed,
             step=self.step,
             rng=self._rng,
-            data_position=multihost.gather_position(self._data.position(), self._batch_size),
+            data_position=position,
             final=self.step >= self.n_steps,
             run_id=self._run_id,
             preempted=preempted,
@@ -389,6 +415,8 @@ class TrainLoop:
             compile_time=trained.compile,
             outside_time=outside,
             session=self._session,
+            requested=requested,
+            process_waits=process_waits,
             device_state=functools.partial(self._views.lookup, state),
         )
         self._progress.record(record)

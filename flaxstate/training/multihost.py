@@ -1,8 +1,11 @@
-"""What differs per process in a multi-process run: each process's data position.
+"""What differs per process in a multi-process run: each process's data position and waits.
 
 Every process feeds its devices from its own shard of the data, so each has
 its own iterator state. A record carries all of them (gathered from every
-process), and on resume each process takes back its own.
+process), and on resume each process takes back its own. A record also
+carries every process's data and idle time (a slow host shows data wait
+where the others show idle time), and whether any process was asked for a
+checkpoint (SIGUSR1), so that all save it.
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def gather_position(local: Mapping[str, Any], batch_size: int) -> dict[str, Any]
         batch_size: the global batch size that `n_batches` counts in.
 
     Returns:
-        `{"n_batches": n, "batch_size": b, "iterator_states": [one per
-        process]}` (the last key only when the data has iterator states).
+        `{"n_batches": n, "batch_size": b, "processes": p, "iterator_states":
+        [one per process]}` (the last key only when the data has iterator states).
     """
-    position: dict[str, Any] = {"n_batches": int(local["n_batches"]), "batch_size": int(batch_size)}
+    position: dict[str, Any] = {
+        "n_batches": int(local["n_batches"]),
+        "batch_size": int(batch_size),
+        "processes": jax.process_count(),
+    }
     if "iterator_state" in local:
         state = local["iterator_state"]
         position["iterator_states"] = [state] if jax.process_count() == 1 else _allgather_json(state)
@@ -61,9 +68,33 @@ def local_position(position: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if position is None:
         return None
     local: dict[str, Any] = {"n_batches": int(position["n_batches"])}
+    if position.get("processes") is not None:
+        local["processes"] = int(position["processes"])
     if position.get("batch_size") is not None:
         local["batch_size"] = int(position["batch_size"])
     states = position.get("iterator_states")
     if states is not None and len(states) == jax.process_count():
         local["iterator_state"] = states[jax.process_index()]
     return local
+
+
+def gather_waits(
+    data_time: float, idle_time: float, elapsed_time: float, requested: bool
+) -> tuple[tuple[tuple[float, float, float], ...], bool]:
+    """Every process's waits of a record, and whether any process asked for a checkpoint (one collective).
+
+    Args:
+        data_time, idle_time, elapsed_time: this process's, for the record.
+        requested: whether this process was asked for a checkpoint (SIGUSR1).
+
+    Returns:
+        `(data_time, idle_time, elapsed_time)` of each process in process
+        order, and whether any was asked.
+    """
+    if jax.process_count() == 1:
+        return ((data_time, idle_time, elapsed_time),), requested
+    rows = np.asarray(
+        multihost_utils.process_allgather(np.asarray([data_time, idle_time, elapsed_time, float(requested)]))
+    ).reshape(jax.process_count(), 4)
+    waits = tuple((float(data), float(idle), float(elapsed)) for data, idle, elapsed, _ in rows)
+    return waits, bool(np.any(rows[:, 3] > 0))

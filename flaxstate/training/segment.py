@@ -34,6 +34,7 @@ from flaxstate.training.placement import Placement
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
+from flaxstate.training.watchdog import Watchdog
 
 PyTree = Any
 _NOT_COUNTED = object()
@@ -98,6 +99,7 @@ class SegmentRunner:
         schedule: K steps a dispatch, M microbatches a step.
         state: the state to train (placed on the devices).
         rng_data: the run key's raw data, on the devices.
+        watchdog: told of each batch drawn and dispatch made, and what the segment waits for.
         global_batch: the one-step update's global batch (`jax.ShapeDtypeStruct`s), whose
             FLOPs the first segment counts (`flops_per_step`) before its first dispatch.
         loss_scaling: whether the state has loss scaling (which tolerates some non-finite losses).
@@ -114,6 +116,7 @@ class SegmentRunner:
         schedule: Schedule,
         state: FlaxOptimTrainState,
         rng_data: jax.Array,
+        watchdog: Watchdog,
         global_batch: PyTree,
         loss_scaling: bool,
     ) -> None:
@@ -127,7 +130,10 @@ class SegmentRunner:
         self.leaves, self._treedef = jax.tree.flatten(state)
         self.step = int(jax.device_get(state.step))
         self.rng_data = rng_data
+        self._watchdog = watchdog
         self._global_batch = global_batch
+        self._compiled: set[int] = set()
+        """The dispatch sizes dispatched before (the first dispatch of a size compiles it)."""
         self._flops: Any = _NOT_COUNTED
         self._patience = scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
         self._nonfinite_run: jax.Array | None = None
@@ -164,9 +170,11 @@ class SegmentRunner:
         compiled_before = compiling.seconds()
         try:
             if self._flops is _NOT_COUNTED:  # compiles the one-step update ahead of its first dispatch
+                self._watchdog.phase = "compiling the one-step update (and counting its FLOPs)"
                 self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(target, total, segment)
+            self._watchdog.phase = f"waiting for the devices to finish step {self.step}"
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
@@ -202,6 +210,8 @@ class SegmentRunner:
 
     def _host_batch(self, n_steps: int, first_step: int, waits: WaitTimes) -> Any:
         """The next dispatch's batch (K batches stacked), drawn as one timed draw."""
+        watchdog = self._watchdog
+        watchdog.phase, watchdog.step = "waiting for the data", first_step - 1
         self._signals.in_data = True
         start = time.perf_counter()
         try:
@@ -212,6 +222,7 @@ class SegmentRunner:
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)
+        watchdog.beats += 1
         if n_steps == 1:
             self.check_batch(batch)
             return batch
@@ -242,6 +253,7 @@ class SegmentRunner:
                 queue.append((n, batch))
                 queued_steps += n
 
+        watchdog = self._watchdog
         self._progress.start(self.step, total)
         self._views.clear()  # the newest record's device view ends where the state is donated
         signals = self._signals
@@ -253,6 +265,12 @@ class SegmentRunner:
         for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
+            if n in self._compiled and (n_left or n > 1 or self._program.has_gradients):
+                watchdog.phase = "dispatching"
+            else:  # the first dispatch of its size (or the record's first gradients) compiles
+                watchdog.phase = f"compiling the update of {n} steps"
+                self._compiled.add(n)
+            watchdog.step = self.step
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
                 if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
@@ -260,6 +278,8 @@ class SegmentRunner:
             self.step += n
             queued_steps -= n
             self._clock.dispatched(losses)
+            watchdog.beats += 1
+            watchdog.outputs.append(losses)
             self._data.commit(n)
             segment.watch.add(losses, n)
             self._progress.advance(n)

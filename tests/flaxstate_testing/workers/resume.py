@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +51,25 @@ class Slow:
 
 
 if config.get("data_sleep"):
+    if jax.process_index() == config.get("slow_process"):
+        config["data_sleep"] *= 10
     data = Slow(data)
+
+
+def stuck_reader(batches, after, seconds=None):
+    """Yields `after` batches, then blocks for `seconds` (forever: a reader stuck on a network file)."""
+    for index, batch in enumerate(batches):
+        if index == after:
+            threading.Event().wait(seconds)
+        yield batch
+
+
+if config.get("block_after") is not None and jax.process_index() == config.get("block_process", 0):
+    data = stuck_reader(data, config["block_after"], config.get("block_seconds"))
+if config.get("interactive"):
+    sys.ps1 = ">>> "  # as a REPL has it
+if config.get("floor") is not None:
+    fs.training.watchdog.FLOOR_SECONDS = config["floor"]
 
 output_dir = config["output_dir"]
 optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
@@ -62,6 +82,7 @@ loop = fs.TrainLoop(
     n_steps_per_dispatch=config.get("per_dispatch", 1),
     stdout=False,
     handle_preemption=config.get("handle_preemption", True),
+    hang_timeout=config.get("hang_timeout", "auto"),
 )
 print("start", loop.step, flush=True)
 now = [0.0]
@@ -72,14 +93,16 @@ writer = fs.CheckpointFileWriter(
     every_seconds=1.0 if save_steps else config.get("every_seconds"),
     clock=(lambda: now[0]) if save_steps else time.monotonic,
 )
-process = redex.combinator.serial(writer)
+logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
+process = redex.combinator.serial(logger, writer)
 for checkpoint in loop:
     if save_steps:
         now[0] = 100.0 * sum(step <= checkpoint.step for step in save_steps)
     if config.get("outside_sleep"):
         time.sleep(config["outside_sleep"])  # the caller's own time between records
     process(checkpoint)
-    print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", flush=True)
+    requested = ["requested"] if checkpoint.requested else []
+    print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", *requested, flush=True)
     if checkpoint.step == config.get("sigterm_after_save"):
         os.kill(os.getpid(), signal.SIGTERM)  # the save runs in the background now
 final = loop.state

@@ -1,0 +1,60 @@
+"""Trains on `flaxstate.global_batches` with checkpoints, from and to any process count.
+
+Prints `served <step> <indices...>` for every global batch part this process
+read (its source records the indices), and writes the final parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flaxstate_testing.workers.common import setup
+
+config = setup()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
+
+rng = np.random.RandomState(0)
+x = rng.randn(40, 4).astype(np.float32)
+y = (x @ np.arange(1.0, 5.0, dtype=np.float32)).astype(np.float32)
+
+
+class Recording:
+    """A random-access source of `(x, y)` examples that prints which it served."""
+
+    def __len__(self):
+        return len(x)
+
+    def __getitem__(self, index):
+        print("read", index, flush=True)
+        return x[index], y[index]
+
+
+try:
+    fs.global_batches(Recording(), batch_size=7)
+except ValueError as error:
+    print("REFUSED", error, flush=True)
+data = fs.global_batches(Recording(), batch_size=8, seed=3)
+model = toy.MLP()
+output_dir = config["output_dir"]
+loop = fs.TrainLoop(
+    fs.CheckpointFileReader(output_dir, target=model.init) if config.get("resume") else model.init,
+    fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=data),
+    jax.random.key(0),
+    n_steps=config["n_steps"],
+    n_steps_per_checkpoint=5,
+    stdout=False,
+)
+print("start", loop.step, flush=True)
+with fs.CheckpointFileWriter(output_dir, keep=2) as writer:
+    for checkpoint in loop:
+        writer(checkpoint)
+        print("record", checkpoint.step, flush=True)
+if jax.process_index() == 0:
+    flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(loop.state.state_dict()).items()}
+    np.savez(Path(config["out"]), **flat)

@@ -1,0 +1,176 @@
+"""global_batches: the global batch at step s is fixed whatever the process count, and a resume does not draw."""
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from flaxstate_testing import processes, toy
+from flaxstate_testing.loops import make_loop
+
+import flaxstate as fs
+from flaxstate.training.data import DataStream
+
+X = np.arange(30, dtype=np.float32).reshape(15, 2)
+Y = np.arange(15, dtype=np.int32)
+
+
+def test_every_example_once_an_epoch_in_a_new_order_each_epoch_and_batches_span_epochs():
+    data = fs.global_batches((X, Y), batch_size=4, seed=1)
+    labels = np.concatenate([y for _, y in itertools.islice(data, 15)])  # 60 examples: 4 epochs of 15
+    epochs = labels.reshape(4, 15)
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(15))  # each example once an epoch, none dropped
+    assert len({tuple(epoch) for epoch in epochs}) == 4  # a new order each epoch
+    assert [len(y) for _, y in itertools.islice(data, 4)] == [4, 4, 4, 4]  # batch 3 spans epochs 0 and 1
+    again = np.concatenate([y for _, y in itertools.islice(fs.global_batches((X, Y), batch_size=4, seed=1), 15)])
+    np.testing.assert_array_equal(again, labels)  # the same seed, the same order
+    other = np.concatenate([y for _, y in itertools.islice(fs.global_batches((X, Y), batch_size=4, seed=2), 4)])
+    assert not np.array_equal(other, labels[:16])
+    ordered = np.concatenate([y for _, y in itertools.islice(fs.global_batches((X, Y), 4, shuffle=False), 4)])
+    np.testing.assert_array_equal(ordered, np.arange(16) % 15)
+    x0, y0 = next(iter(data))
+    np.testing.assert_array_equal(x0, X[y0])  # one gather keeps arrays together
+
+
+def test_the_parts_of_p_processes_make_the_global_batch_and_iter_from_skips_without_reading():
+    data = fs.global_batches({"x": X, "y": Y}, batch_size=6, seed=5)
+    for step in (0, 7, 123):
+        whole = data.indices(step)
+        parts = np.concatenate([data.indices(step, (index, 3)) for index in range(3)])
+        np.testing.assert_array_equal(parts, whole)
+    from_seven = next(data.iter_from(7))
+    np.testing.assert_array_equal(from_seven["y"], Y[data.indices(7)])
+
+
+class Counting:
+    """A random-access source of `(x, {"label": y})` examples (`(x, y)`: `pairs`) that counts its reads."""
+
+    def __init__(self, pairs=False):
+        self.reads = collections.Counter()
+        self.pairs = pairs
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, index):
+        self.reads[index] += 1
+        return (X[index], np.float32(Y[index])) if self.pairs else (X[index], {"label": Y[index]})
+
+
+def test_a_random_access_source_is_read_example_by_example_and_stacked_in_its_structure():
+    source = Counting()
+    data = fs.global_batches(source, batch_size=5, seed=0, transform=lambda e: (e[0] * 2, e[1]))
+    x, target = next(iter(data))
+    assert x.shape == (5, 2) and target["label"].shape == (5,)
+    np.testing.assert_array_equal(x, X[target["label"]] * 2)
+    assert sum(source.reads.values()) == 5
+
+
+@pytest.mark.parametrize("step", [10, 100_000])
+def test_a_stream_resumed_far_in_reads_what_one_resumed_near_does(step):
+    source = Counting()
+    stream = DataStream(fs.global_batches(source, batch_size=5, seed=0), "TrainTask")
+    stream.restore({"n_batches": step, "batch_size": 5}, step, 5)
+    x, target = stream.next()
+    assert sum(source.reads.values()) == 5  # the batch it hands out, none before it
+    np.testing.assert_array_equal(target["label"], Y[fs.global_batches(Counting(), 5, seed=0).indices(step)])
+
+
+def test_a_loop_resumed_at_step_100000_reads_no_more_than_one_at_step_10(tmp_path):
+    reads = {}
+    for step in (10, 100_000):
+        run_dir = tmp_path / str(step)
+        loop = make_loop(data=fs.global_batches(Counting(pairs=True), batch_size=5), n_steps=2, every=2)
+        record = next(iter(loop))
+        state = record.state.replace(step=np.asarray(step, np.int32))
+        record = dataclasses.replace(record, state=state, step=step, data_position={"n_batches": step, "batch_size": 5})
+        with fs.CheckpointFileWriter(run_dir) as writer:
+            writer(record)
+        source = Counting(pairs=True)
+        resumed = make_loop(
+            data=fs.global_batches(source, batch_size=5),
+            init=fs.CheckpointFileReader(run_dir, target=toy.MLP().init),
+            n_steps=step + 2,
+            every=2,
+        )
+        assert resumed.step == step
+        next(iter(resumed))
+        reads[step] = sum(source.reads.values())
+    assert reads[100_000] == reads[10] <= 5 * 3  # the first batch looked at, then two steps
+
+
+def test_bad_settings_are_refused_naming_the_problem():
+    with pytest.raises(ValueError, match="differ in length"):
+        fs.global_batches((X, Y[:3]), 4)
+    with pytest.raises(ValueError, match="empty"):
+        fs.global_batches(np.zeros((0, 2)), 4)
+    with pytest.raises(ValueError, match="positive int"):
+        fs.global_batches((X, Y), 0)
+    with pytest.raises(ValueError, match="random-access"):
+        fs.global_batches(iter([1, 2]), 4)
+
+
+def served(output, start, local):
+    """The source indices that a worker read, by global step (after the first batch the loop looked at)."""
+    reads = [int(line.split()[1]) for line in output.splitlines() if line.startswith("read ")][local:]
+    return {start + index: reads[index * local : (index + 1) * local] for index in range(len(reads) // local)}
+
+
+def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None):
+    out = tmp_path / f"{name}.npz"
+    config = {"output_dir": str(run_dir or tmp_path / name), "out": str(out), "n_steps": n_steps, "resume": resume}
+    outputs = processes.run("global_data", config, n_processes=n_processes, timeout=240)
+    start = int(outputs[0].split("start ")[1].split()[0])
+    by_process = [served(output, start, 8 // n_processes) for output in outputs]
+    steps = {step: sum((part[step] for part in by_process), []) for step in by_process[0]}
+    return out, steps, outputs
+
+
+def assert_close_files(path, reference):
+    with np.load(path) as got, np.load(reference) as want:
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straight_run(tmp_path, first, then):
+    straight, straight_steps, _ = run(tmp_path, "straight", 1, 20)
+    run_dir = tmp_path / "moved"
+    _, early, outputs = run(tmp_path, "first", first, 10, run_dir=run_dir)
+    resumed, late, later_outputs = run(tmp_path, "then", then, 20, resume=True, run_dir=run_dir)
+    assert all("start 10" in output for output in later_outputs)
+    assert {**early, **late} == straight_steps  # every step's global examples, whatever the processes
+    assert sorted(early) == list(range(10)) and sorted(late) == list(range(10, 20))
+    assert_close_files(resumed, straight)
+    if 2 in (first, then):
+        two = outputs if first == 2 else later_outputs
+        assert all("batch_size 7 does not divide among the 2 processes" in output for output in two)
+
+
+def doubled(example):
+    x, y = example
+    return x * 2, y
+
+
+class Pairs:
+    """A random-access source of `(x, y)` examples (picklable: grain's workers take a copy)."""
+
+    def __len__(self):
+        return len(X)
+
+    def __getitem__(self, index):
+        return X[index], Y[index]
+
+
+def test_a_transform_in_grain_workers_and_threads_keeps_the_exact_position(tmp_path):
+    plain = fs.global_batches(Pairs(), batch_size=4, seed=7, transform=doubled)
+    want = list(itertools.islice(plain.iter_from(9), 3))
+    for options in ({"read_threads": 4}, {"workers": 2}):
+        data = fs.global_batches(Pairs(), batch_size=4, seed=7, transform=doubled, **options)
+        got = list(itertools.islice(data.iter_from(9), 3))  # a resume at step 9
+        for (got_x, got_y), (want_x, want_y) in zip(got, want, strict=True):
+            np.testing.assert_array_equal(got_x, want_x)
+            np.testing.assert_array_equal(got_y, want_y)

@@ -1,0 +1,160 @@
+"""The watchdog and the signals of issue 28, on real worker processes with real signals and hard timeouts.
+
+`workers/resume.py` trains with checkpoints (`for c in loop: writer(c)`) and
+prints each record; a stuck data reader, a stopped peer (`SIGSTOP`), a slow
+process and `SIGUSR1` are all real. Each restart must end bit-equal to a
+run that was never stopped.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from flaxstate_testing import processes
+from flaxstate_testing.checkpoints import saved_steps
+
+from flaxstate.training import watchdog
+
+CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2}
+
+
+def assert_equal_files(path, reference):
+    with np.load(path) as got, np.load(reference) as want:
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The parameters of a run never stopped, by process count (made once a module)."""
+    made = {}
+
+    def make(n_processes=1):
+        if n_processes not in made:
+            root = tmp_path_factory.mktemp("reference")
+            config = dict(CONFIG, output_dir=str(root / "run"), out=str(root / "out.npz"), resume=False)
+            processes.run("resume", config, n_processes=n_processes)
+            made[n_processes] = root / "out.npz"
+        return made[n_processes]
+
+    return make
+
+
+def test_a_stuck_data_reader_ends_the_process_with_the_restart_status_naming_the_wait(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), resume=False)
+    worker = processes.Watched(processes.start("resume", dict(config, block_after=25, hang_timeout=3)))
+    began = time.monotonic()
+    assert worker.finish(timeout=120) == watchdog.EXIT_STATUS == 75
+    output = worker.output
+    assert "record 20" in output and "record 30" not in output
+    assert "flaxstate watchdog: no progress for 3 s at step 25: waiting for the data" in output
+    assert "stuck_reader" in output and "Thread 0x" in output  # the generator's frame, in every thread's stack
+    assert "exits with status 75" in output
+    assert time.monotonic() - began < 60
+    assert saved_steps(run_dir)[-1] == 20
+    restarted = tmp_path / "b.npz"
+    output = processes.run("resume", dict(config, resume=True, out=str(restarted)))[0]
+    assert "start 20" in output
+    assert_equal_files(restarted, reference())
+
+
+def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), resume=False, data_sleep=0.05)
+    port = processes.free_port()
+    workers = [
+        processes.Watched(processes.start("resume", dict(config, hang_timeout=5), index, 2, port)) for index in (0, 1)
+    ]
+    try:
+        for worker in workers:
+            worker.wait_for("record 10", timeout=120)
+        os.kill(workers[1].process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert workers[0].finish(timeout=90) == watchdog.EXIT_STATUS
+        assert time.monotonic() - stopped < 5 + 20
+        output = workers[0].output
+        assert "flaxstate watchdog: process 0: no progress for 5 s at step" in output
+        assert "Thread 0x" in output and "exits with status 75" in output
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+            worker.process.wait(timeout=30)
+    steps = saved_steps(run_dir)
+    restarted = tmp_path / "b.npz"
+    outputs = processes.run("resume", dict(config, resume=True, data_sleep=0, out=str(restarted)), n_processes=2)
+    assert all(f"start {steps[-1]}" in output for output in outputs)
+    assert_equal_files(restarted, reference(2))
+
+
+def test_slow_but_progressing_steps_never_fire_and_an_interactive_session_is_only_told(tmp_path):
+    # "auto" with a floor of 2 s: a record's segment takes 5 s (0.5 s a batch) but progresses.
+    config = dict(CONFIG, n_steps=20, out=str(tmp_path / "a.npz"), resume=False)
+    slow = dict(config, output_dir=str(tmp_path / "slow"), data_sleep=0.5, floor=2)
+    output = processes.run("resume", slow, timeout=240)[0]
+    assert "record 20" in output and "watchdog" not in output
+    # Interactive: a 3 s stall with a 1 s timeout is reported, and the run goes on to its end.
+    told = dict(
+        config, output_dir=str(tmp_path / "told"), block_after=12, block_seconds=3, hang_timeout=1, interactive=True
+    )
+    output = processes.run("resume", told, timeout=240)[0]
+    assert "no progress for 1 s at step 12: waiting for the data" in output
+    assert "Interactive session: the process is left running" in output and "record 20" in output
+    # Off: the same stall says nothing.
+    off = dict(told, output_dir=str(tmp_path / "off"), hang_timeout=None, interactive=False)
+    output = processes.run("resume", off, timeout=240)[0]
+    assert "record 20" in output and "watchdog" not in output
+
+
+def test_sigusr1_to_one_of_two_processes_makes_both_save_the_same_step_and_train_on(tmp_path):
+    run_dir = tmp_path / "run"
+    config = dict(
+        CONFIG,
+        output_dir=str(run_dir),
+        out=str(tmp_path / "a.npz"),
+        resume=False,
+        data_sleep=0.05,
+        every_seconds=3600,
+        keep=5,
+        slow_process=1,
+        logger=True,
+    )
+    port = processes.free_port()
+    workers = [processes.Watched(processes.start("resume", config, index, 2, port)) for index in (0, 1)]
+    try:
+        for worker in workers:
+            worker.wait_for("record 20", timeout=180)
+        os.kill(workers[1].process.pid, signal.SIGUSR1)
+        for worker in workers:
+            assert worker.finish(timeout=240) == 0
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+    requested = [[line.split()[1] for line in w.output.splitlines() if line.endswith("requested")] for w in workers]
+    assert len(requested[0]) == 1 and requested[0] == requested[1]
+    assert saved_steps(run_dir) == [int(requested[0][0]), 60]
+    assert "record 60" in workers[0].output and "record 60" in workers[1].output
+    # Process 1's data is 10x slower: the records name it (process 0's logger prints).
+    assert "process 1 waited" in workers[0].output and "for its data; the others" in workers[0].output
+
+
+def test_sigusr1_to_a_single_process_saves_the_next_record(tmp_path):
+    run_dir = tmp_path / "run"
+    config = dict(
+        CONFIG,
+        output_dir=str(run_dir),
+        out=str(tmp_path / "a.npz"),
+        resume=False,
+        data_sleep=0.05,
+        every_seconds=3600,
+        keep=5,
+    )
+    worker = processes.Watched(processes.start("resume", config))
+    worker.wait_for("record 20", timeout=120)
+    worker.process.send_signal(signal.SIGUSR1)
+    assert worker.finish(timeout=120) == 0
+    requested = [line.split()[1] for line in worker.output.splitlines() if line.endswith("requested")]
+    assert len(requested) == 1 and saved_steps(run_dir) == [int(requested[0]), 60]
