@@ -118,9 +118,10 @@ def served(output, start, local):
     return {start + index: reads[index * local : (index + 1) * local] for index in range(len(reads) // local)}
 
 
-def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None):
+def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None, fsdp=False):
     out = tmp_path / f"{name}.npz"
     config = {"output_dir": str(run_dir or tmp_path / name), "out": str(out), "n_steps": n_steps, "resume": resume}
+    config["fsdp"] = fsdp
     outputs = processes.run("global_data", config, n_processes=n_processes, timeout=240)
     start = int(outputs[0].split("start ")[1].split()[0])
     by_process = [served(output, start, 8 // n_processes) for output in outputs]
@@ -135,11 +136,11 @@ def assert_close_files(path, reference):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
-def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straight_run(tmp_path, first, then):
+@pytest.mark.parametrize(("first", "then", "fsdp"), [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straight_run(tmp_path, first, then, fsdp):
     straight, straight_steps, _ = run(tmp_path, "straight", 1, 20)
     run_dir = tmp_path / "moved"
-    _, early, outputs = run(tmp_path, "first", first, 10, run_dir=run_dir)
+    _, early, outputs = run(tmp_path, "first", first, 10, run_dir=run_dir, fsdp=fsdp)  # FSDP over 2, then 1 device
     resumed, late, later_outputs = run(tmp_path, "then", then, 20, resume=True, run_dir=run_dir)
     assert all("start 10" in output for output in later_outputs)
     assert {**early, **late} == straight_steps  # every step's global examples, whatever the processes

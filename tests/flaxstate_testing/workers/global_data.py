@@ -39,7 +39,13 @@ try:
     fs.global_batches(Recording(), batch_size=7)
 except ValueError as error:
     print("REFUSED", error, flush=True)
-data = fs.global_batches(Recording(), batch_size=8, seed=3)
+mesh = rules = None
+if config.get("fsdp"):  # the batch split over a mesh's fsdp axis (the toy model names no axes: replicated)
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(1, jax.device_count(), 1), ("data", "fsdp", "model"))
+    rules = [("batch", ("data", "fsdp"))]
+data = fs.global_batches(Recording(), batch_size=8, seed=3, mesh=mesh, axis_rules=rules)
 model = toy.MLP()
 output_dir = config["output_dir"]
 loop = fs.TrainLoop(
@@ -49,6 +55,8 @@ loop = fs.TrainLoop(
     n_steps=config["n_steps"],
     n_steps_per_checkpoint=5,
     stdout=False,
+    mesh=mesh,
+    axis_rules=rules,
 )
 print("start", loop.step, flush=True)
 with fs.CheckpointFileWriter(output_dir, keep=2) as writer:
