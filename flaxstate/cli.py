@@ -4,6 +4,9 @@ flaxstate ls DIR                  a table of the checkpoints (best marked per wr
 flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes, logical axes; metadata
 flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
 flaxstate goodput DIR [--json]    where the run's time went, per session and in total (its goodput ledger)
+flaxstate diff A B [--step-a N] [--step-b N]
+                                  what differs between two checkpoints: metadata, environment, tree, values
+                                  (exit 0: nothing, 1: something, 2: an error)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from flaxstate import goodput
 from flaxstate.checkpoint import ledger
-from flaxstate.checkpoint.catalog import describe_state, list_checkpoints
+from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
@@ -89,6 +92,32 @@ def command_show(args: argparse.Namespace) -> None:
     )
     print("metrics: " + json.dumps(meta.get("metrics", {})))
     print("metadata: " + json.dumps(meta.get("metadata"), indent=2, sort_keys=True))
+    print("environment: " + json.dumps(meta.get("environment"), indent=2, sort_keys=True))
+
+
+def command_diff(args: argparse.Namespace) -> int:
+    diff = diff_checkpoints(args.a, args.b, args.step_a, args.step_b)
+    print(f"A: {diff.a}\nB: {diff.b}")
+    sections = [
+        ("metadata", diff.metadata),
+        ("environment", diff.environment),
+        ("arrays only in A", diff.only_a),
+        ("arrays only in B", diff.only_b),
+        ("arrays whose shape or dtype differ", diff.mismatched),
+    ]
+    for title, lines in sections:
+        if lines:
+            print(f"{title}:")
+            print("\n".join(f"  {line}" for line in lines))
+    if diff.changed:
+        shown = diff.changed[:TOP_CHANGED]
+        print(f"arrays whose values differ: {len(diff.changed)} of {diff.n_compared} (|a - b| / |a|, largest first):")
+        rows = [[f"  {path}", f"{change:.3g}"] for path, change in shown]
+        print(_table(rows))
+        if len(diff.changed) > len(shown):
+            print(f"  ... and {len(diff.changed) - len(shown)} more")
+    print("they differ" if diff.differ else f"the same ({diff.n_compared} arrays, metadata and environment)")
+    return 1 if diff.differ else 0
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -167,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("dir")
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
     plot.set_defaults(run=command_plot)
+    diff = commands.add_parser("diff", help="what differs between two checkpoints (exit 0 same, 1 different)")
+    diff.add_argument("a", help="a run directory (its newest checkpoint, or --step-a)")
+    diff.add_argument("b", help="another (or the same, with --step-b)")
+    diff.add_argument("--step-a", type=int, default=None)
+    diff.add_argument("--step-b", type=int, default=None)
+    diff.set_defaults(run=command_diff)
     time_spent = commands.add_parser("goodput", help="where the run's time went: its goodput ledger, added up")
     time_spent.add_argument("dir")
     time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
@@ -181,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (`sys.argv[1:]` by default).
 
     Returns:
-        the exit status: 0, or 2 for bad input (one line on stderr).
+        the exit status: 0, or 2 for bad input (one line on stderr); `diff`: 1 when the checkpoints differ.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -189,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        args.run(args)
+        status = args.run(args)
     except (CheckpointError, UsageError) as error:
         print(f"flaxstate {args.command}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -198,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"flaxstate {args.command}: a damaged checkpoint: {damage_summary(error)}", file=sys.stderr)
         return 2
-    return 0
+    return int(status or 0)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class Session:
         n_processes: the processes of the run.
         n_devices: the devices of the run (all processes').
         device_kind: the devices' kind, e.g. "NVIDIA H100 80GB HBM3" or "cpu".
+        mesh: the loop's mesh, `{axis name: size}`.
     """
 
     started: float
@@ -100,6 +101,7 @@ class Session:
     n_processes: int = 1
     n_devices: int = 1
     device_kind: str = ""
+    mesh: Mapping[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,6 +146,9 @@ def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straigh
     assert {**early, **late} == straight_steps  # every step's global examples, whatever the processes
     assert sorted(early) == list(range(10)) and sorted(late) == list(range(10, 20))
     assert_close_files(resumed, straight)
+    # The environment stored with the checkpoint names the change of devices and processes on resume.
+    assert "the resumed run's environment differs" in later_outputs[0]
+    assert f"devices: {first} -> {then}" in later_outputs[0] and f"processes: {first} -> {then}" in later_outputs[0]
     if 2 in (first, then):
         two = outputs if first == 2 else later_outputs
         assert all("batch_size 7 does not divide among the 2 processes" in output for output in two)

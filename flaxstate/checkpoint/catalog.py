@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flaxstate import tree_paths
+from flaxstate import environment, tree_paths
 from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.storage import (
@@ -181,3 +181,105 @@ def _describe_newest(store: CheckpointStore, steps: list[int]) -> tuple[int, lis
         return step, leaves, meta
     assert error is not None
     raise CheckpointError(f"{store.directory}: {damage.summary(error)}") from error
+
+
+TOP_CHANGED = 20
+"""How many of the changed arrays a diff lists (largest relative change first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointDiff:
+    """What differs between two checkpoints (see `diff_checkpoints`).
+
+    Attributes:
+        a, b: the two checkpoints' step directories.
+        metadata, environment: one line per entry that differs (`key: a -> b`).
+        only_a, only_b: the arrays that only one of them holds.
+        mismatched: the arrays of both whose shape or dtype differ (`path: a -> b`).
+        changed: `(path, |a - b| / |a|)` of the arrays of both whose values
+            differ, largest first (all of them; a report shows `TOP_CHANGED`).
+        n_compared: the arrays whose values were compared.
+    """
+
+    a: Path
+    b: Path
+    metadata: list[str]
+    environment: list[str]
+    only_a: list[str]
+    only_b: list[str]
+    mismatched: list[str]
+    changed: list[tuple[str, float]]
+    n_compared: int
+
+    @property
+    def differ(self) -> bool:
+        """Whether anything differs."""
+        parts = (self.metadata, self.environment, self.only_a, self.only_b, self.mismatched, self.changed)
+        return any(parts)
+
+
+def _open_step(run_dir: str | Path, step: int | None) -> tuple[CheckpointStore, int]:
+    writers = dict(_check_run_dir(Path(run_dir)))
+    directory = writers.get(NEWEST) or next(iter(writers.values()))
+    store = CheckpointStore(directory, read_only=True)
+    steps = store.steps()
+    if step is not None and step not in steps:
+        store.close()
+        raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
+    if not steps:
+        store.close()
+        raise CheckpointError(f"{directory} holds no complete checkpoint.")
+    return store, steps[-1] if step is None else step
+
+
+def _relative_change(a: Any, b: Any) -> float:
+    a64, b64 = a.astype("float64", copy=False), b.astype("float64", copy=False)
+    difference = float(math.sqrt(float(((a64 - b64) ** 2).sum())))
+    if difference == 0:
+        return 0.0
+    norm = float(math.sqrt(float((a64**2).sum())))
+    return difference / norm if norm else math.inf
+
+
+def diff_checkpoints(
+    a: str | Path, b: str | Path, step_a: int | None = None, step_b: int | None = None
+) -> CheckpointDiff:
+    """Compares two checkpoints: their metadata, environment, state tree and values, one array at a time.
+
+    Args:
+        a, b: run directories (their newest-checkpoint writer's).
+        step_a, step_b: the steps to compare (the newest by default).
+
+    Raises:
+        CheckpointError: a directory that is not a run, or no such step.
+    """
+    store_a, step_a = _open_step(a, step_a)
+    store_b, step_b = _open_step(b, step_b)
+    with store_a, store_b:
+        meta_a, meta_b = store_a.read_meta(step_a), store_b.read_meta(step_b)
+        flat_a = tree_paths.flatten(store_a.stored_tree(step_a))
+        flat_b = tree_paths.flatten(store_b.stored_tree(step_b))
+        mismatched, changed, compared = [], [], 0
+        for path in sorted(flat_a.keys() & flat_b.keys()):
+            (shape_a, dtype_a), (shape_b, dtype_b) = (
+                tree_paths.shape_and_dtype(flat[path]) for flat in (flat_a, flat_b)
+            )
+            if shape_a != shape_b or dtype_a != dtype_b:
+                mismatched.append(f"{path}: {list(shape_a)} {dtype_a} -> {list(shape_b)} {dtype_b}")
+                continue
+            change = _relative_change(store_a.read_leaf(step_a, path), store_b.read_leaf(step_b, path))
+            compared += 1
+            if change:
+                changed.append((path, change))
+        changed.sort(key=lambda item: -item[1])
+        return CheckpointDiff(
+            a=store_a.directory / str(step_a),
+            b=store_b.directory / str(step_b),
+            metadata=environment.changes(meta_a.get("metadata"), meta_b.get("metadata"), root="metadata"),
+            environment=environment.changes(meta_a.get("environment"), meta_b.get("environment"), root="environment"),
+            only_a=sorted(flat_a.keys() - flat_b.keys()),
+            only_b=sorted(flat_b.keys() - flat_a.keys()),
+            mismatched=mismatched,
+            changed=changed,
+            n_compared=compared,
+        )

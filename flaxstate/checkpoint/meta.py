@@ -109,6 +109,7 @@ _FIELDS: dict[str, Callable[[Any], str | None]] = {
     "metrics": _optional(_metrics),
     "best": _optional(_best),
     "logical_axes": _optional(_logical_axes),
+    "environment": _optional(lambda value: None if isinstance(value, Mapping) else "expected a JSON object"),
 }
 """Each known field's check (a problem, or `None`); `metadata` is the user's and any JSON."""
 

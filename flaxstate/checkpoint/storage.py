@@ -367,6 +367,27 @@ class CheckpointStore:
 
         return (meta, *self._reading(step, read))
 
+    def read_leaf(self, step: int, path: str) -> np.ndarray:
+        """Reads one array of a checkpoint, by its state-dict path ('target/Dense_0/kernel'), as numpy.
+
+        Only that array's bytes are read (orbax's partial restore), so two
+        checkpoints larger than host memory can be compared leaf by leaf.
+
+        Raises:
+            CheckpointError: a checkpoint of format 1 (one item: read it whole), or no such path.
+        """
+        meta, trees, stored = self._stored(step, True)
+        if meta["format_version"] < 2:
+            raise CheckpointError(f"{self.directory / str(step)} has format 1: read it whole (read()).")
+        if path not in tree_paths.flatten(stored):
+            raise CheckpointError(f"{self.directory / str(step)} holds no array at {path}.")
+        item, inner = (OPTIMIZER, path.removeprefix("state/")) if path.startswith("state/") else (MODEL, path)
+        wanted = tree_paths.unflatten({inner: tree_paths.flatten(trees[item])[inner]})
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+        args = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args, partial_restore=True)
+        restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**{item: args})))
+        return np.asarray(tree_paths.flatten(restored[item])[inner])
+
     def read(
         self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True
     ) -> StoredCheckpoint:

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxstate import tree_paths
+from flaxstate import environment
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.ledger import Ledger
@@ -60,9 +60,12 @@ by unrelated code (two chains, a notebook cell run twice) must still find each o
 directory; entries go with their writer (weak references)."""
 
 
-def record_meta(checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None) -> dict[str, Any]:
-    """Returns what a record stores as JSON beside its arrays."""
+def record_meta(
+    checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None, run_environment: Any = None
+) -> dict[str, Any]:
+    """Returns what a record stores as JSON beside its arrays (`run_environment`: `flaxstate.environment.describe`)."""
     return {
+        "environment": run_environment,
         "step": int(checkpoint.step),
         "run_id": checkpoint.run_id,
         "loss": float(checkpoint.loss),
@@ -77,14 +80,7 @@ def record_meta(checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None) 
 
 def metadata_changes(old: Any, new: Any) -> list[str]:
     """Returns one line per metadata key whose value differs: `key: old -> new`."""
-    old_flat = tree_paths.flatten(old) if isinstance(old, Mapping) else {"": old}
-    new_flat = tree_paths.flatten(new) if isinstance(new, Mapping) else {"": new}
-    missing = object()
-    return [
-        f"{key or 'metadata'}: {old_flat.get(key, '(absent)')!r} -> {new_flat.get(key, '(absent)')!r}"
-        for key in sorted(old_flat.keys() | new_flat.keys())
-        if old_flat.get(key, missing) != new_flat.get(key, missing)
-    ]
+    return environment.changes(old, new, root="metadata")
 
 
 class _Writer:
@@ -123,6 +119,7 @@ class _Writer:
         self._best = best
         self._overwrite = overwrite
         self._claimed = False
+        self._environment: dict[str, Any] | None = None
         self._every_seconds = every_seconds
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
@@ -171,7 +168,7 @@ class _Writer:
             self._store.save(
                 int(checkpoint.step),
                 checkpoint.state.state_dict(),
-                record_meta(checkpoint, self._metadata, self._best),
+                record_meta(checkpoint, self._metadata, self._best, self._environment),
                 metrics,
             )
             self._saved_step = int(checkpoint.step)
@@ -259,6 +256,7 @@ class _Writer:
         validate) are set aside first: they are no other run's, and no reason
         to refuse this one.
         """
+        self._environment = environment.describe(checkpoint.session)
         metas, damaged = self._stored(checkpoint)
         self._set_aside(damaged)
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
@@ -281,6 +279,15 @@ class _Writer:
                     self.directory,
                     "\n  ".join(changes),
                 )
+            if stored.get("environment") is not None:
+                moved = environment.changes(stored["environment"], self._environment, root="environment")
+                if moved:
+                    logger.warning(
+                        "the resumed run's environment differs from the checkpoint at step %d in %s:\n  %s",
+                        own[-1],
+                        self.directory,
+                        "\n  ".join(moved),
+                    )
 
     def _refusal(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> str:
         if others:

@@ -228,6 +228,7 @@ class TrainLoop:
             n_processes=jax.process_count(),
             n_devices=len(mesh_devices),
             device_kind=mesh_devices[0].device_kind,
+            mesh=dict(self._placement.mesh.shape),
         )
         self._skipped_damaged = () if begun.restored is None else begun.restored.skipped_damaged
         shardings = self._placement.state_shardings(begun.state)
