@@ -273,6 +273,11 @@ class Checkpoint:
         return self.state.params
 
     @property
+    def ema_params(self) -> PyTree:
+        """The exponential moving average of the parameters (`TrainTask(ema_decay=...)`), or None without one."""
+        return getattr(self.state, "ema", None)
+
+    @property
     def model_state(self) -> PyTree:
         """The model's other (mutable) collections, e.g. batch statistics."""
         return self.state.flax_mutables

@@ -13,7 +13,7 @@ holds what a forward pass needs. Both share the `TrainState` protocol and the
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import flax
@@ -221,10 +221,18 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
     flax_mutables_axes: FrozenDict | None = struct.field(pytree_node=False, default=None)
     loss_scale: PyTree = None
     """Dynamic loss scaling's state (`flaxstate.training.scaling.LossScale`), or None without it."""
+    ema: PyTree = None
+    """The exponential moving average of `params` (float32), or None without it."""
+    ema_decay: Any = struct.field(pytree_node=False, default=None)
+    """The EMA's decay: a float, or a schedule of the step (optax-style); None without an EMA."""
 
     @classmethod
     def create(
-        cls, tx: optax.GradientTransformation, model_variables: Mapping[str, Any], loss_scale: PyTree = None
+        cls,
+        tx: optax.GradientTransformation,
+        model_variables: Mapping[str, Any],
+        loss_scale: PyTree = None,
+        ema_decay: float | Callable[[jax.Array], jax.Array] | None = None,
     ) -> FlaxOptimTrainState:
         """Creates a state at step 0 from a linen module's variables.
 
@@ -235,6 +243,10 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
                 `*_axes` collections or boxed logical axis metadata.
             loss_scale: dynamic loss scaling's state, saved with the optimizer
                 state (under `state/loss_scale`); None without loss scaling.
+            ema_decay: keep an exponential moving average of the parameters
+                (`ema`, float32, starting at the initial parameters, saved
+                under `state/ema`) with this decay, a float or a schedule of
+                the step; None: no EMA.
 
         Returns:
             the state, with `tx.init(params)` as the optimizer state.
@@ -260,6 +272,8 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             if any(v is not None for v in mutables_axes.values())
             else None,
             loss_scale=loss_scale,
+            ema=None if ema_decay is None else jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
+            ema_decay=ema_decay,
         )
 
     def apply_gradient(
@@ -294,18 +308,30 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
                 opt_state, learning_rate=jnp.asarray(learning_rate, dtype=jnp.asarray(current).dtype)
             )
         updates, opt_state = self.tx.update(grads, opt_state, self.params)
+        params = optax.apply_updates(self.params, updates)
         return self.replace(
             step=self.step + 1,
-            params=optax.apply_updates(self.params, updates),
+            params=params,
             param_states=opt_state,
             flax_mutables=self.flax_mutables if flax_mutables is _UNSET else flax_mutables,
+            ema=self._next_ema(params),
         )
+
+    def _next_ema(self, params: PyTree) -> PyTree:
+        """The EMA after an update to `params`: `decay * ema + (1 - decay) * params`, in float32."""
+        if self.ema is None:
+            return None
+        decay = self.ema_decay(self.step) if callable(self.ema_decay) else self.ema_decay
+        decay = jnp.asarray(decay, jnp.float32)
+        return jax.tree.map(lambda average, p: decay * average + (1 - decay) * p.astype(jnp.float32), self.ema, params)
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the state as plain nested dicts in the checkpoint layout."""
         state = {"step": self.step, "param_states": _plain(self.param_states)}
         if self.loss_scale is not None:
             state["loss_scale"] = _plain(self.loss_scale)
+        if self.ema is not None:
+            state["ema"] = _plain(self.ema)
         return {"target": _plain(self.params), "state": state, "flax_mutables": _plain(self.flax_mutables)}
 
     def restore_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> FlaxOptimTrainState:
@@ -334,6 +360,7 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             loss_scale=None
             if self.loss_scale is None
             else serialization.from_state_dict(self.loss_scale, restored["state"]["loss_scale"]),
+            ema=None if self.ema is None else serialization.from_state_dict(self.ema, restored["state"]["ema"]),
         )
 
     def as_logical_axes(self) -> FlaxOptimTrainState:
@@ -368,6 +395,7 @@ class FlaxOptimTrainState(_ReplaceMethods, struct.PyTreeNode):
             param_states=opt_axes,
             flax_mutables=_mutables_axes(self.flax_mutables, self.flax_mutables_axes),
             loss_scale=jax.tree.map(lambda _: PartitionSpec(), self.loss_scale),
+            ema=None if self.ema is None else params_axes,
         )
 
 
@@ -461,8 +489,8 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
 
         Args:
             state_dict: an inference or a training state dict.
-            strict: require every path (`param_states` and `loss_scale` are
-                never required).
+            strict: require every path (`param_states`, `loss_scale` and
+                `ema` are never required).
 
         Returns:
             the restored state.
@@ -472,7 +500,7 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
         """
         state_dict = dict(state_dict)
         if "state" in state_dict:
-            training_only = ("param_states", "loss_scale")
+            training_only = ("param_states", "loss_scale", "ema")
             state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in training_only}
         current = self.state_dict()
         merged = _check_and_merge(current, state_dict, strict, type(self).__name__)

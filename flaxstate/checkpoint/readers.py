@@ -15,8 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from flax import serialization
 
+from flaxstate import tree_paths
 from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.storage import (
@@ -193,20 +196,59 @@ class CheckpointFileReader:
             skipped_damaged=tuple(str(directory.absolute() / str(step)) for step in damaged),
         )
 
-    def restore(self, state: Any) -> Any:
+    def restore(self, state: Any, use_ema: bool = False) -> Any:
         """Returns `state` with the checkpoint's values (same tree, same shardings).
 
         Args:
             state: a `FlaxOptimTrainState`, or an `InferenceState` (which
                 reads no optimizer state from disk).
+            use_ema: an `InferenceState` gets the checkpoint's EMA of the
+                parameters (`state/ema`, `TrainTask(ema_decay=...)`) as its
+                parameters, in their dtypes and shardings; of the optimizer's
+                item only the EMA's arrays are read.
 
         Raises:
-            CheckpointError: there is no checkpoint to restore.
+            CheckpointError: there is no checkpoint to restore, or (with
+                `use_ema`) it holds no EMA, or `state` is not an `InferenceState`.
         """
+        if use_ema and getattr(state, "param_states", None) is not None:
+            raise CheckpointError(
+                "restore(use_ema=True) takes an InferenceState (the EMA becomes its parameters); a training "
+                "state restores its EMA as state.ema without it."
+            )
         restored = self.read(CheckpointFile(state=state, step=0))
         if restored is None:
             raise CheckpointError(f"{self._directory()} holds no checkpoint to restore.")
-        return restored.state
+        if not use_ema:
+            return restored.state
+        with CheckpointStore(self._directory(), read_only=True) as store:
+            stored = tree_paths.flatten(store.stored_tree(restored.step))
+            targets = tree_paths.flatten({"target": _plain_tree(restored.state.params)})
+            paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}
+            missing = [path for path in paths if path not in stored]
+            if missing:
+                raise CheckpointError(
+                    f"the checkpoint of step {restored.step} in {self._directory()} holds no EMA of the parameters "
+                    f"({missing[0]} and {len(missing) - 1} more are missing): it was trained without "
+                    "TrainTask(ema_decay=...); restore without use_ema."
+                )
+            ema = store.read_paths(restored.step, list(paths))
+
+        def placed(template: Any, value: np.ndarray) -> Any:
+            value = value.astype(template.dtype)
+            sharding = getattr(template, "sharding", None)
+            return jax.device_put(value, sharding) if isinstance(template, jax.Array) else value
+
+        flat_params = {paths_by_target: ema[ema_path] for ema_path, paths_by_target in paths.items()}
+        new_params = tree_paths.unflatten({path.removeprefix("target/"): value for path, value in flat_params.items()})
+        params = jax.tree.map(
+            placed, restored.state.params, serialization.from_state_dict(restored.state.params, new_params)
+        )
+        return restored.state.replace(params=params)
+
+
+def _plain_tree(tree: Any) -> Any:
+    return serialization.to_state_dict(tree)
 
 
 class _BestReader(CheckpointFileReader):

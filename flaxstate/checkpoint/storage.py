@@ -376,17 +376,36 @@ class CheckpointStore:
         Raises:
             CheckpointError: a checkpoint of format 1 (one item: read it whole), or no such path.
         """
+        return self.read_paths(step, [path])[path]
+
+    def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
+        """Reads some arrays of a checkpoint by their state-dict paths, as numpy, and no other (partial restores).
+
+        Raises:
+            CheckpointError: a checkpoint of format 1 (one item: read it whole), or a path it does not hold.
+        """
         meta, trees, stored = self._stored(step, True)
         if meta["format_version"] < 2:
             raise CheckpointError(f"{self.directory / str(step)} has format 1: read it whole (read()).")
-        if path not in tree_paths.flatten(stored):
-            raise CheckpointError(f"{self.directory / str(step)} holds no array at {path}.")
-        item, inner = (OPTIMIZER, path.removeprefix("state/")) if path.startswith("state/") else (MODEL, path)
-        wanted = tree_paths.unflatten({inner: tree_paths.flatten(trees[item])[inner]})
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
-        args = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args, partial_restore=True)
-        restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**{item: args})))
-        return np.asarray(tree_paths.flatten(restored[item])[inner])
+        missing = sorted(set(paths) - set(tree_paths.flatten(stored)))
+        if missing:
+            raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
+        by_item: dict[str, dict[str, str]] = {}
+        for path in paths:
+            item, inner = (OPTIMIZER, path.removeprefix("state/")) if path.startswith("state/") else (MODEL, path)
+            by_item.setdefault(item, {})[inner] = path
+        items = {}
+        for item, inner_paths in by_item.items():
+            flat = tree_paths.flatten(trees[item])
+            wanted = tree_paths.unflatten({inner: flat[inner] for inner in inner_paths})
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+            items[item] = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args, partial_restore=True)
+        restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
+        out = {}
+        for item, inner_paths in by_item.items():
+            flat = tree_paths.flatten(restored[item])
+            out.update({path: np.asarray(flat[inner]) for inner, path in inner_paths.items()})
+        return out
 
     def read(
         self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True

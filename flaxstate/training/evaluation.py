@@ -62,6 +62,7 @@ class EvalLoop:
         rng_collections: Sequence[str] = (),
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
+        use_ema: bool = False,
     ) -> None:
         """Prepares the compiled evaluation.
 
@@ -81,6 +82,9 @@ class EvalLoop:
                 `TrainLoop`). Without them every device holds the whole
                 parameters and evaluates its part of the batch.
             axis_rules: flax-style logical axis rules (`TrainLoop`'s).
+            use_ema: evaluate the record's EMA of the parameters
+                (`Checkpoint.ema_params`, `TrainTask(ema_decay=...)`) instead
+                of the parameters.
 
         Raises:
             ValueError: `n_steps` below 1, or no metrics; only one of `mesh`
@@ -96,6 +100,7 @@ class EvalLoop:
         self._rng_collections = tuple(rng_collections)
         self._n_steps = n_steps
         self._group = group
+        self._use_ema = use_ema
         self._placement = placement.create("EvalLoop", devices, mesh, axis_rules)
         self._iterator = iter(task.data)
         self._rng_data = jax.random.key_data(self._rng)
@@ -139,9 +144,17 @@ class EvalLoop:
         record_state = checkpoint.device_state() if checkpoint.device_state is not None else None
         if record_state is None:
             record_state = checkpoint.state
+        params = record_state.params
+        if self._use_ema:
+            params = getattr(record_state, "ema", None)
+            if params is None:
+                raise ValueError(
+                    f"EvalLoop(use_ema=True) was given the record of step {checkpoint.step}, which holds no EMA of "
+                    "the parameters: train with TrainTask(ema_decay=...), or evaluate with use_ema=False."
+                )
         needed = InferenceState(
             step=record_state.step,
-            params=record_state.params,
+            params=params,
             flax_mutables=record_state.flax_mutables,
             params_axes=getattr(record_state, "params_axes", None),
             flax_mutables_axes=getattr(record_state, "flax_mutables_axes", None),

@@ -152,7 +152,7 @@ def _state(
 
     def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
         rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
-        return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task))
+        return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task), task.ema_decay)
 
     shardings = placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
     fresh = jax.jit(create, out_shardings=shardings)
@@ -171,7 +171,9 @@ def _state(
 def _from_state_dict(task: TrainTask, placement: Placement, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
     def create() -> FlaxOptimTrainState:
         variables = {"params": state_dict["target"], **state_dict.get("flax_mutables", {})}
-        return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task)).restore_state(state_dict)
+        return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task), task.ema_decay).restore_state(
+            state_dict
+        )
 
     return jax.jit(create, out_shardings=placement.state_shardings(jax.eval_shape(create)))()
 

@@ -162,8 +162,8 @@ def make_train_step(
     mutable collections' (`across` is the placement's: per device, averaged
     over the devices; globally, not at all), then one update. With loss
     scaling, a step whose averaged gradients are not all finite leaves
-    parameters, optimizer state and mutable collections as they were (the
-    step count still advances) and lowers the scale.
+    parameters, optimizer state, mutable collections and the EMA as they were
+    (the step count still advances) and lowers the scale.
     """
     gradients = microbatched(loss_gradients(apply, loss, mutable), n_microbatches)
 
@@ -186,14 +186,15 @@ def _update_unless_overflowed(state: PyTree, grads: PyTree, mutables: PyTree) ->
     updated = state.apply_gradient(grads, flax_mutables=mutables)
     kept = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old),
-        (updated.params, updated.param_states, updated.flax_mutables),
-        (state.params, state.param_states, state.flax_mutables),
+        (updated.params, updated.param_states, updated.flax_mutables, updated.ema),
+        (state.params, state.param_states, state.flax_mutables, state.ema),
     )
-    params, param_states, flax_mutables = kept
+    params, param_states, flax_mutables, ema = kept
     return updated.replace(
         params=params,
         param_states=param_states,
         flax_mutables=flax_mutables,
+        ema=ema,
         loss_scale=state.loss_scale.after(finite),
     )
 

@@ -33,6 +33,14 @@ class TrainTask:
             non-finite for `flaxstate.training.scaling.MAX_NONFINITE_LOSSES`
             (10) consecutive steps, and one more, still raises
             `FloatingPointError`. None (the default): no scaling.
+        ema_decay: keep an exponential moving average of the parameters in
+            the state (`Checkpoint.ema_params`), updated inside the compiled
+            step after each optimizer update, `ema = decay * ema + (1 - decay)
+            * params`, in float32, from the initial parameters: a float, or
+            an optax-style schedule of the step (e.g. a warm-up). It is
+            sharded as the parameters are, saved under `state/ema` and
+            resumed exactly; a step that loss scaling skips leaves it as it
+            was. `EvalLoop(use_ema=True)` evaluates it. None: no EMA.
 
     Example:
         >>> import optax
@@ -45,6 +53,7 @@ class TrainTask:
     loss: Callable[..., Any]
     data: Iterable[Any]
     loss_scale: DynamicScale | None = None
+    ema_decay: float | Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ def make_loop(
     optimizer: Any = None,
     loss: Any = toy.mse,
     loss_scale: Any = None,
+    ema_decay: Any = None,
     seed: int = 0,
     n_steps: int = 12,
     every: int = 4,
@@ -34,6 +35,7 @@ def make_loop(
         optimizer: adam(1e-2) by default.
         loss: the loss.
         loss_scale: float16 loss scaling (`TrainTask(loss_scale=...)`).
+        ema_decay: an EMA of the parameters (`TrainTask(ema_decay=...)`).
         seed: the run's key (`jax.random.key(seed)`).
         n_steps: the total steps.
         every: steps a record.
@@ -47,6 +49,7 @@ def make_loop(
         loss=loss,
         data=toy.batches(40, 8) if data is None else data,
         loss_scale=loss_scale,
+        ema_decay=ema_decay,
     )
     return fs.TrainLoop(
         model.init if init is None else init,
