@@ -1,7 +1,9 @@
 """Trains a small MLP (BatchNorm, Dropout) on scikit-learn's digits with flaxstate.
 
 Checkpoints, resume and TensorBoard logs land in --output-dir; run it again
-and it resumes from the newest checkpoint (and the exact data position).
+and it resumes from the newest checkpoint (and the exact data position). The
+settings are one frozen dataclass, `Config`, read with tyro (`--help` lists
+them) and stored as the checkpoints' metadata.
 
     python examples/digits.py --steps 600 --output-dir runs/digits
 
@@ -14,7 +16,7 @@ standard coordinator settings, as flags or JAX's environment variables:
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 
 import flax.linen as nn
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import redex
+import tyro
 from sklearn.datasets import load_digits
 
 import flaxstate as fs
@@ -71,52 +74,75 @@ def digits(batch_size: int, seed: int = 0) -> tuple[fs.GlobalBatches, list[tuple
     return train_data, eval_data
 
 
-def join_processes(args: argparse.Namespace) -> None:
-    if args.num_processes > 1:
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """An MLP (BatchNorm, Dropout) on scikit-learn's digits, with checkpoints, resume and TensorBoard logs."""
+
+    steps: int = 600
+    """Total training steps."""
+    output_dir: str = "runs/digits"
+    """Checkpoints, the goodput ledger and TensorBoard logs; a second run resumes from the newest checkpoint."""
+    devices: int | None = None
+    """Local devices to use (all by default)."""
+    batch_size: int = 64
+    """The global batch size (all processes together)."""
+    ema_decay: float | None = None
+    """Keep an EMA of the parameters with this decay, and evaluate it too (group eval_ema)."""
+    coordinator_address: str | None = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    """Several processes: the coordinator's host:port (or JAX_COORDINATOR_ADDRESS)."""
+    num_processes: int = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    """Several processes: how many (or JAX_NUM_PROCESSES)."""
+    process_id: int = int(os.environ.get("JAX_PROCESS_ID", "0"))
+    """Several processes: this one's index (or JAX_PROCESS_ID)."""
+
+
+def join_processes(config: Config) -> None:
+    if config.num_processes > 1:
         # Before initialize, which must come before any call that starts a backend (jax.devices() included).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives; GPUs and TPUs ignore it
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--output-dir", default="runs/digits")
-    parser.add_argument("--devices", type=int, default=None, help="local devices to use (all by default)")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--coordinator-address", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
-    parser.add_argument("--num-processes", type=int, default=int(os.environ.get("JAX_NUM_PROCESSES", "1")))
-    parser.add_argument("--process-id", type=int, default=int(os.environ.get("JAX_PROCESS_ID", "0")))
-    args = parser.parse_args()
-    join_processes(args)
-    devices = jax.devices() if args.devices is None else [d for d in jax.devices()][: args.devices]
-    train_data, eval_data = digits(args.batch_size)
+def main(config: Config) -> None:
+    join_processes(config)
+    devices = jax.devices() if config.devices is None else list(jax.devices())[: config.devices]
+    train_data, eval_data = digits(config.batch_size)
 
     model = MLP()
     loop = fs.TrainLoop(
-        init=fs.CheckpointFileReader(args.output_dir, target=model.init),  # resume, or init fresh
-        task=fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss, data=train_data),
+        init=fs.CheckpointFileReader(config.output_dir, target=model.init),  # resume, or init fresh
+        task=fs.TrainTask(
+            apply=model.apply, optimizer=optax.adam(1e-3), loss=loss, data=train_data, ema_decay=config.ema_decay
+        ),
         rng=jax.random.key(0),
-        n_steps=args.steps,
+        n_steps=config.steps,
         n_steps_per_checkpoint=100,
         n_steps_per_dispatch=10,
         devices=devices,
     )
+    eval_task = fs.EvalTask(apply=model.apply, metrics={"loss": loss, "acc": accuracy}, data=eval_data)
+    evaluations = [fs.EvalLoop(eval_task, rng=jax.random.key(1), n_steps=len(eval_data), devices=devices)]
+    if config.ema_decay is not None:
+        evaluations.append(
+            fs.EvalLoop(
+                eval_task,
+                rng=jax.random.key(1),
+                n_steps=len(eval_data),
+                devices=devices,
+                group="eval_ema",
+                use_ema=True,
+            )
+        )
     process = redex.combinator.serial(
-        fs.EvalLoop(
-            fs.EvalTask(apply=model.apply, metrics={"loss": loss, "acc": accuracy}, data=eval_data),
-            rng=jax.random.key(1),
-            n_steps=len(eval_data),
-            devices=devices,
-        ),
+        *evaluations,
         fs.SummaryLogger(),
-        fs.SummaryWriter(args.output_dir),
-        fs.CheckpointFileWriter(args.output_dir, keep=3, metadata=vars(args)),
-        fs.LowestCheckpointFileWriter(args.output_dir, metric="loss", group="eval"),
+        fs.SummaryWriter(config.output_dir),
+        fs.CheckpointFileWriter(config.output_dir, keep=3, metadata=config),
+        fs.LowestCheckpointFileWriter(config.output_dir, metric="loss", group="eval"),
     )
     for checkpoint in loop:
         process(checkpoint)
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Config))

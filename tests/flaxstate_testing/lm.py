@@ -19,7 +19,13 @@ def data(config: Any, part: tuple[int, int] = (0, 1)) -> grain.IterDataset:
 
 
 def train_loop(
-    config: Any, init: Any = None, batches: Any = None, mesh: Any = None, optimizer: Any = None, **kwargs: Any
+    config: Any,
+    init: Any = None,
+    batches: Any = None,
+    mesh: Any = None,
+    optimizer: Any = None,
+    ema_decay: Any = None,
+    **kwargs: Any,
 ) -> fs.TrainLoop:
     """A TrainLoop of `lm.Transformer(config)`: fresh, or from `init` (a reader); sharded by `lm.RULES` with `mesh`.
 
@@ -34,6 +40,7 @@ def train_loop(
             optimizer=optimizer if optimizer is not None else lm.optimizer(config),
             loss=lm.loss,
             data=batches if batches is not None else data(config),
+            ema_decay=ema_decay,
         ),
         rng=jax.random.key(config.seed),
         n_steps_per_checkpoint=config.steps_per_checkpoint,

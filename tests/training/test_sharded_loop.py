@@ -37,14 +37,15 @@ N = 6
 LONG = 24
 """The preempted run's length: long enough, with slow data, to still be training when both processes agree to stop."""
 FSDP, TENSOR = "data=1,fsdp=2,model=1", "data=1,fsdp=1,model=2"
+EMA_DECAY = 0.9
 
 
-def train_on_one_device(directory, n_steps):
+def train_on_one_device(directory, n_steps, ema_decay=None):
     """The data-parallel loop on this process's one device, on the full batch (resumes from `directory`)."""
     config = lm.Config(**MODEL)
     init = fs.CheckpointFileReader(directory, target=lm.Transformer(config).init)
     with fs.CheckpointFileWriter(directory, keep=10) as writer:
-        for record in train_loop(config, init=init, n_steps=n_steps):
+        for record in train_loop(config, init=init, n_steps=n_steps, ema_decay=ema_decay):
             writer(record)
 
 
@@ -73,6 +74,7 @@ def runs(tmp_path_factory):
     train_on_one_device(root / "one", N)
     shutil.copytree(root / "one", root / "one-on")
     train_on_one_device(root / "one-on", N + 2)
+    train_on_one_device(root / "one-ema", N, ema_decay=EMA_DECAY)
     phases = [
         {
             "mesh": FSDP,
@@ -86,9 +88,10 @@ def runs(tmp_path_factory):
         {"mesh": FSDP, "dir": str(root / "one-to-fsdp"), "steps": N + 2, "copy_from": str(root / "one")},
         {"mesh": FSDP, "dir": str(root / "tensor-to-fsdp"), "steps": N + 2, "copy_from": str(root / "tensor")},
         {"mesh": FSDP, "dir": str(root / "fsdp-long"), "steps": LONG},
+        {"mesh": FSDP, "dir": str(root / "fsdp-ema"), "steps": N, "ema_decay": EMA_DECAY},
     ]
     output = processes.run("sharded.py", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
-    return root, results(output)
+    return root, results(output)[:5]  # the EMA's phase is compared through its checkpoints
 
 
 def test_fsdp_and_tensor_parallel_end_equal_to_one_device(runs):
@@ -217,3 +220,19 @@ def test_sigterm_to_one_process_of_an_fsdp_run_stops_both_at_one_step_then_resum
     assert fs.CheckpointFileReader(directory).read(None).step == stopped_at  # saved whatever the interval
     processes.run("sharded.py", {"model": MODEL, "phases": [dict(slow, data_sleep=0.0)]}, n_processes=2, timeout=180)
     assert_bit_equal_checkpoints(directory, root / "fsdp-long", LONG)
+
+
+def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):
+    root, _ = runs
+    config = lm.Config(**MODEL)
+    variables = lm.Transformer(config).init(jax.random.key(0), np.zeros((1, config.seq_len), np.int32))
+    template = fs.InferenceState.create(variables)
+    sharded, one = (
+        fs.CheckpointFileReader(root / name).restore(template, use_ema=True) for name in ("fsdp-ema", "one-ema")
+    )
+    raw = fs.CheckpointFileReader(root / "one-ema").restore(template)
+    for path, leaf in tree_paths.flatten(one.params).items():
+        np.testing.assert_allclose(tree_paths.flatten(sharded.params)[path], leaf, rtol=1e-5, atol=1e-7, err_msg=path)
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(raw.params), strict=True)
+    )  # the EMA, not the parameters

@@ -85,6 +85,7 @@ def run(phase: dict) -> dict:
         mesh=mesh,
         n_steps=phase["steps"],
         record_memory=phase.get("record_memory", "host"),
+        ema_decay=phase.get("ema_decay"),
     )
     writer = fs.CheckpointFileWriter(phase["dir"], keep=10)
     process = redex.combinator.serial(writer)
