@@ -12,6 +12,8 @@ thread of its own within a second (the end of a session waits for it):
 - `record`: each record (its step and steps, seconds training, compiling,
   waiting for the data and for the host, and outside the loop before it);
 - `save`: each save (the seconds the writer's call blocked);
+- `completed`: a save known to be complete (at the next save or wait), with
+  its seconds from start to end (it runs in the background);
 - `end`: the final or preempted record, after its save is on disk.
 
 `flaxstate.goodput` adds the events up. A ledger holds one run: at its first
@@ -70,6 +72,7 @@ class Ledger:
         self._run_id: str | None = None
         self._session_written = False
         self._failed = False
+        self._last_completed: int | None = None
         self._file: IO[str] | None = None
         self._syncer: _Syncer
 
@@ -109,15 +112,28 @@ class Ledger:
             }
         )
 
-    def saved(self, step: int, blocking: float) -> None:
-        """Logs a save of `step` that blocked the writer's call for `blocking` seconds."""
+    def saved(self, step: int, blocking: float, completed: tuple[int, float | None] | None = None) -> None:
+        """Logs a save of `step` that blocked the writer's call for `blocking` seconds.
+
+        Args:
+            completed: the step and seconds (start to end) of the newest save
+                known to be complete (the previous one, waited for by this
+                save, or this one): logged once each as `completed`.
+        """
         if self._primary and self._run_id is not None:
             self._append({"event": "save", "step": step, "blocking": blocking})
+            self._completed(completed)
 
-    def end(self, checkpoint: Checkpoint) -> None:
+    def end(self, checkpoint: Checkpoint, completed: tuple[int, float | None] | None = None) -> None:
         """Logs the end of a session: its final or preempted record is on disk."""
         if self._primary and self._run_id is not None:
+            self._completed(completed)
             self._append({"event": "end", "step": int(checkpoint.step), "preempted": checkpoint.preempted}, sync=True)
+
+    def _completed(self, completed: tuple[int, float | None] | None) -> None:
+        if completed is not None and completed[0] != self._last_completed and completed[1] is not None:
+            self._last_completed = completed[0]
+            self._append({"event": "completed", "step": completed[0], "seconds": completed[1]})
 
     def _claim(self, run_id: str) -> None:
         """Moves a ledger of another run aside (kept as `goodput-<its run id>.jsonl`)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,9 @@ class OrbaxAsyncSave:
         self._manager = manager
         self._error: BaseException | None = None
         self._done = False
+        self._started = time.perf_counter()
+        self.seconds: float | None = None
+        """From the start to the end of the save, once joined (the end as the join saw it)."""
 
     def join(self) -> None:
         if not self._done:
@@ -41,6 +45,7 @@ class OrbaxAsyncSave:
                 damage.reraise_interrupt(error)  # a Ctrl-C while waiting: the save is still pending
                 self._error = error
             self._done = True
+            self.seconds = time.perf_counter() - self._started
         if self._error is not None:
             raise self._error
 
@@ -72,6 +77,9 @@ class BackgroundSave:
         self.step = step
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._started = time.perf_counter()
+        self.seconds: float | None = None
+        """From the start to the end of the save, once it ended."""
         self._thread = threading.Thread(target=self._run, args=(save,), name=f"flaxstate-save-{step}")
         self._thread.start()
 
@@ -82,6 +90,7 @@ class BackgroundSave:
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread by join()
             self._error = error
         finally:
+            self.seconds = time.perf_counter() - self._started
             self._done.set()
 
     def join(self) -> None:

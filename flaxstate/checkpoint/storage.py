@@ -128,6 +128,8 @@ class CheckpointStore:
             self.directory,
         )
         self._pending: saving.BackgroundSave | saving.OrbaxAsyncSave | None = None
+        self.completed: tuple[int, float | None] | None = None
+        """The step and seconds (start to end) of the newest save that `wait` saw complete."""
         if not read_only:
             background.track(self)
 
@@ -229,6 +231,7 @@ class CheckpointStore:
                 f"{hint}: {damage.summary(error)}{partial}"
             ) from error
         self._pending = None
+        self.completed = (pending.step, pending.seconds)
 
     # Reading.
 

@@ -173,14 +173,15 @@ class _Writer:
             )
             self._saved_step = int(checkpoint.step)
             self._last_save_time = self._clock()
+            previous = self._store.completed  # the save before, which this one waited for
             if last:
                 self.wait()
             if self._ledger is not None:
-                self._ledger.saved(int(checkpoint.step), time.perf_counter() - began)
+                self._ledger.saved(int(checkpoint.step), time.perf_counter() - began, previous)
         if last:
             self.wait()
             if self._ledger is not None:
-                self._ledger.end(checkpoint)
+                self._ledger.end(checkpoint, self._store.completed)
         return checkpoint
 
     def _due(self) -> bool:

@@ -24,7 +24,12 @@ def kinds(run_dir):
 def test_a_run_logs_its_session_records_saves_and_end_with_the_records_own_times(tmp_path):
     records = train(tmp_path)
     events = ledger.read_events(tmp_path / ledger.FILENAME)
-    assert kinds(tmp_path) == ["session"] + ["record", "save"] * 3 + ["end"]
+    assert kinds(tmp_path) == ["session"] + ["record", "save"] * 2 + ["completed", "record", "save", "completed"] + [
+        "completed",
+        "end",
+    ]  # a save is known complete when the next one (or the final wait) waited for it
+    completed = [event for event in events if event["event"] == "completed"]
+    assert [event["step"] for event in completed] == [4, 8, 12] and all(event["seconds"] > 0 for event in completed)
     logged = [event for event in events if event["event"] == "record"]
     for event, record in zip(logged, records, strict=True):
         assert event["step"] == record.step and event["steps"] == record.n_completed_steps
