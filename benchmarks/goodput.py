@@ -17,42 +17,19 @@ writer's call, timed alone.
 from __future__ import annotations
 
 import argparse
-import itertools
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
-import numpy as np
-import optax
+from contenders import in_turn, make_loop
 
 import flaxstate as fs
 from flaxstate.checkpoint.ledger import Ledger
 
 
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for _ in range(2):
-            x = nn.relu(nn.Dense(64)(x))
-        return nn.Dense(10)(x)
-
-
-def loss_fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def make_data() -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.RandomState(0)
-    return [(rng.randn(64, 64).astype(np.float32), rng.randint(0, 10, 64).astype(np.int32)) for _ in range(64)]
-
-
 def runner(run_dir: Path, ledger: bool, every: int):
-    model, data = MLP(), make_data()
-    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
-    loop = fs.TrainLoop(model.init, task, 0, n_steps=10**9, n_steps_per_checkpoint=every, stdout=False)
+    loop = make_loop(every)
     writer = fs.CheckpointFileWriter(run_dir, every_seconds=3600, ledger=ledger)
 
     def run(n_steps: int) -> None:
@@ -74,16 +51,7 @@ def main() -> None:
         "ledger": runner(root / "b", True, args.every),
         "no ledger, again (the noise)": runner(root / "c", False, args.every),
     }
-    for run in runners.values():
-        run(args.steps)  # compiles, claims the directory
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for index in range(args.rounds):
-        names = list(runners)
-        for name in names[index % 3 :] + names[: index % 3]:  # each first and last in turn
-            start = time.perf_counter()
-            runners[name](args.steps)
-            times[name].append((time.perf_counter() - start) / args.steps * 1e6)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = in_turn({name: lambda run=run: run(args.steps) for name, run in runners.items()}, args.rounds, args.steps)
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.rounds} alternating rounds of {args.steps} steps"
     )
