@@ -75,7 +75,9 @@ output_dir = config["output_dir"]
 optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
 loop = fs.TrainLoop(
     init=fs.CheckpointFileReader(output_dir, target=model.init) if config.get("resume", True) else model.init,
-    task=fs.TrainTask(apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data),
+    task=fs.TrainTask(
+        apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data, ema_decay=config.get("ema_decay")
+    ),
     rng=jax.random.key(0),
     n_steps=config["n_steps"],
     n_steps_per_checkpoint=config["every"],
