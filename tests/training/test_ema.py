@@ -118,3 +118,24 @@ def test_kill_9_then_resume_ends_bit_for_bit_as_a_straight_run_the_ema_included(
         assert got.keys() == want.keys() and any(key.startswith("state/ema/") for key in want)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_an_inference_state_restored_with_use_ema_reads_none_of_the_optimizer_state(tmp_path):
+    import tensorstore as ts
+
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        last = [writer(record) for record in make_loop(n_steps=4, every=4, ema_decay=DECAY)][-1]
+    # Every optimizer-state chunk is overwritten with bytes that are no array: reading any of them fails.
+    optimizer = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/4/optimizer/"}).result()
+    chunks = [key for key in optimizer.list().result() if key.startswith(b"param_states.")]
+    assert chunks
+    for key in chunks:
+        if not key.endswith(b".zarray"):
+            optimizer.write(key, b"not an array").result()
+    variables = toy.MLP().init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    averaged = fs.CheckpointFileReader(tmp_path).restore(fs.InferenceState.create(variables), use_ema=True)
+    for a, b in zip(leaves(averaged.params), leaves(last.ema_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    training = fs.FlaxOptimTrainState.create(optax.adam(1e-2), variables, ema_decay=DECAY)
+    with pytest.raises(fs.CheckpointError, match="damaged"):
+        fs.CheckpointFileReader(tmp_path).restore(training)  # the same files, read whole
