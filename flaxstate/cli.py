@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -225,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         status = args.run(args)
+    except BrokenPipeError:  # the reader of stdout went away (`flaxstate ls DIR | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
     except (CheckpointError, UsageError) as error:
         print(f"flaxstate {args.command}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2

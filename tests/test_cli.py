@@ -57,3 +57,14 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(digits_run, tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_reader_that_stops_early_is_no_error(digits_run):
+    # `flaxstate show DIR | head -0`: the pipe is closed before the table is printed (Python takes a second to start).
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flaxstate", "show", str(digits_run[0])], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, stderr
+    assert "damaged" not in stderr and "Traceback" not in stderr
