@@ -128,6 +128,8 @@ class CheckpointStore:
             self.directory,
         )
         self._pending: saving.BackgroundSave | saving.OrbaxAsyncSave | None = None
+        self._layouts: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+        """The newest step `read_paths` read: its meta, items' trees and layout (a complete step never changes)."""
         self.completed: tuple[int, float | None] | None = None
         """The step and seconds (start to end) of the newest save that `wait` saw complete."""
         if not read_only:
@@ -387,7 +389,9 @@ class CheckpointStore:
         Raises:
             CheckpointError: a checkpoint of format 1 (one item: read it whole), or a path it does not hold.
         """
-        meta, trees, stored = self._stored(step, True)
+        if step not in self._layouts:  # read once a step: a diff reads a step's arrays one call each
+            self._layouts = {step: self._stored(step, True)}
+        meta, trees, stored = self._layouts[step]
         if meta["format_version"] < 2:
             raise CheckpointError(f"{self.directory / str(step)} has format 1: read it whole (read()).")
         missing = sorted(set(paths) - set(tree_paths.flatten(stored)))
