@@ -114,12 +114,13 @@ _FIELDS: dict[str, Callable[[Any], str | None]] = {
 """Each known field's check (a problem, or `None`); `metadata` is the user's and any JSON."""
 
 
-def validate(meta: Any, step_dir: Path) -> dict[str, Any]:
+def validate(meta: Any, step_dir: Path, where: Path | None = None) -> dict[str, Any]:
     """Returns a step's `meta`, checked against the format (types included).
 
     Args:
         meta: what was read from `<step_dir>/meta/metadata`.
         step_dir: the step's directory, to name in errors.
+        where: the file it was read from (`<step_dir>/meta/metadata` by default).
 
     Raises:
         DamagedCheckpointError: a field is missing or of the wrong type,
@@ -127,7 +128,7 @@ def validate(meta: Any, step_dir: Path) -> dict[str, Any]:
         CheckpointError: the checkpoint was written by a newer flaxstate
             (not damage: a reader never falls back past it).
     """
-    where = step_dir / "meta" / FILE
+    where = where or step_dir / "meta" / FILE
 
     def damaged(problem: str) -> DamagedCheckpointError:
         return DamagedCheckpointError(f"{where} does not hold a valid flaxstate checkpoint meta: {problem}")

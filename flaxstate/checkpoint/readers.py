@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import damage, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
@@ -28,6 +28,7 @@ from flaxstate.checkpoint.storage import (
     CheckpointError,
     CheckpointStore,
     Rename,
+    StoredCheckpoint,
     VanishedStepError,
     decode_rng,
     is_empty_or_missing,
@@ -44,7 +45,13 @@ def _report_damage(damaged: dict[int, str], directory: Path, step: int, error: B
 
 
 class CheckpointFileReader:
-    """Restores the newest complete checkpoint of `output_dir` (or the one at `step`).
+    """Restores the newest complete checkpoint of `output_dir` (or the one at `step`), or of two tiers.
+
+    Given `[local_dir, persistent_dir]`, it restores the newest step that is
+    whole in every process's local tier (`CheckpointFileWriter(local_dir,
+    per_process=True)`) when that is newer than the persistent tier's newest,
+    and the persistent tier's otherwise (`flaxstate.checkpoint.tiers`); it
+    logs which, and why a local step was passed over.
 
     Example:
         >>> import tempfile
@@ -55,28 +62,47 @@ class CheckpointFileReader:
 
     def __init__(
         self,
-        output_dir: str | Path,
+        output_dir: str | Path | Sequence[str | Path],
         target: Callable[..., Any] | None = None,
         step: int | None = None,
         rename: Rename = None,
     ) -> None:
-        """Points the reader at a directory (nothing is read yet).
+        """Points the reader at a directory, or at two tiers (nothing is read yet).
 
         Args:
-            output_dir: the directory a `CheckpointFileWriter` wrote.
+            output_dir: the directory a `CheckpointFileWriter` wrote; or
+                `[local_dir, persistent_dir]`: the directory of a
+                `CheckpointFileWriter(..., per_process=True)` (each process
+                reads its own part of it) and the persistent one.
             target: the model's `init`, to start fresh when there is no checkpoint.
             step: restore this step instead of the newest.
             rename: `{old regex: new}` on '/'-joined state-dict paths (e.g.
                 `{"Dense_0/": "Encoder_0/"}`), to load a checkpoint of an
-                earlier model layout.
+                earlier model layout (the persistent tier only).
+
+        Raises:
+            ValueError: a list that is not `[local_dir, persistent_dir]`.
         """
-        self.output_dir = Path(output_dir)
+        self.local_dir: Path | None = None
+        """The local tier's directory, or `None` (one directory)."""
+        if isinstance(output_dir, str | Path):
+            self.output_dir = Path(output_dir)
+        else:
+            dirs = list(output_dir)
+            if len(dirs) != 2 or not all(isinstance(d, str | Path) for d in dirs):
+                raise ValueError(
+                    f"CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir]; got {dirs!r}."
+                )
+            self.local_dir, self.output_dir = Path(dirs[0]), Path(dirs[1])
         self.target = target
         self.step = step
         self.rename = rename
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.output_dir)!r}{self._repr_extra()})"
+        where = repr(str(self.output_dir))
+        if self.local_dir is not None:
+            where = f"[{str(self.local_dir)!r}, {where}]"
+        return f"{type(self).__name__}({where}{self._repr_extra()})"
 
     def _repr_extra(self) -> str:
         return f", step={self.step}" if self.step is not None else ""
@@ -119,6 +145,10 @@ class CheckpointFileReader:
         """
         directory = self._directory()
         try:
+            if self.local_dir is not None:
+                restored = self._read_local(template)
+                if restored is not None:
+                    return restored
             if is_empty_or_missing(directory):
                 if self.target is not None and self.step is None:
                     return None
@@ -134,6 +164,40 @@ class CheckpointFileReader:
         except Exception as error:
             damage.reraise_interrupt(error)
             raise
+
+    def _read_local(self, template: CheckpointFile | None) -> CheckpointFile | None:
+        """The newest local step whole on every process, when newer than the persistent tier's; else `None`."""
+        assert self.local_dir is not None
+        state = template.state if template is not None else None
+        state_dict = state.state_dict() if state is not None else None
+        with_optimizer = state_dict is None or "param_states" in state_dict["state"]
+        persistent = self._directory()
+        newest = None
+        if not is_empty_or_missing(persistent):
+            with CheckpointStore(persistent, read_only=True) as store:
+                newest = max(store.steps(), default=None)
+        chosen, why, passed_over = tiers.agreed_local_step(
+            self.local_dir, state_dict if self.rename is None else None, with_optimizer, newest, self.step
+        )
+        if chosen is not None:
+            error: Exception | None = None
+            try:
+                tree = chosen.store.read(chosen.step, chosen.meta, state_dict or {}, with_optimizer)
+            except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
+                damage.reraise_interrupt(caught)
+                error = caught
+            failed = tiers.all_read(error)
+            if failed is None:
+                tiers.say("restored step %d from the local tier %s: %s.", chosen.step, self.local_dir, why)
+                tree.setdefault("flax_mutables", {})
+                tree.setdefault("state", {})
+                stored = StoredCheckpoint(state_dict=tree, meta=chosen.meta)
+                return self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
+            if error is not None and not damage.is_damage(error):
+                raise error
+            why, passed_over = f"the local step {chosen.step} could not be read ({failed})", True
+        tiers.say("restoring from the persistent tier %s: %s.", persistent, why, warn=passed_over)
+        return None
 
     def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
         """The candidates not yet found damaged, preferred first (only `step` when it was given)."""
@@ -263,6 +327,8 @@ class _BestReader(CheckpointFileReader):
         step: int | None = None,
         rename: Rename = None,
     ) -> None:
+        if not isinstance(output_dir, str | Path):
+            raise ValueError(f"{type(self).__name__} reads one run directory, not tiers; got {output_dir!r}.")
         super().__init__(output_dir, target=target, step=step, rename=rename)
         self.metric, self.group = metric, group
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)

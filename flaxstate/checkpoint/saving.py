@@ -18,11 +18,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import orbax.checkpoint as ocp
 
+from flaxstate import background
 from flaxstate.checkpoint import damage
+from flaxstate.checkpoint.errors import CheckpointSaveError
 
 
 class OrbaxAsyncSave:
@@ -97,3 +100,91 @@ class BackgroundSave:
         self._done.wait()  # a Ctrl-C here leaves the save running and this object pending
         if self._error is not None:
             raise self._error
+
+
+class SaveSlot:
+    """The one save of a store that may be running in the background, and the newest that completed.
+
+    A store (`CheckpointStore`, `LocalStore`) starts a save into `_pending`
+    and names its `directory`; `remove_unfinished(step)` clears what a
+    failed save left.
+    """
+
+    directory: Path
+
+    def __init__(self) -> None:
+        self._pending: BackgroundSave | OrbaxAsyncSave | None = None
+        self.completed: tuple[int, float | None] | None = None
+        """The step and seconds (start to end) of the newest save that `wait` saw complete."""
+
+    def remove_unfinished(self, step: int | None = None) -> list[Path]:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the pending save, then releases the store.
+
+        A Ctrl-C while waiting leaves the store open with its save pending:
+        the next `close()`, `wait()` or the end of the script waits for it.
+
+        Raises:
+            CheckpointSaveError: the pending save failed.
+            KeyboardInterrupt: Ctrl-C while waiting.
+        """
+        try:
+            self.wait()
+        except KeyboardInterrupt:
+            raise  # still pending: nothing is released
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        background.untrack(self)
+
+    def settle(self) -> None:
+        """Waits for the pending save without raising; a failure is raised by the next `wait()`."""
+        if self._pending is not None:
+            try:
+                self._pending.join()
+            except Exception:  # noqa: BLE001, S110 - kept in the pending save for wait()
+                pass
+
+    def wait(self) -> None:
+        """Waits for the pending save.
+
+        Raises:
+            CheckpointSaveError: the pending save failed, naming its step.
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.join()  # a Ctrl-C here leaves the save pending, for the next wait
+        except Exception as error:
+            self._pending = None
+            deleted = "deleted" in str(error).lower()
+            hint = " (its arrays were donated or deleted before they were read: save a copy)" if deleted else ""
+            removed = self.remove_unfinished(pending.step)
+            partial = "; its partial files were removed" if removed else ""
+            raise CheckpointSaveError(
+                f"saving the checkpoint of step {pending.step} to {self.directory} failed in the background"
+                f"{hint}: {damage.summary(error)}{partial}"
+            ) from error
+        self._pending = None
+        self.completed = (pending.step, pending.seconds)
+
+
+def aside(step_dir: Path, suffix: str) -> Path:
+    """A free name to move a step's directory out of the listing: `<step><suffix>`, else `<step><suffix>-<n>`."""
+    target, n = step_dir.with_name(f"{step_dir.name}{suffix}"), 1
+    while target.exists():
+        n += 1
+        target = step_dir.with_name(f"{step_dir.name}{suffix}-{n}")
+    return target

@@ -91,7 +91,7 @@ class StoredCheckpoint:
     meta: dict[str, Any]
 
 
-class CheckpointStore:
+class CheckpointStore(saving.SaveSlot):
     """The checkpoints of one directory: save, list, read.
 
     Args:
@@ -110,6 +110,7 @@ class CheckpointStore:
         best: BestPolicy | None = None,
         read_only: bool = False,
     ) -> None:
+        super().__init__()
         self.directory = Path(directory).absolute()
         best_options: dict[str, Any] = {}
         if best is not None:
@@ -127,41 +128,13 @@ class CheckpointStore:
             lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=layout.handlers()),
             self.directory,
         )
-        self._pending: saving.BackgroundSave | saving.OrbaxAsyncSave | None = None
         self._layouts: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
         """The newest step `read_paths` read: its meta, items' trees and layout (a complete step never changes)."""
-        self.completed: tuple[int, float | None] | None = None
-        """The step and seconds (start to end) of the newest save that `wait` saw complete."""
         if not read_only:
             background.track(self)
 
-    def __enter__(self) -> CheckpointStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Waits for the pending save, then closes orbax's manager.
-
-        A Ctrl-C while waiting leaves the store open with its save pending:
-        the next `close()`, `wait()` or the end of the script waits for it.
-
-        Raises:
-            CheckpointSaveError: the pending save failed.
-            KeyboardInterrupt: Ctrl-C while waiting.
-        """
-        try:
-            self.wait()
-        except KeyboardInterrupt:
-            raise  # still pending: nothing is released
-        except BaseException:
-            self._release()
-            raise
-        self._release()
-
     def _release(self) -> None:
-        background.untrack(self)
+        super()._release()
         self._manager.close()
 
     # Writing.
@@ -202,38 +175,6 @@ class CheckpointStore:
                 f"saving the checkpoint of step {step} to {self.directory} failed: {error}"
             ) from error
         self._pending = saving.OrbaxAsyncSave(step, self._manager)
-
-    def settle(self) -> None:
-        """Waits for the pending save without raising; a failure is raised by the next `wait()`."""
-        if self._pending is not None:
-            try:
-                self._pending.join()
-            except Exception:  # noqa: BLE001, S110 - kept in the pending save for wait()
-                pass
-
-    def wait(self) -> None:
-        """Waits for the pending save.
-
-        Raises:
-            CheckpointSaveError: the pending save failed, naming its step.
-        """
-        pending = self._pending
-        if pending is None:
-            return
-        try:
-            pending.join()  # a Ctrl-C here leaves the save pending, for the next wait
-        except Exception as error:
-            self._pending = None
-            deleted = "deleted" in str(error).lower()
-            hint = " (its arrays were donated or deleted before they were read: save a copy)" if deleted else ""
-            removed = self.remove_unfinished(pending.step)
-            partial = "; its partial files were removed" if removed else ""
-            raise CheckpointSaveError(
-                f"saving the checkpoint of step {pending.step} to {self.directory} failed in the background"
-                f"{hint}: {damage.summary(error)}{partial}"
-            ) from error
-        self._pending = None
-        self.completed = (pending.step, pending.seconds)
 
     # Reading.
 
@@ -301,10 +242,7 @@ class CheckpointStore:
         """
         self.wait()
         step_dir = self.directory / str(step)
-        target, n = step_dir.with_name(f"{step}{SET_ASIDE}"), 1
-        while target.exists():
-            n += 1
-            target = step_dir.with_name(f"{step}{SET_ASIDE}-{n}")
+        target = saving.aside(step_dir, SET_ASIDE)
         step_dir.rename(target)
         self._manager.reload()
         return target

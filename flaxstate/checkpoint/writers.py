@@ -21,6 +21,11 @@ records are always saved, and the writer waits for them to be on disk
 before it returns; a requested record (SIGUSR1, `Checkpoint.requested`) is
 always saved too. Under several processes the primary process's clock
 decides for all (a save is a collective).
+
+`CheckpointFileWriter(local_dir, per_process=True)` is a local tier: each
+process saves its own arrays into its own directory, with no barrier, every
+few minutes; a persistent writer in the same chain saves every hour. See
+`flaxstate.checkpoint.tiers` for the restart.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxstate import environment
+from flaxstate import collectives, environment
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.ledger import Ledger
+from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
     CheckpointError,
@@ -53,6 +59,9 @@ from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
 
 logger = logging.getLogger("flaxstate")
+
+SUPERSEDED = ".superseded"
+"""The suffix a local writer gives this run's steps that a restart from an older persistent step passed over."""
 
 _OPEN: weakref.WeakValueDictionary[Path, _Writer] = weakref.WeakValueDictionary()
 """The open writer of each directory (by resolved path): a registry of this process, because two writers made
@@ -96,6 +105,7 @@ class _Writer:
         every_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = False,
+        per_process: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
@@ -104,8 +114,12 @@ class _Writer:
         self.output_dir = output_dir
         """The run's directory."""
         directory = output_dir / subdir if subdir is not None else output_dir
+        if per_process:
+            directory = process_directory(output_dir)
         self.directory = directory
-        """Where this writer's checkpoints go: the run's directory, or a best writer's subdirectory of it."""
+        """Where this writer's checkpoints go: the run's directory, a best writer's subdirectory of it, or
+        (per process) this process's part of the local tier."""
+        self._per_process = per_process
         self._clock = clock
         self._description = description
         key = directory.absolute().resolve()
@@ -123,8 +137,10 @@ class _Writer:
         self._every_seconds = every_seconds
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
-        self._store = CheckpointStore(directory, keep=keep, best=best)
-        self._ledger = Ledger(directory) if ledger else None
+        self._store: CheckpointStore | LocalStore = (
+            LocalStore(directory, keep=keep) if per_process else CheckpointStore(directory, keep=keep, best=best)
+        )
+        self._ledger = Ledger(directory) if ledger and not per_process else None
         _OPEN[key] = self
         self._key = key
 
@@ -239,7 +255,7 @@ class _Writer:
 
     def _set_aside(self, damaged: list[int]) -> None:
         """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 or self._per_process:
             for step in damaged:
                 target = self._store.set_aside(step)
                 logger.warning("%r: the damaged checkpoint of step %d is set aside as %s.", self, step, target)
@@ -247,7 +263,7 @@ class _Writer:
             if removed:
                 names = ", ".join(path.name for path in removed)
                 logger.warning("%r: removed the folders of saves that did not finish: %s.", self, names)
-        if jax.process_count() > 1 and damaged:
+        if jax.process_count() > 1 and damaged and not self._per_process:
             multihost_utils.sync_global_devices("flaxstate: damaged steps set aside")
 
     def _claim(self, checkpoint: Checkpoint) -> None:
@@ -263,6 +279,9 @@ class _Writer:
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
         others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
         ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
+        if self._per_process:
+            self._claim_local(checkpoint, others, ahead, run_of)
+            return
         if others or ahead:
             if not self._overwrite:
                 raise CheckpointError(self._refusal(checkpoint, others, ahead, run_of))
@@ -289,6 +308,36 @@ class _Writer:
                         self.directory,
                         "\n  ".join(moved),
                     )
+
+    def _claim_local(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> None:
+        """The claim of a local tier: every process checks its own part, and all refuse if one must.
+
+        This run's steps at or after the record's (left by a run that
+        restored an older persistent step) are set aside, not refused: the
+        restart that fell back to the persistent tier goes on.
+        """
+        refusal = self._refusal(checkpoint, others, [], run_of) if others and not self._overwrite else None
+        refusals = collectives.allgather_json(refusal)
+        if any(refusals):
+            raise CheckpointError(
+                "\n".join(f"process {i}: {text}" for i, text in enumerate(refusals) if text)
+                if jax.process_count() > 1
+                else str(refusal)
+            )
+        if others:
+            logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others, self.directory)
+            self._store.delete(others)
+        if ahead:
+            assert isinstance(self._store, LocalStore)
+            moved = [self._store.set_aside(step, SUPERSEDED) for step in ahead]
+            logger.warning(
+                "%r: steps %s of this run are at or after this record's step %d (the restart resumed from an "
+                "earlier step, of another tier); they are set aside as %s.",
+                self,
+                ahead,
+                checkpoint.step,
+                ", ".join(path.name for path in moved),
+            )
 
     def _refusal(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> str:
         if others:
@@ -349,6 +398,7 @@ class CheckpointFileWriter(_Writer):
         *,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = True,
+        per_process: bool = False,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -368,7 +418,17 @@ class CheckpointFileWriter(_Writer):
                 (in seconds; a test moves time by giving its own).
             ledger: keep the run's goodput ledger, `output_dir/goodput.jsonl`
                 (`flaxstate.checkpoint.ledger`; `flaxstate goodput DIR` reads
-                it): a line each record and save, fsync'd.
+                it): a line each record and save, fsync'd. A per-process
+                writer keeps none (the persistent tier's writer does).
+            per_process: a local tier (`flaxstate.checkpoint.local`): each
+                process saves the arrays its devices hold (a replicated
+                array once) into `output_dir/process-<index>/`, a directory
+                on its own host (`/dev/shm/run`, a local SSD), with no
+                barrier and no shared filesystem. Restore it with
+                `CheckpointFileReader([output_dir, persistent_dir])`. This
+                run's steps newer than the one it resumed from (a restart
+                that fell back to the persistent tier) are set aside as
+                `<step>.superseded`, not refused.
 
         Raises:
             CheckpointError: another open writer writes `output_dir`, or
@@ -376,9 +436,20 @@ class CheckpointFileWriter(_Writer):
             ValueError: `keep` below 1, or `every_seconds` not positive.
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
-        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every})"
+        local = ", per_process=True" if per_process else ""
+        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
         super().__init__(
-            Path(output_dir), None, keep, metadata, None, overwrite, description, every_seconds, clock, ledger
+            Path(output_dir),
+            None,
+            keep,
+            metadata,
+            None,
+            overwrite,
+            description,
+            every_seconds,
+            clock,
+            ledger,
+            per_process,
         )
 
 

@@ -10,7 +10,6 @@ checkpoint (SIGUSR1), so that all save it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,23 +17,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-
-def _allgather_json(value: Any) -> list[Any]:
-    """Returns every process's `value` (JSON-serializable), in process order."""
-    encoded = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-    lengths = multihost_utils.process_allgather(np.asarray([encoded.size], dtype=np.int32))
-    padded = np.zeros(int(np.max(lengths)), dtype=np.uint8)
-    padded[: encoded.size] = encoded
-    gathered = multihost_utils.process_allgather(padded)
-    return [
-        json.loads(bytes(row[: int(length)]).decode())
-        for row, length in zip(np.asarray(gathered), np.asarray(lengths).reshape(-1), strict=True)
-    ]
+from flaxstate import collectives
 
 
 def agree(value: Any) -> Any:
     """Returns the primary process's `value` on every process (JSON-serializable; a collective)."""
-    return value if jax.process_count() == 1 else _allgather_json(value)[0]
+    return value if jax.process_count() == 1 else collectives.allgather_json(value)[0]
 
 
 def gather_position(local: Mapping[str, Any], batch_size: int) -> dict[str, Any]:
@@ -55,7 +43,7 @@ def gather_position(local: Mapping[str, Any], batch_size: int) -> dict[str, Any]
     }
     if "iterator_state" in local:
         state = local["iterator_state"]
-        position["iterator_states"] = [state] if jax.process_count() == 1 else _allgather_json(state)
+        position["iterator_states"] = [state] if jax.process_count() == 1 else collectives.allgather_json(state)
     return position
 
 

@@ -6,6 +6,7 @@ right after a save was started, and time-limit its writer.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -72,9 +73,17 @@ if config.get("floor") is not None:
     fs.training.watchdog.FLOOR_SECONDS = config["floor"]
 
 output_dir = config["output_dir"]
+local_dir = config["local_dirs"][jax.process_index()] if config.get("local_dirs") else None
+if local_dir is not None:
+    shown = logging.getLogger("flaxstate")  # its info lines too: which tier restored
+    shown.setLevel(logging.INFO)
+    shown.addHandler(logging.StreamHandler(sys.stdout))
+    shown.propagate = False
 optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
 loop = fs.TrainLoop(
-    init=fs.CheckpointFileReader(output_dir, target=model.init) if config.get("resume", True) else model.init,
+    init=fs.CheckpointFileReader([local_dir, output_dir] if local_dir else output_dir, target=model.init)
+    if config.get("resume", True)
+    else model.init,
     task=fs.TrainTask(
         apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data, ema_decay=config.get("ema_decay")
     ),
@@ -96,7 +105,8 @@ writer = fs.CheckpointFileWriter(
     clock=(lambda: now[0]) if save_steps else time.monotonic,
 )
 logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
-process = redex.combinator.serial(logger, writer)
+local = fs.CheckpointFileWriter(local_dir, keep=3, per_process=True) if local_dir else (lambda record: record)
+process = redex.combinator.serial(logger, local, writer)
 for checkpoint in loop:
     if save_steps:
         now[0] = 100.0 * sum(step <= checkpoint.step for step in save_steps)

@@ -1,0 +1,330 @@
+"""The local tier: each process's own checkpoints of the arrays its devices hold, in a directory on its host.
+
+`CheckpointFileWriter(local_dir, per_process=True)` keeps them in
+`local_dir/process-<index>/<step>/`, so processes that share a host (and its
+`/dev/shm`) never share a directory. A step holds two files:
+
+- `arrays.bin`: the bytes of every array part this process holds, each at
+  an offset aligned to 64 bytes (a replicated array once a host);
+- `meta.json`: the record's meta as the persistent tier stores it (run id,
+  step, key, data position, metrics), the process index and count it was
+  saved under, and each array's global shape, dtype and parts (the index of
+  each part in the global array, and its offset in `arrays.bin`).
+
+A save is written into `<step>.partial-<pid>`, fsync'd, then renamed to
+`<step>`: a step that is listed is whole, and no process waits for another
+(no barrier, no shared filesystem). A step whose `arrays.bin` is not the
+size its meta names is damaged, and never restored.
+
+A local step restores only where it was saved: the same process index and
+count, and for every device of this process the part of each array that the
+template's sharding gives it (`LocalStore.covers`). Restoring it is one read
+of a file (from memory, on a tmpfs) and one transfer a device. orbax's
+per-process checkpointing (its emergency checkpoint manager) does this too,
+but is marked experimental ("do not use without specific approval"); what a
+local step must hold is only bytes that this process already has, read back
+by the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxstate import background, tree_paths
+from flaxstate.checkpoint import meta as meta_format
+from flaxstate.checkpoint import saving
+from flaxstate.checkpoint.damage import DamagedCheckpointError
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.layout import SET_ASIDE, to_json
+from flaxstate.records import FORMAT_VERSION
+
+logger = logging.getLogger("flaxstate")
+
+ARRAYS, META_FILE = "arrays.bin", "meta.json"
+PARTIAL = ".partial-"
+"""What a save in progress (or one killed) holds in its directory's name: `<step>.partial-<pid>`."""
+
+ALIGN = 64
+"""The alignment of each part's bytes in `arrays.bin`."""
+
+Index = list[list[int]]
+"""A part's place in its global array: `[start, stop]` of each dimension."""
+
+
+def process_directory(local_dir: str | Path, process_index: int | None = None) -> Path:
+    """The directory of one process's local steps: `local_dir/process-<index>` (this process's by default)."""
+    index = jax.process_index() if process_index is None else process_index
+    return Path(local_dir).absolute() / f"process-{index}"
+
+
+def _index(where: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    return [list(part.indices(size)[:2]) for part, size in zip(where, shape, strict=True)]
+
+
+def host_parts(value: Any) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index, np.ndarray]]]:
+    """An array's global shape, dtype and the distinct parts this process holds, as numpy.
+
+    A numpy array (the host copy of a replicated array) is one part, the
+    whole; a `jax.Array` gives its addressable shards, each place once.
+    """
+    if isinstance(value, jax.Array):
+        parts: dict[str, tuple[Index, np.ndarray]] = {}
+        for shard in value.addressable_shards:
+            index = _index(shard.index, value.shape)
+            parts.setdefault(json.dumps(index), (index, np.asarray(shard.data)))
+        return tuple(value.shape), np.dtype(value.dtype), list(parts.values())
+    array = np.asarray(value)
+    return array.shape, array.dtype, [([[0, size] for size in array.shape], array)]
+
+
+def _contains(outer: Index, inner: Index) -> bool:
+    """Whether the part at `outer` holds the part at `inner`."""
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class LocalStore(saving.SaveSlot):
+    """One process's local steps: save (in the background), list, check, read.
+
+    It offers what `CheckpointFileWriter` asks of a store (the persistent
+    tier's is `flaxstate.checkpoint.storage.CheckpointStore`).
+
+    Args:
+        directory: this process's directory (`process_directory(local_dir)`).
+        keep: how many of the newest steps to keep.
+        read_only: open for reading; nothing is created.
+    """
+
+    def __init__(self, directory: str | Path, keep: int | None = None, read_only: bool = False) -> None:
+        super().__init__()
+        self.directory = Path(directory).absolute()
+        self._keep = keep
+        if not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            background.track(self)
+
+    # Writing.
+
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """Starts a save of this process's parts of `state_dict` (in a thread of its own; the arrays are read there).
+
+        Raises:
+            CheckpointSaveError: the previous save failed.
+            CheckpointError: `step` is already saved here (nothing saved is ever overwritten).
+        """
+        self.wait()
+        if step in self.steps():
+            raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
+        flat = tree_paths.flatten(dict(state_dict))
+        header = {
+            **to_json(dict(meta)),
+            "format_version": FORMAT_VERSION,
+            "time": time.time(),
+            "process_index": jax.process_index(),
+            "processes": jax.process_count(),
+        }
+        self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header))
+
+    def _write(self, step: int, flat: Mapping[str, Any], header: dict[str, Any]) -> None:
+        partial = self.directory / f"{step}{PARTIAL}{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        arrays: dict[str, Any] = {}
+        offset = 0
+        with open(partial / ARRAYS, "wb") as file:
+            for path, value in flat.items():
+                shape, dtype, parts = host_parts(value)
+                entries = []
+                for index, data in parts:
+                    padding = -offset % ALIGN
+                    file.write(b"\0" * padding)
+                    offset += padding
+                    data = np.ascontiguousarray(data)
+                    file.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
+                    entries.append({"index": index, "offset": offset})
+                    offset += data.nbytes
+                arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
+            file.flush()
+            os.fsync(file.fileno())
+        with open(partial / META_FILE, "w") as file:
+            json.dump({**header, "arrays": arrays, "bytes": offset}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        _fsync_directory(partial)
+        os.rename(partial, self.directory / str(step))
+        _fsync_directory(self.directory)
+        if self._keep is not None:
+            for old in self.steps()[: -self._keep]:
+                self._remove(old)
+
+    def _remove(self, step: int) -> None:
+        """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""
+        going = self.directory / f"{step}{PARTIAL}{os.getpid()}-removed"
+        try:
+            os.rename(self.directory / str(step), going)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(going, ignore_errors=True)
+
+    def remove_unfinished(self, step: int | None = None) -> list[Path]:
+        """Removes the directories of saves that did not finish (killed, or failed); returns them."""
+        if not self.directory.is_dir():
+            return []
+        removed = [
+            path
+            for path in self.directory.iterdir()
+            if PARTIAL in path.name and (step is None or path.name.split(".")[0] == str(step))
+        ]
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
+        """Moves a step out of the listing (`<step><suffix>`), keeping its files; returns the new path."""
+        self.wait()
+        step_dir = self.directory / str(step)
+        target = saving.aside(step_dir, suffix)
+        step_dir.rename(target)
+        return target
+
+    def delete(self, steps: list[int]) -> None:
+        """Removes whole steps."""
+        self.wait()
+        for step in steps:
+            self._remove(step)
+
+    # Reading.
+
+    def steps(self) -> list[int]:
+        """The steps saved whole (renamed into place), oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(path.name) for path in self.directory.iterdir() if path.name.isdigit())
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """Returns a step's meta, checked against the format and against the size of its arrays' file.
+
+        Raises:
+            DamagedCheckpointError: its meta is missing, not JSON or not valid,
+                or `arrays.bin` is not the size the meta names (truncated).
+            CheckpointError: written by a newer flaxstate.
+        """
+        step_dir = self.directory / str(step)
+        where = step_dir / META_FILE
+        try:
+            meta: Any = json.loads(where.read_text())
+        except (OSError, ValueError) as error:
+            raise DamagedCheckpointError(f"{where} cannot be read as JSON ({error}): the step is damaged") from error
+        meta = meta_format.validate(meta, step_dir, where)
+        if not isinstance(meta.get("arrays"), Mapping) or not isinstance(meta.get("bytes"), int):
+            raise DamagedCheckpointError(f"{where} names no arrays: the step is damaged")
+        try:
+            size = (step_dir / ARRAYS).stat().st_size
+        except OSError as error:
+            raise DamagedCheckpointError(f"{step_dir / ARRAYS} cannot be read ({error}): damaged") from error
+        if size != meta["bytes"]:
+            raise DamagedCheckpointError(
+                f"{step_dir / ARRAYS} holds {size:,} bytes where its meta names {meta['bytes']:,}: the step is damaged"
+            )
+        return meta
+
+    def covers(self, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> str | None:
+        """Why a step cannot restore into `template` on this process (`None`: it can).
+
+        It can when it holds the template's paths, shapes and dtypes, and
+        for every device of this process the part of each array that the
+        template's sharding places there.
+        """
+        if meta.get("processes") != jax.process_count() or meta.get("process_index") != jax.process_index():
+            return (
+                f"it was saved by process {meta.get('process_index')} of {meta.get('processes')}, "
+                f"this is process {jax.process_index()} of {jax.process_count()}"
+            )
+        stored: Mapping[str, Any] = meta["arrays"]
+        for path, target in _wanted(template, with_optimizer).items():
+            entry = stored.get(path)
+            if entry is None:
+                return f"it holds no array at {path}"
+            shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+            if tuple(entry["shape"]) != shape or jnp.dtype(entry["dtype"]) != dtype:
+                return f"{path} is {entry['dtype']}{entry['shape']} there, the model has {dtype.name}{list(shape)}"
+            for index in _needed(target):
+                if not any(_contains(part["index"], index) for part in entry["parts"]):
+                    return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
+        return None
+
+    def read(self, step: int, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> Any:
+        """Restores a step that `covers` the template: the template's tree of arrays, on its shardings.
+
+        Raises:
+            DamagedCheckpointError: the file cannot be read whole.
+        """
+        where = self.directory / str(step) / ARRAYS
+        try:
+            buffer = np.fromfile(where, dtype=np.uint8)
+        except OSError as error:
+            raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
+        if buffer.size != meta["bytes"]:
+            raise DamagedCheckpointError(f"{where} changed while it was read: the step is damaged")
+        stored: Mapping[str, Any] = meta["arrays"]
+        flat: dict[str, Any] = {}
+        for path, target in _wanted(template, with_optimizer).items():
+            entry = stored[path]
+            shape = tuple(entry["shape"])
+            sharding = getattr(target, "sharding", None)
+            if sharding is None:
+                flat[path] = np.array(_part(buffer, entry, [[0, size] for size in shape]))
+                continue
+            indices = sharding.addressable_devices_indices_map(shape)
+            arrays = [jax.device_put(_part(buffer, entry, _index(at, shape)), device) for device, at in indices.items()]
+            flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        return tree_paths.unflatten(flat)
+
+
+def _part(buffer: np.ndarray, entry: Mapping[str, Any], index: Index) -> np.ndarray:
+    """The values at `index` of an array stored in `buffer` (a view), from a stored part that contains it."""
+    dtype = jnp.dtype(entry["dtype"])
+    outer = next(part for part in entry["parts"] if _contains(part["index"], index))  # covers() checked
+    shape = [stop - start for start, stop in outer["index"]]
+    begin = outer["offset"]
+    data = buffer[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+    return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]
+
+
+def _wanted(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
+    flat = tree_paths.flatten(dict(template))
+    return {path: leaf for path, leaf in flat.items() if with_optimizer or not path.startswith("state/")}
+
+
+def _needed(target: Any) -> list[Index]:
+    """The parts of an array that this process's devices hold under the template's sharding (all: no sharding)."""
+    shape = tuple(target.shape)
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return [[[0, size] for size in shape]]
+    return [_index(where, shape) for where in sharding.addressable_devices_indices_map(shape).values()]

@@ -1,0 +1,134 @@
+"""Which tier a restart restores from: the newest local step that every process holds, or the persistent tier.
+
+`CheckpointFileReader([local_dir, persistent_dir])` asks `agreed_local_step`
+first. Each process lists its own local steps (`flaxstate.checkpoint.local`)
+that are whole and fit the template on its devices; one small collective
+gathers them, and the newest step that every process holds, of one run, is
+taken when it is newer than the persistent tier's newest. Otherwise the
+persistent tier restores, and the primary process says why in one line:
+a process with no local steps (a replaced host), another process count or
+mesh, a damaged local step, or a persistent step as new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from flaxstate import collectives
+from flaxstate.checkpoint import damage
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.local import LocalStore, process_directory
+
+logger = logging.getLogger("flaxstate")
+
+CANDIDATES = 8
+"""How many of its newest local steps each process offers (a run keeps a few)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalStep:
+    """A local step that every process holds whole: this process's store, the step, and its meta."""
+
+    store: LocalStore
+    step: int
+    meta: dict[str, Any]
+
+
+def _offer(
+    store: LocalStore, template: Mapping[str, Any] | None, with_optimizer: bool, step: int | None
+) -> tuple[dict[int, dict[str, Any]], str | None]:
+    """This process's steps that can restore into `template`, newest first, and why the newest it has cannot."""
+    held: dict[int, dict[str, Any]] = {}
+    steps = [s for s in reversed(store.steps()) if step is None or s == step]
+    if not steps:
+        return held, "it holds no local step (a new or replaced host?)" if step is None else f"no local step {step}"
+    if template is None:
+        return held, "the read has no template to place the arrays on"
+    note = None
+    for candidate in steps:
+        try:
+            meta = store.read_meta(candidate)
+        except CheckpointError as error:  # damage, or a newer flaxstate's format
+            summary = damage.summary(error)
+            where = store.directory / str(candidate)
+            logger.warning("the local checkpoint %s cannot be restored (%s).", where, summary)
+            note = note or f"step {candidate}: {summary}"
+            continue
+        why = store.covers(meta, template, with_optimizer)
+        if why is not None:
+            note = note or f"step {candidate}: {why}"
+            continue
+        held[candidate] = meta
+        if len(held) == CANDIDATES:
+            break
+    return held, note
+
+
+def agreed_local_step(
+    local_dir: Path,
+    template: Mapping[str, Any] | None,
+    with_optimizer: bool,
+    persistent_newest: int | None,
+    step: int | None = None,
+) -> tuple[LocalStep | None, str, bool]:
+    """The newest local step whole on every process, when newer than the persistent tier's (a collective).
+
+    Args:
+        local_dir: the local tier's directory (each process reads its own part).
+        template: the state dict to restore into (its shardings), or `None`.
+        with_optimizer: whether the optimizer's arrays are restored.
+        persistent_newest: this process's view of the persistent tier's newest step.
+        step: only this step (a reader made with `step=`).
+
+    Returns:
+        the step to restore (`None`: the persistent tier), one line that says
+        which and why, and whether a local step newer than the persistent
+        tier's is passed over (worth a warning: progress is lost).
+    """
+    store = LocalStore(process_directory(local_dir), read_only=True)
+    held, note = _offer(store, template, with_optimizer, step)
+    newest_here = store.steps()[-1] if store.steps() else None
+    offers = collectives.allgather_json(
+        {
+            "held": [[s, meta.get("run_id")] for s, meta in held.items()],
+            "note": note,
+            "persistent": persistent_newest,
+            "newest": newest_here,
+        }
+    )
+    persistent = max((offer["persistent"] for offer in offers if offer["persistent"] is not None), default=None)
+    newer = [offer["newest"] for offer in offers if offer["newest"] is not None]
+    passed_over = bool(newer) and (persistent is None or max(newer) > persistent)
+    common = set.intersection(*({tuple(pair) for pair in offer["held"]} for offer in offers))
+    if not common:
+        notes = "; ".join(f"process {i}: {offer['note']}" for i, offer in enumerate(offers) if offer["note"])
+        held_steps = "; ".join(
+            f"process {i} holds {sorted(s for s, _ in offer['held'])}"
+            for i, offer in enumerate(offers)
+            if offer["held"]
+        )
+        return None, f"no local step is whole on every process ({notes or held_steps})", passed_over
+    newest, _ = max(common)
+    if persistent is not None and newest <= persistent:
+        return None, f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}", False
+    return LocalStep(store, newest, held[newest]), f"step {newest} is whole in every process's local tier", False
+
+
+def all_read(error: BaseException | None) -> str | None:
+    """Whether every process read its local step (a collective): `None` if so, else which could not and why."""
+    summary = None if error is None else damage.summary(error)
+    notes = collectives.allgather_json(summary)
+    failed = [f"process {i}: {note}" for i, note in enumerate(notes) if note is not None]
+    return "; ".join(failed) if failed else None
+
+
+def say(line: str, *args: Any, warn: bool = False) -> None:
+    """Logs a line about the tiers once (on the primary process)."""
+    if jax.process_index() == 0:
+        (logger.warning if warn else logger.info)(line, *args)

@@ -1,0 +1,155 @@
+"""Two tiers: a local tier per process, a persistent one shared, and restarts after kill -9.
+
+Two gloo processes, each with its own local directory, one shared persistent
+directory: the local tier saves every record (10 steps, the newest 3 kept), the persistent one
+at step 40 only. Both processes are killed with SIGKILL after step 70's
+record; every restart below starts from a copy of what they left.
+"""
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flaxstate_testing import processes
+
+from flaxstate import goodput
+from flaxstate.checkpoint.ledger import read_events
+
+CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
+PERSISTENT_STEP = 40
+
+
+def run(directory: Path, n_processes: int, expect_success: bool = True, **extra) -> tuple[dict, list[str]]:
+    config = {
+        **CONFIG,
+        "output_dir": str(directory / "persistent"),
+        "local_dirs": [str(directory / f"local-{i}") for i in range(n_processes)],
+        "out": str(directory / "final.npz"),
+        "save_steps": [PERSISTENT_STEP],
+        **extra,
+    }
+    port = processes.free_port()
+    workers = [processes.start("resume.py", config, i, n_processes, port) for i in range(n_processes)]
+    outputs = processes.wait_all(workers, timeout=240, expect_success=expect_success)
+    final = dict(np.load(directory / "final.npz")) if expect_success else {}
+    return final, outputs
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict:
+    """A straight run's final state, and the directories that two processes killed after step 70 left."""
+    root = tmp_path_factory.mktemp("tiers")
+    straight, _ = run(root / "straight", 2)
+    directory = root / "killed"
+    config = {
+        **CONFIG,
+        "output_dir": str(directory / "persistent"),
+        "local_dirs": [str(directory / f"local-{i}") for i in range(2)],
+        "out": str(directory / "final.npz"),
+        "save_steps": [PERSISTENT_STEP],
+    }
+    port = processes.free_port()
+    workers = [processes.Watched(processes.start("resume.py", config, i, 2, port)) for i in range(2)]
+    try:
+        for worker in workers:
+            worker.wait_for("record 70", timeout=240)
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+            worker.finish(timeout=30)
+    persistent = sorted(int(p.name) for p in (directory / "persistent").iterdir() if p.name.isdigit())
+    assert persistent == [PERSISTENT_STEP], persistent
+    return {"straight": straight, "directory": directory}
+
+
+def restart_copy(killed: dict, tmp_path: Path) -> Path:
+    directory = tmp_path / "restart"
+    shutil.copytree(killed["directory"], directory)
+    return directory
+
+
+def local_steps(directory: Path, process: int) -> list[int]:
+    part = directory / f"local-{process}" / f"process-{process}"
+    return sorted(int(p.name) for p in part.iterdir() if p.name.isdigit())
+
+
+def assert_same(final: dict, expected: dict) -> None:
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(final[key], value, err_msg=key)
+
+
+def restored_local_step(output: str) -> int:
+    found = re.search(r"restored step (\d+) from the local tier", output)
+    assert found, output[-3000:]
+    return int(found.group(1))
+
+
+def test_both_processes_killed_resume_from_the_local_tier_bit_for_bit(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    common = sorted(set(local_steps(directory, 0)) & set(local_steps(directory, 1)))
+    assert common and common[-1] >= 60, common  # newer than the persistent step
+    final, outputs = run(directory, 2)
+    assert all(restored_local_step(output) == common[-1] for output in outputs[:1]), outputs[0][-3000:]
+    assert all(f"start {common[-1]}" in output for output in outputs), outputs
+    assert_same(final, killed["straight"])
+    # The persistent writer's goodput ledger counts lost progress against the local step restored.
+    first, second = goodput.report(read_events(directory / "persistent" / "goodput.jsonl"))["sessions"]
+    assert second["restored_step"] == common[-1]
+    assert first["lost_steps"] == first["last_step"] - common[-1] < first["last_step"] - PERSISTENT_STEP
+
+
+def test_a_replaced_host_falls_back_to_the_persistent_tier_and_says_so(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    newer = [step for step in local_steps(directory, 0) if step > PERSISTENT_STEP]
+    shutil.rmtree(directory / "local-1")
+    final, outputs = run(directory, 2)
+    assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
+    assert "process 1: it holds no local step" in outputs[0], outputs[0][-3000:]
+    assert all(f"start {PERSISTENT_STEP}" in output for output in outputs), outputs
+    assert_same(final, killed["straight"])
+    # Process 0's newer local steps of this run were set aside (kept), not refused.
+    part = directory / "local-0" / "process-0"
+    assert {f"{step}.superseded" for step in newer} <= {p.name for p in part.iterdir()}, list(part.iterdir())
+    assert "set aside" in outputs[0]
+
+
+def test_a_restart_on_one_process_restores_the_persistent_tier(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    final, outputs = run(directory, 1)
+    assert f"start {PERSISTENT_STEP}" in outputs[0], outputs[0][-3000:]
+    assert "restoring from the persistent tier" in outputs[0]
+    assert "saved by process 0 of 2, this is process 0 of 1" in outputs[0], outputs[0][-3000:]
+    assert "set aside" in outputs[0]  # process 0's local steps of 2 processes, newer than step 40
+    # One process reduces in another order: 60 steps of momentum drift apart by about 1e-3.
+    for key, value in killed["straight"].items():
+        np.testing.assert_allclose(final[key], value, rtol=1e-2, atol=1e-2, err_msg=key)
+
+
+def test_a_damaged_local_save_falls_back_to_the_newest_step_whole_on_both(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    common = sorted(set(local_steps(directory, 0)) & set(local_steps(directory, 1)))
+    assert len(common) >= 2, common  # the local writer keeps 3: a save of step 70 may not have finished
+    arrays = directory / "local-1" / "process-1" / str(common[-1]) / "arrays.bin"
+    with open(arrays, "r+b") as file:
+        file.truncate(arrays.stat().st_size // 2)
+    final, outputs = run(directory, 2)
+    assert restored_local_step(outputs[0]) == common[-2]
+    assert "arrays.bin holds" in outputs[1] and "damaged" in outputs[1], outputs[1][-3000:]
+    assert all(f"start {common[-2]}" in output for output in outputs), outputs
+    assert_same(final, killed["straight"])
+    # The damaged step was set aside on process 1 when its writer claimed the directory.
+    assert (directory / "local-1" / "process-1" / f"{common[-1]}.damaged").is_dir()
+
+
+def test_the_local_tier_of_another_run_is_refused(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    shutil.rmtree(directory / "persistent")
+    before = [local_steps(directory, i) for i in range(2)]
+    _, outputs = run(directory, 2, expect_success=False, resume=False)
+    for output in outputs:
+        assert "holds checkpoints of another run" in output, output[-3000:]
+        assert "done" not in output
+    assert [local_steps(directory, i) for i in range(2)] == before
