@@ -285,7 +285,7 @@ class LocalStore(saving.SaveSlot):
             DamagedCheckpointError: the file cannot be read whole.
         """
         where = self.directory / str(step) / ARRAYS
-        try:
+        try:  # read, not mapped: JAX's CPU client would alias a mapping's read-only pages, which a step donates
             buffer = np.fromfile(where, dtype=np.uint8)
         except OSError as error:
             raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
@@ -301,7 +301,12 @@ class LocalStore(saving.SaveSlot):
                 flat[path] = np.array(_part(buffer, entry, [[0, size] for size in shape]))
                 continue
             indices = sharding.addressable_devices_indices_map(shape)
-            arrays = [jax.device_put(_part(buffer, entry, _index(at, shape)), device) for device, at in indices.items()]
+            arrays = [
+                jax.device_put(
+                    _part(buffer, entry, _index(at, shape)), device, may_alias=False
+                )  # never the file's pages
+                for device, at in indices.items()
+            ]
             flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         return tree_paths.unflatten(flat)
 
