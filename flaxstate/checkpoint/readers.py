@@ -196,7 +196,8 @@ class CheckpointFileReader:
             if error is not None and not damage.is_damage(error):
                 raise error
             why, passed_over = f"the local step {chosen.step} could not be read ({failed})", True
-        tiers.say("restoring from the persistent tier %s: %s.", persistent, why, warn=passed_over)
+        if newest is not None or passed_over:  # else both tiers are empty: a fresh start, nothing to say
+            tiers.say("restoring from the persistent tier %s: %s.", persistent, why, warn=passed_over)
         return None
 
     def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:

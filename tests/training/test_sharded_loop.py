@@ -71,6 +71,7 @@ def runs(tmp_path_factory):
     """One device to N (then on to N + 2); then over 2 processes: FSDP and tensor-parallel to N, each
     resumed (from the one-device and the tensor-parallel checkpoints) as FSDP to N + 2; FSDP straight to LONG."""
     root = tmp_path_factory.mktemp("sharded")
+    tiers, tiers_local = root / "tiers", root / "tiers-local"
     train_on_one_device(root / "one", N)
     shutil.copytree(root / "one", root / "one-on")
     train_on_one_device(root / "one-on", N + 2)
@@ -89,9 +90,22 @@ def runs(tmp_path_factory):
         {"mesh": FSDP, "dir": str(root / "tensor-to-fsdp"), "steps": N + 2, "copy_from": str(root / "tensor")},
         {"mesh": FSDP, "dir": str(root / "fsdp-long"), "steps": LONG},
         {"mesh": FSDP, "dir": str(root / "fsdp-ema"), "steps": N, "ema_decay": EMA_DECAY},
+        # Two tiers: the persistent one saves step 2 only, the local one every record (steps 2 and 4);
+        # tensor-parallel restarts from a copy, then FSDP restarts from the original.
+        {"mesh": FSDP, "dir": str(tiers), "local": str(tiers_local), "steps": N - 2, "persistent_steps": [2]},
+        {
+            "mesh": TENSOR,
+            "dir": str(root / "tiers-tensor"),
+            "local": str(root / "tiers-tensor-local"),
+            "copy_from": str(tiers),
+            "copy_local_from": str(tiers_local),
+            "steps": N,
+        },
+        {"mesh": FSDP, "dir": str(tiers), "local": str(tiers_local), "steps": N},
     ]
     output = processes.run("sharded.py", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
-    return root, results(output)[:5]  # the EMA's phase is compared through its checkpoints
+    (root / "output.txt").write_text(output)
+    return root, results(output)[:5]  # the EMA's and the tiers' phases are compared through their checkpoints
 
 
 def test_fsdp_and_tensor_parallel_end_equal_to_one_device(runs):
@@ -176,6 +190,25 @@ def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straigh
     resumed = dict(stalled, stall_at=None)
     processes.run("sharded.py", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
     assert_bit_equal_checkpoints(directory, root / "fsdp", N)
+
+
+def test_an_fsdp_run_restarts_from_its_local_tier_bit_for_bit_and_another_mesh_from_the_persistent_one(runs):
+    root, _ = runs
+    output = (root / "output.txt").read_text()
+    # Each process saved only its own half of the sharded arrays.
+    for process in range(2):
+        meta = json.loads((root / "tiers-local" / f"process-{process}" / "4" / "meta.json").read_text())
+        assert meta["process_index"] == process and meta["processes"] == 2
+        parts = meta["arrays"]["target/Embed_0/embedding"]["parts"]
+        assert len(parts) == 1 and parts[0]["index"] != [
+            [0, size] for size in meta["arrays"]["target/Embed_0/embedding"]["shape"]
+        ]
+    # Tensor-parallel: the local parts are not the ones its devices need, so step 2 of the persistent tier.
+    assert re.search(r"restoring from the persistent tier .*tiers-tensor: .*another mesh", output), output[-4000:]
+    assert_close(params(root / "tiers-tensor"), params(root / "fsdp"))
+    # FSDP again: step 4 from the local tier, then on to N, bit for bit as the straight FSDP run.
+    assert re.search(r"restored step 4 from the local tier .*tiers-local", output), output[-4000:]
+    assert_bit_equal_checkpoints(root / "tiers", root / "fsdp", N)
 
 
 def inference_template():

@@ -3,7 +3,9 @@
 Each phase (`config["phases"]`) is one run: `mesh` ('data=1,fsdp=2,model=1'),
 `dir` (resumed from when it holds checkpoints), `steps`; with `copy_from`,
 process 0 first copies that directory to `dir`. With `stall_at`, the data
-sleeps before that batch (so that a kill lands mid-run); with `data_sleep`,
+sleeps before that batch (so that a kill lands mid-run); with `local`, a local tier
+there too (`copy_local_from` is copied with `copy_from`), and with
+`persistent_steps` the persistent writer saves only those steps; with `data_sleep`,
 before every batch (so that a SIGTERM lands in training); with `inference`, the
 last checkpoint is restored into a sharded `InferenceState` too; with
 `evaluate`, the final record is evaluated by a sharded `EvalLoop` on that many
@@ -16,7 +18,9 @@ whether the parameters it saw inside its compiled step were sharded.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 import time
 
 from flaxstate_testing.workers.common import setup
@@ -33,6 +37,10 @@ import flaxstate as fs  # noqa: E402
 from flaxstate import tree_paths  # noqa: E402
 from flaxstate_testing.lm import lm, train_loop  # noqa: E402
 
+shown = logging.getLogger("flaxstate")  # its info lines too: which tier restored
+shown.setLevel(logging.INFO)
+shown.addHandler(logging.StreamHandler(sys.stdout))
+shown.propagate = False
 model_config = lm.Config(**config["model"])
 model = lm.Transformer(model_config)
 tokens = lm.text()
@@ -73,14 +81,17 @@ def batches(mesh, stall_at: int | None, data_sleep: float) -> grain.IterDataset:
 
 
 def run(phase: dict) -> dict:
+    local_dir = phase.get("local")
     if phase.get("copy_from"):
         if jax.process_index() == 0:
             shutil.copytree(phase["copy_from"], phase["dir"])
+            if local_dir is not None:
+                shutil.copytree(phase["copy_local_from"], local_dir)
         multihost_utils.sync_global_devices("copied")
     mesh = lm.make_mesh(phase["mesh"])
     loop = train_loop(
         model_config,
-        init=fs.CheckpointFileReader(phase["dir"], target=model.init),
+        init=fs.CheckpointFileReader([local_dir, phase["dir"]] if local_dir else phase["dir"], target=model.init),
         batches=batches(mesh, phase.get("stall_at"), phase.get("data_sleep", 0.0)),
         mesh=mesh,
         n_steps=phase["steps"],
@@ -88,12 +99,18 @@ def run(phase: dict) -> dict:
         ema_decay=phase.get("ema_decay"),
     )
     writer = fs.CheckpointFileWriter(phase["dir"], keep=10)
-    process = redex.combinator.serial(writer)
+    local = fs.CheckpointFileWriter(local_dir, keep=3, per_process=True) if local_dir else (lambda record: record)
+    saves = phase.get("persistent_steps")  # the persistent tier saves only these (not the final record either)
+    process = redex.combinator.serial(
+        local, lambda record: writer(record) if saves is None or record.step in saves else record
+    )
     record = None
     for record in loop:
         process(record)
         print("record", record.step, "preempted" if record.preempted else "", flush=True)
     writer.close()
+    if local_dir:
+        local.close()
     result = {"step": loop.step, **layout_report(record.state)}
     if phase.get("inference"):
         abstract = jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), *record_inputs())))
