@@ -7,8 +7,9 @@
 - `arrays.bin`: the bytes of every array part this process holds, each at
   an offset aligned to 64 bytes (a replicated array once a host);
 - `meta.json`: the record's meta as the persistent tier stores it (run id,
-  step, key, data position, metrics), the process index and count it was
-  saved under, and each array's global shape, dtype and parts (the index of
+  step, key, data position, metrics, the run's environment with its mesh),
+  the process index and count and the ids of the devices it was saved
+  under, and each array's global shape, dtype and parts (the index of
   each part in the global array, and its offset in `arrays.bin`).
 
 A save is written into `<step>.partial-<pid>`, fsync'd, then renamed to
@@ -147,6 +148,7 @@ class LocalStore(saving.SaveSlot):
             "time": time.time(),
             "process_index": jax.process_index(),
             "processes": jax.process_count(),
+            "devices": [device.id for device in jax.local_devices()],
         }
         self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header))
 
