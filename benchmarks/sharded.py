@@ -125,7 +125,7 @@ def main() -> None:
     mesh = lm.make_mesh(args.mesh)
     model = lm.Transformer(config)
     dataset = lm.batches(lm.text(), config)
-    batches = [dataset[index] for index in range(args.steps * 2)]
+    batches = [dataset.batch(index) for index in range(args.steps * 2)]
 
     loop = fs.TrainLoop(
         init=model.init,

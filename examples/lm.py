@@ -34,7 +34,6 @@ import os
 from collections.abc import Sequence
 
 import flax.linen as nn
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,23 +181,22 @@ def split(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:cut], tokens[cut:]
 
 
-def batches(tokens: np.ndarray, config: Config, part: tuple[int, int] = (0, 1)) -> grain.MapDataset:
-    """Batches of (inputs, next bytes), forever: batch i is a pure function of i (grain restores it exactly).
+def windows(tokens: np.ndarray, config: Config) -> tuple[np.ndarray, np.ndarray]:
+    """Every window of `seq_len + 1` bytes as (inputs, next bytes): two views of the tokens, nothing copied."""
+    rows = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int32), config.seq_len + 1)
+    return rows[:, :-1], rows[:, 1:]
 
-    Batch i is `batch_size` windows at random offsets drawn from `[seed, i]`;
-    this process takes part `index` of `count` equal, contiguous parts of it
-    (`BatchLayout.process_part`), so the processes together feed the global batch.
+
+def batches(tokens: np.ndarray, config: Config, mesh: Mesh | None = None) -> fs.GlobalBatches:
+    """Batches of (inputs, next bytes): every window once an epoch, in a new seeded order each epoch.
+
+    Global batch s is the same windows on any number of processes; with the
+    loop's `mesh`, each process reads only the part of it that its devices
+    hold (FSDP: half each over 2 processes; tensor-parallel: all), and a
+    resume starts at its step without reading the batches before it.
     """
-    index, count = part
-    per_process = config.batch_size // count
-    window = np.arange(config.seq_len + 1)
-
-    def gather(step: int, _: int) -> tuple[np.ndarray, np.ndarray]:
-        starts = np.random.default_rng([config.seed, step]).integers(0, len(tokens) - len(window), config.batch_size)
-        rows = tokens[starts[index * per_process : (index + 1) * per_process, None] + window].astype(np.int32)
-        return rows[:, :-1], rows[:, 1:]
-
-    return grain.MapDataset.range(1 << 40).map_with_index(gather)
+    rules = RULES if mesh is not None else None
+    return fs.global_batches(windows(tokens, config), config.batch_size, seed=config.seed, mesh=mesh, axis_rules=rules)
 
 
 def make_mesh(spec: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -232,17 +230,16 @@ def join_processes(config: Config) -> None:
 def main(config: Config) -> None:
     join_processes(config)
     mesh = make_mesh(config.mesh)
-    part = fs.BatchLayout.create(mesh, RULES).process_part()
     model = Transformer(config)
     train_tokens, held_out = split(text())
-    held_out_batches = batches(held_out, config, part)
+    held_out_batches = batches(held_out, config, mesh)
     loop = fs.TrainLoop(
         init=fs.CheckpointFileReader(config.output_dir, target=model.init),  # resume, or init fresh
         task=fs.TrainTask(
             apply=model.apply,
             optimizer=optimizer(config),
             loss=loss,
-            data=batches(train_tokens, config, part).to_iter_dataset(grain.ReadOptions(num_threads=0)),
+            data=batches(train_tokens, config, mesh),
         ),
         rng=jax.random.key(config.seed),
         n_steps=config.steps,
@@ -255,7 +252,7 @@ def main(config: Config) -> None:
         fs.EvalTask(
             apply=model.apply,
             metrics={"loss": loss},
-            data=[held_out_batches[i] for i in range(config.eval_batches)],  # the same batches every time
+            data=[held_out_batches.batch(i) for i in range(config.eval_batches)],  # the same batches every time
         ),
         rng=jax.random.key(config.seed),
         n_steps=config.eval_batches,

@@ -109,7 +109,7 @@ def test_a_sharded_eval_loop_on_one_device_evaluates_as_the_data_parallel_one():
     record = trained.next_checkpoint()
     model = lm.Transformer(SMALL)
     dataset = lm.batches(lm.text(), SMALL)
-    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(3)])
+    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset.batch(i) for i in range(3)])
     sharded = fs.EvalLoop(task, jax.random.key(1), n_steps=3, mesh=one_device_mesh(), axis_rules=lm.RULES)
     data_parallel = fs.EvalLoop(task, jax.random.key(1), n_steps=3)
     newest = [evaluate(record).metrics["eval"]["loss"] for evaluate in (sharded, data_parallel)]  # the loop's arrays

@@ -59,14 +59,19 @@ def test_a_mesh_that_does_not_fit_the_devices_is_refused(tmp_path):
     assert "--mesh data=1,fsdp=2 has 2 devices; this run has 1." in result.stderr
 
 
-def test_the_text_ships_with_python_and_batches_split_across_processes():
+def test_the_text_ships_with_python_and_global_batches_of_its_windows_split_across_processes():
     tokens = lm.text()
     assert tokens.dtype == np.uint8 and len(tokens) > 100_000
     config = lm.Config(batch_size=4, seq_len=8)
-    whole = lm.batches(tokens, config)[3]
-    halves = [lm.batches(tokens, config, (index, 2))[3] for index in range(2)]
-    np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), whole[0])
+    batches = lm.batches(tokens, config)
+    whole = batches.batch(3)
+    assert whole[0].shape == whole[1].shape == (4, 8) and whole[0].dtype == np.int32
     np.testing.assert_array_equal(whole[0][:, 1:], whole[1][:, :-1])  # targets: the next bytes
+    starts = batches.indices(3)  # each row is the window of seq_len + 1 bytes at its index
+    np.testing.assert_array_equal(whole[0], tokens[starts[:, None] + np.arange(8)])
+    # Two processes read one half each of the same global batch.
+    halves = [batches.indices(3, (index, 2)) for index in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), starts)
     train, held_out = lm.split(tokens)
     np.testing.assert_array_equal(np.concatenate([train, held_out]), tokens)  # the held-out end is never trained on
     assert 0.04 < len(held_out) / len(tokens) < 0.06

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import grain
 import jax
 
 import flaxstate as fs
@@ -13,9 +12,9 @@ from flaxstate_testing import examples
 lm = examples.load("lm")
 
 
-def data(config: Any, part: tuple[int, int] = (0, 1)) -> grain.IterDataset:
-    """The example's batches (this process's `part` of each), read in the loop's thread."""
-    return lm.batches(lm.text(), config, part).to_iter_dataset(grain.ReadOptions(num_threads=0))
+def data(config: Any, mesh: Any = None) -> fs.GlobalBatches:
+    """The example's batches (with the loop's `mesh`, this process's part of each)."""
+    return lm.batches(lm.text(), config, mesh)
 
 
 def train_loop(

@@ -54,11 +54,22 @@ def params(directory, step=None):
     return checkpoint.step, tree_paths.flatten(checkpoint.state["target"])
 
 
+ATOL = 1e-5
+"""The absolute tolerance between layouts (`assert_close` says why)."""
+
+
 def assert_close(a, b, rtol=1e-5):
+    """Equal up to the order of reductions: 1e-5 relative, or 1e-5 absolute.
+
+    AdamW divides each gradient by its own running scale, so an element whose gradient is near zero moves by up
+    to a learning rate (3e-3) a step whatever its gradient's low bits: reduction order shows there as an absolute
+    difference, not a relative one (seen: up to 3.3e-6 after 6 steps, on the 32 weights of one hidden unit).
+    Training on other batches moves every element by about the learning rate, 300 times the tolerance.
+    """
     assert a[0] == b[0]
     assert a[1].keys() == b[1].keys()
     for path in a[1]:
-        np.testing.assert_allclose(a[1][path], b[1][path], rtol=rtol, atol=1e-7, err_msg=path)
+        np.testing.assert_allclose(a[1][path], b[1][path], rtol=rtol, atol=ATOL, err_msg=path)
 
 
 def results(output):
@@ -160,7 +171,7 @@ def test_a_sharded_eval_loop_keeps_the_parameters_sharded_and_evaluates_as_one_d
     model = lm.Transformer(config)
     state = fs.CheckpointFileReader(root / "one").restore(inference_template())
     dataset = lm.batches(lm.text(), config)
-    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(2)])
+    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[dataset.batch(i) for i in range(2)])
     record = fs.Checkpoint(state=state, grads=None, loss=0.0, n_completed_steps=N, elapsed_time=0.0, step=N)
     one = fs.EvalLoop(task, jax.random.key(1), n_steps=2)(record).metrics["eval"]["loss"]
     # FSDP evaluates the record's device copy, tensor-parallel its host copy; neither gathers the embedding.
@@ -265,7 +276,7 @@ def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):
     )
     raw = fs.CheckpointFileReader(root / "one-ema").restore(template)
     for path, leaf in tree_paths.flatten(one.params).items():
-        np.testing.assert_allclose(tree_paths.flatten(sharded.params)[path], leaf, rtol=1e-5, atol=1e-7, err_msg=path)
+        np.testing.assert_allclose(tree_paths.flatten(sharded.params)[path], leaf, rtol=1e-5, atol=ATOL, err_msg=path)
     assert any(
         not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(raw.params), strict=True)
     )  # the EMA, not the parameters

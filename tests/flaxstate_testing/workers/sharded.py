@@ -27,7 +27,6 @@ from flaxstate_testing.workers.common import setup
 
 config = setup()
 
-import grain  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import redex  # noqa: E402
@@ -63,21 +62,29 @@ def layout_report(state) -> dict:
     }
 
 
-def batches(mesh, stall_at: int | None, data_sleep: float) -> grain.IterDataset:
-    """This process's part of the example's batches, each `data_sleep` seconds late; with `stall_at`, that batch
-    comes after a long sleep."""
-    dataset = lm.batches(tokens, model_config, fs.BatchLayout.create(mesh, lm.RULES).process_part())
-    if stall_at is not None or data_sleep:
+class Late:
+    """The example's global batches (this process's part of each), each `data_sleep` seconds late; the batch of
+    step `stall_at` after a long sleep. It keeps `iter_from`: a resume still starts at its global step."""
 
-        def stall(index: int, batch):
-            if index == stall_at:
+    def __init__(self, batches: fs.GlobalBatches, stall_at: int | None, data_sleep: float) -> None:
+        self.batches, self.stall_at, self.data_sleep = batches, stall_at, data_sleep
+
+    def iter_from(self, step: int):
+        for index, batch in enumerate(self.batches.iter_from(step), start=step):
+            if index == self.stall_at:
                 print("stalled", flush=True)
                 time.sleep(120)
-            time.sleep(data_sleep)
-            return batch
+            time.sleep(self.data_sleep)
+            yield batch
 
-        dataset = dataset.map_with_index(stall)
-    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0))
+    def __iter__(self):
+        return self.iter_from(0)
+
+
+def batches(mesh, stall_at: int | None, data_sleep: float) -> fs.GlobalBatches | Late:
+    """This process's part of the example's batches, late or stalled as the phase asks."""
+    dataset = lm.batches(tokens, model_config, mesh)
+    return Late(dataset, stall_at, data_sleep) if stall_at is not None or data_sleep else dataset
 
 
 def run(phase: dict) -> dict:
@@ -136,8 +143,7 @@ def run(phase: dict) -> dict:
 
 def evaluate(record: fs.Checkpoint, mesh, n_batches: int) -> dict:
     """The record's loss on the first batches (this process's part of each), evaluated sharded over the mesh."""
-    part = fs.BatchLayout.create(mesh, lm.RULES).process_part()
-    dataset = lm.batches(tokens, model_config, part)
+    dataset = lm.batches(tokens, model_config, mesh)
     inside = []
 
     def apply(variables, *inputs):
@@ -145,7 +151,7 @@ def evaluate(record: fs.Checkpoint, mesh, n_batches: int) -> dict:
         jax.debug.inspect_array_sharding(embedding, callback=lambda s: inside.append(s.is_fully_replicated))
         return model.apply(variables, *inputs)
 
-    task = fs.EvalTask(apply=apply, metrics={"loss": lm.loss}, data=[dataset[i] for i in range(n_batches)])
+    task = fs.EvalTask(apply=apply, metrics={"loss": lm.loss}, data=[dataset.batch(i) for i in range(n_batches)])
     evaluated = fs.EvalLoop(task, jax.random.key(1), n_steps=n_batches, mesh=mesh, axis_rules=lm.RULES)(record)
     return {"metrics": evaluated.metrics["eval"], "replicated_inside": inside}
 
