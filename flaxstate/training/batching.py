@@ -65,6 +65,13 @@ def normalize(batch: Any, task_name: str) -> Batch:
     )
 
 
+def global_spec(batch: Batch, batch_size: int) -> Any:
+    """The abstract global batch of `batch_size` examples shaped as `batch` (a process's part), for XLA's FLOPs."""
+    return jax.tree.map(
+        lambda array: jax.ShapeDtypeStruct((batch_size, *np.shape(array)[1:]), np.asarray(array).dtype), batch
+    )
+
+
 def check_divisible(
     batch: Batch, n_devices: int, task_name: str, n_microbatches: int = 1, devices: str = "local devices"
 ) -> None:

@@ -12,7 +12,6 @@ made, and through one end of the run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -24,15 +23,16 @@ from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
 from flaxstate import background
-from flaxstate.records import Checkpoint, Session
+from flaxstate.records import Checkpoint
 from flaxstate.sharding import AxisRules
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, copies, multihost, placement, startup, throughput
+from flaxstate.training import batching, copies, placement, recording, startup, throughput
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.options import Schedule, check_peak_flops, check_record_memory
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
+from flaxstate.training.recording import Recorder
 from flaxstate.training.segment import SegmentRunner, Trained
 from flaxstate.training.startup import CheckpointSource
 from flaxstate.training.step import make_train_step
@@ -40,14 +40,6 @@ from flaxstate.training.task import TrainTask
 from flaxstate.training.watchdog import HangTimeout, Watchdog, check_timeout
 
 __all__ = ["CheckpointSource", "TrainLoop"]
-
-
-def _scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
-    """A record's `train/loss_scale` and `train/skipped_steps` (with loss scaling), from its host copy."""
-    if state.loss_scale is None:
-        return {}
-    scale, n_skipped = jax.device_get((state.loss_scale.dynamic.scale, state.loss_scale.n_skipped))
-    return {"train": {"loss_scale": float(scale), "skipped_steps": int(n_skipped)}}
 
 
 class TrainLoop:
@@ -200,13 +192,7 @@ class TrainLoop:
         first_batch = batching.normalize(self._data.peek(), "TrainTask")
         self._placement.check_batch(first_batch, "TrainTask", self._schedule.n_microbatches)
         self._batch_size = self._placement.global_batch_size(int(np.shape(first_batch[0][0])[0]))
-        global_batch = jax.tree.map(  # the one-step update's batch, for XLA's count of its FLOPs
-            lambda array: jax.ShapeDtypeStruct((self._batch_size, *np.shape(array)[1:]), np.asarray(array).dtype),
-            first_batch,
-        )
-        mesh_devices = list(self._placement.mesh.devices.flat)
-        peak = peak_flops_per_device or throughput.peak_flops_per_device(mesh_devices)
-        self._peak_flops = None if peak is None else peak * len(mesh_devices)
+        global_batch = batching.global_spec(first_batch, self._batch_size)  # the one-step update's
         if input_sample is None:
             inputs = first_batch[0]
         else:
@@ -219,21 +205,20 @@ class TrainLoop:
             )
         self._rng, self._run_id = begun.rng, begun.run_id
         self._restored_step = None if begun.restored is None else int(begun.restored.step)
-        started = startup.process_start_time()
-        self._session = Session(
-            started=started,
-            startup=max(time.time() - started, 0.0),
-            restore=begun.restore_seconds,
-            restored_step=self._restored_step,
-            n_processes=jax.process_count(),
-            n_devices=len(mesh_devices),
-            device_kind=mesh_devices[0].device_kind,
-            mesh=dict(self._placement.mesh.shape),
-        )
-        self._skipped_damaged = () if begun.restored is None else begun.restored.skipped_damaged
         shardings = self._placement.state_shardings(begun.state)
-        self._copy = copies.record_copier(self._placement.mesh, shardings, record_memory)
-        self._views = copies.DeviceViews()
+        self._recorder = Recorder(
+            copy=copies.record_copier(self._placement.mesh, shardings, record_memory),
+            views=copies.DeviceViews(),
+            data=self._data,
+            progress=self._progress,
+            session=recording.session(self._placement, begun.restore_seconds, self._restored_step),
+            rng=self._rng,
+            run_id=self._run_id,
+            batch_size=self._batch_size,
+            n_devices=self._placement.mesh.size,
+            peak_flops=throughput.peak_flops(peak_flops_per_device, list(self._placement.mesh.devices.flat)),
+            skipped_damaged=() if begun.restored is None else begun.restored.skipped_damaged,
+        )
         train_step = make_train_step(
             task.apply, task.loss, apply_names, mutable_collections, self._placement.across, n_microbatches
         )
@@ -245,7 +230,7 @@ class TrainLoop:
             self._data,
             self._signals,
             self._progress,
-            self._views,
+            self._recorder.views,
             self._schedule,
             begun.state,
             rng_data,
@@ -255,7 +240,6 @@ class TrainLoop:
         )
         self._made: Checkpoint | None = None
         """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
-        self._last_loss = float("nan")
         self._outside: float | None = None
         """Seconds between the previous record's return (or the start) and the next record's training."""
         self._returned_at = time.perf_counter()
@@ -294,7 +278,7 @@ class TrainLoop:
         By default read-only numpy arrays in host memory (see `record_memory`),
         valid for as long as they are held.
         """
-        return self._copy(self._runner.state, None)[0]
+        return self._recorder.copy(self._runner.state, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
@@ -375,50 +359,22 @@ class TrainLoop:
                 self._outside = time.perf_counter() - self._returned_at
             self._data.rewind()  # batches drawn by an interrupted call come again
             with self._signals.installed(interrupts=True), self._watchdog.watching():
-                self._made = self._make_record(self._runner.train(target, self.n_steps), self._outside)
+                self._made = self._record(self._runner.train(target, self.n_steps), self._outside)
             self._outside = None
         record, self._made = self._made, None
         self._returned_at = time.perf_counter()
         return record
 
-    def _make_record(self, trained: Trained, outside: float) -> Checkpoint:
-        self._last_loss = self._last_loss if trained.loss is None else trained.loss
+    def _record(self, trained: Trained, outside: float) -> Checkpoint:
         preempted = self._signals.take_preemption()
         self._watchdog.phase = "agreeing with the other processes on the record"
-        position = multihost.gather_position(self._data.position(), self._batch_size)
-        waits = trained.waits
-        process_waits, requested = multihost.gather_waits(
-            waits.data, waits.idle, trained.elapsed, self._signals.take_request()
-        )
-        current = self._runner.state
-        state, grads = self._copy(current, None if preempted else trained.grads)
-        self._views.publish(state, current)
-        record = Checkpoint(
-            state=state,
-            grads=grads,
-            loss=self._last_loss,
-            n_completed_steps=trained.n_steps,
-            elapsed_time=trained.elapsed,
-            step=self.step,
-            rng=self._rng,
-            data_position=position,
+        return self._recorder.make(
+            trained,
+            self._runner.state,
+            self.step,
             final=self.step >= self.n_steps,
-            run_id=self._run_id,
             preempted=preempted,
-            data_time=trained.waits.data,
-            idle_time=trained.waits.idle,
-            metrics=_scaling_metrics(state),
-            skipped_damaged=self._skipped_damaged,
+            requested=self._signals.take_request(),
             flops_per_step=self._runner.flops_per_step,
-            batch_size=self._batch_size,
-            n_devices=self._placement.mesh.size,
-            peak_flops=self._peak_flops,
-            compile_time=trained.compile,
-            outside_time=outside,
-            session=self._session,
-            requested=requested,
-            process_waits=process_waits,
-            device_state=functools.partial(self._views.lookup, state),
+            outside=outside,
         )
-        self._progress.record(record)
-        return record

@@ -37,6 +37,12 @@ DENSE_BF16_PEAKS: tuple[tuple[str, float], ...] = (
 """(a substring of `jax.Device.device_kind`, dense bfloat16 FLOP/s of one device), the first match wins."""
 
 
+def peak_flops(given_per_device: float | None, devices: Sequence[jax.Device]) -> float | None:
+    """All the devices' peak FLOP/s: `given_per_device` (checked by the loop's options) or the known peak."""
+    peak = given_per_device or peak_flops_per_device(devices)
+    return None if peak is None else peak * len(devices)
+
+
 def peak_flops_per_device(devices: Sequence[jax.Device]) -> float | None:
     """The devices' dense bfloat16 peak, one device's (`None`: unknown, or devices of different kinds)."""
     kinds = {device.device_kind for device in devices}

@@ -1,0 +1,139 @@
+"""A record from a segment's training: the state's copy, the data position, every process's waits, the run's facts.
+
+`TrainLoop` trains a segment with its `SegmentRunner`, then asks its
+`Recorder` for the `Checkpoint`: the copy of the state that the record holds
+(the loop's own is donated at the next dispatch), the data position and
+every process's waits gathered across processes (one collective each), and
+what every record of a run carries (its key, id, session, batch size,
+devices and peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from flaxstate.records import Checkpoint, Session
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import copies, multihost, startup
+from flaxstate.training.data import DataStream
+from flaxstate.training.placement import Placement
+from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.segment import Trained
+
+PyTree = Any
+
+
+def scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
+    """A record's `train/loss_scale` and `train/skipped_steps` (with loss scaling), from its host copy."""
+    if state.loss_scale is None:
+        return {}
+    scale, n_skipped = jax.device_get((state.loss_scale.dynamic.scale, state.loss_scale.n_skipped))
+    return {"train": {"loss_scale": float(scale), "skipped_steps": int(n_skipped)}}
+
+
+def session(placement: Placement, restore_seconds: float, restored_step: int | None) -> Session:
+    """This process's session: its start, startup and restore, and the devices it trains on."""
+    started = startup.process_start_time()
+    devices = list(placement.mesh.devices.flat)
+    return Session(
+        started=started,
+        startup=max(time.time() - started, 0.0),
+        restore=restore_seconds,
+        restored_step=restored_step,
+        n_processes=jax.process_count(),
+        n_devices=len(devices),
+        device_kind=devices[0].device_kind,
+        mesh=dict(placement.mesh.shape),
+    )
+
+
+@dataclasses.dataclass
+class Recorder:
+    """Makes a run's records (see the module's docstring).
+
+    Attributes:
+        copy: `(state, grads) -> (state, grads)` as a record holds them (`copies.record_copier`).
+        views: the loop's device state behind its newest record's copy.
+        data: the loop's data, for its position.
+        progress: the progress display, told of every record.
+        session: this process's session.
+        rng, run_id, batch_size, n_devices, peak_flops, skipped_damaged: what every record carries.
+    """
+
+    copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+    views: copies.DeviceViews
+    data: DataStream
+    progress: ProgressDisplay
+    session: Session
+    rng: jax.Array
+    run_id: str
+    batch_size: int
+    n_devices: int
+    peak_flops: float | None
+    skipped_damaged: tuple[str, ...]
+    last_loss: float = math.nan
+    """The newest loss trained: a record of a segment that trained no step carries it again."""
+
+    def make(
+        self,
+        trained: Trained,
+        state: FlaxOptimTrainState,
+        step: int,
+        final: bool,
+        preempted: bool,
+        requested: bool,
+        flops_per_step: float | None,
+        outside: float,
+    ) -> Checkpoint:
+        """The record of a segment: `state` is the loop's live state at `step` (a collective in multi-process runs).
+
+        Args:
+            trained: what the segment's training gives.
+            state: the loop's own state (copied for the record, and published as its device view).
+            step, final, preempted: the record's step, and whether it ends the run, or a preemption notice does.
+            requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
+            flops_per_step: XLA's count of a step's FLOPs, or `None`.
+            outside: seconds between the previous record's return and this segment's training.
+        """
+        self.last_loss = self.last_loss if trained.loss is None else trained.loss
+        position = multihost.gather_position(self.data.position(), self.batch_size)
+        waits = trained.waits
+        process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
+        host_state, grads = self.copy(state, None if preempted else trained.grads)
+        self.views.publish(host_state, state)
+        record = Checkpoint(
+            state=host_state,
+            grads=grads,
+            loss=self.last_loss,
+            n_completed_steps=trained.n_steps,
+            elapsed_time=trained.elapsed,
+            step=step,
+            rng=self.rng,
+            data_position=position,
+            final=final,
+            run_id=self.run_id,
+            preempted=preempted,
+            data_time=waits.data,
+            idle_time=waits.idle,
+            metrics=scaling_metrics(host_state),
+            skipped_damaged=self.skipped_damaged,
+            flops_per_step=flops_per_step,
+            batch_size=self.batch_size,
+            n_devices=self.n_devices,
+            peak_flops=self.peak_flops,
+            compile_time=trained.compile,
+            outside_time=outside,
+            session=self.session,
+            requested=requested,
+            process_waits=process_waits,
+            device_state=functools.partial(self.views.lookup, host_state),
+        )
+        self.progress.record(record)
+        return record
