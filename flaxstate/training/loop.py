@@ -3,7 +3,8 @@
 The loop is a driver: where it runs is its `Placement`
 (`flaxstate.training.placement`), what it runs its `Program` (the compiled
 update and gradients), how the steps between records run its
-`SegmentRunner`, and where a run starts `startup.start`. Every entry point
+`SegmentRunner`, where a run starts `startup.start`, and what a record
+holds its `Recorder` (`flaxstate.training.recording`). Every entry point
 (`__iter__`, `next_checkpoint`, `next_step`, `run`) goes through `_train_until`,
 which makes the next record, or returns the one that an interrupted call
 made, and through one end of the run.
