@@ -175,7 +175,7 @@ class CheckpointFileReader:
         newest = None
         if not is_empty_or_missing(persistent):
             with CheckpointStore(persistent, read_only=True) as store:
-                newest = max(store.steps(), default=None)
+                newest = _newest_readable(store)
         chosen, why, passed_over = tiers.agreed_local_step(
             self.local_dir, state_dict if self.rename is None else None, with_optimizer, newest, self.step
         )
@@ -310,6 +310,21 @@ class CheckpointFileReader:
             placed, restored.state.params, serialization.from_state_dict(restored.state.params, new_params)
         )
         return restored.state.replace(params=params)
+
+
+def _newest_readable(store: CheckpointStore) -> int | None:
+    """The newest step whose meta reads (a damaged newest step must not hide a newer local one), or `None`."""
+    for step in sorted(store.steps(), reverse=True):
+        try:
+            store.read_meta(step)
+        except VanishedStepError:
+            continue
+        except Exception as error:
+            damage.reraise_interrupt(error)
+            if damage.is_damage(error):
+                continue
+        return step  # readable, or an error that the persistent tier's read reports
+    return None
 
 
 def _plain_tree(tree: Any) -> Any:

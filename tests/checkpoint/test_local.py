@@ -75,6 +75,15 @@ def test_a_persistent_step_as_new_restores_from_the_persistent_tier(tmp_path, ca
     assert "WARNING" not in caplog.text
 
 
+def test_a_damaged_persistent_step_does_not_hide_a_newer_local_one(tmp_path, caplog):
+    local_dir, persistent_dir, _ = train(tmp_path, persistent_steps=(4, 12))
+    (persistent_dir / "12" / "meta" / "metadata").write_text("{not json")
+    caplog.set_level(logging.INFO, logger="flaxstate")
+    reader = fs.CheckpointFileReader([local_dir, persistent_dir], target=toy.MLP().init)
+    assert make_loop(n_steps=12, init=reader).step == 12
+    assert "restored step 12 from the local tier" in caplog.text
+
+
 def test_a_damaged_local_step_is_passed_over_with_a_warning_and_set_aside_by_the_writer(tmp_path, caplog):
     local_dir, persistent_dir, _ = train(tmp_path)
     (process_directory(local_dir) / "12" / "meta.json").write_text('{"step": 12, "format_')
