@@ -121,52 +121,31 @@ class TrainLoop:
                 processes, on a notice to any one of them), stop at the next
                 dispatch boundary and yield one last record with
                 `preempted=True`. `False` leaves SIGTERM's handling as it is.
-            hang_timeout: the watchdog (`flaxstate.training.watchdog`): after
-                this many seconds without progress while the loop has
-                control (waiting for the data, the devices, the other
-                processes, a restore, the saves at the end), it writes what
-                the loop waited for and every thread's stack to stderr and
-                ends the process with status 75 (`EX_TEMPFAIL`), for a
-                scheduler to restart it (in an interactive session it only
-                reports). `"auto"`: ten minutes, or ten times the longest
-                wait between two signs of progress seen if more (an hour
-                while compiling or restoring). `None`: no watchdog.
-            record_memory: where records (and `state`) hold their copy of the
-                state and gradients: `"host"`, host memory, so the devices hold
-                about one copy of the state (the copy is an asynchronous
-                device-to-host transfer a record); or `"device"`, a device
-                copy, which is faster to make but needs room for the state
-                twice (three times while a record is saved as the next is made).
-            n_microbatches: M; each device splits its batch into M equal
-                microbatches, interleaved (microbatch i holds examples i,
-                i + M, i + 2M, ...; under a mesh, of the global batch, which
-                gives the same microbatches), and accumulates their loss and gradients in a
-                `lax.scan` (the activations of one microbatch at a time) before
-                one update: the update of the whole batch, to float32 rounding.
-                Batch statistics (BatchNorm) are updated once per microbatch,
-                in order, as over M smaller steps; dropout masks differ per
-                microbatch. M = 1 compiles the plain step.
+            hang_timeout: seconds without progress while the loop has
+                control, after which the watchdog writes what it waited for
+                and every thread's stack to stderr and ends the process with
+                status 75 for a scheduler to restart (`"auto"`: ten minutes
+                or ten times the longest gap seen; `None`: no watchdog; see
+                `flaxstate.training.watchdog`).
+            record_memory: where records (and `state`) hold their copy of
+                the state: `"host"` (the devices hold about one copy of the
+                state) or `"device"` (faster to make, room for the state
+                twice; see `flaxstate.training.copies`).
+            n_microbatches: M; each device splits its batch into M equal,
+                interleaved microbatches and accumulates their loss and
+                gradients in a `lax.scan` before one update: the whole
+                batch's, to float32 rounding (batch statistics and dropout
+                per microbatch; see `flaxstate.training.step`).
             mesh: a `jax.sharding.Mesh` with named axes (e.g. `data`, `fsdp`,
-                `model`) to shard the state over, with `axis_rules`; the
-                loop then trains on the mesh's devices (not `devices`).
-                Without them the loop is data-parallel: every device holds
-                the whole state and computes on its part of the batch.
+                `model`) to shard the state over by `axis_rules`, on the
+                mesh's devices; without them the loop is data-parallel
+                (every device holds the whole state).
             axis_rules: flax-style logical axis rules, e.g. `[("batch",
-                ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "model")]`.
-                Each state leaf is sharded by its logical axes through the
-                rules (optimizer state as its parameter; unnamed leaves and
-                axes no rule names are replicated, the latter with a
-                warning); the batch's first dimension over the mesh axes of
-                `batch`. The update is the global batch's (its loss and
-                gradients, batch statistics over the whole batch), compiled
-                once with `jax.jit` and explicit shardings (GSPMD inserts
-                the collectives), the state donated. Each process feeds the
-                part of the global batch that its devices hold along the
-                batch axes (`flaxstate.sharding.BatchLayout.process_part`):
-                FSDP over two processes, half each; tensor-parallel
-                (`data=1, model=2`), the whole batch each. Dropout rngs are
-                drawn per step for the global batch, so the masks do not
-                depend on the mesh.
+                ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "model")]`:
+                each state leaf sharded by its logical axes, the batch over
+                the axes of `batch`, each process feeding the part of the
+                global batch its devices hold (see
+                `flaxstate.training.placement`).
 
         Raises:
             ValueError: bad settings (naming the setting and the fix), or a batch that is empty, of the wrong

@@ -8,11 +8,17 @@ interface (`Placement`):
   of the batch, split over the local devices; the step functions are per
   device, mapped with `jax.shard_map` under `jax.jit` (gradients, the loss
   and the mutable collections averaged with `pmean`).
-- `Sharded`: each state leaf is sharded by its logical axes through the rules,
-  and the batch over the mesh axes of the logical axis `batch`; the step
-  functions are the global ones, compiled with `jax.jit` and explicit
-  shardings (GSPMD inserts the collectives). Each process feeds the part of
-  the global batch that its devices hold.
+- `Sharded`: each state leaf is sharded by its logical axes through the rules
+  (optimizer state as its parameter; unnamed leaves, and axes that no rule
+  names, replicated, the latter with a warning), and the batch over the mesh
+  axes of the logical axis `batch`; the step functions are the global ones
+  (the global batch's loss, gradients and batch statistics), compiled once
+  with `jax.jit` and explicit shardings (GSPMD inserts the collectives), the
+  state donated. Each process feeds the part of the global batch that its
+  devices hold along the batch axes (`BatchLayout.process_part`): FSDP over
+  two processes, half each; tensor-parallel (`data=1, model=2`), the whole
+  batch each. Dropout rngs are drawn per step for the global batch, so the
+  masks do not depend on the mesh.
 
 The step functions themselves (`flaxstate.training.step`) carry no mode: a
 placement hands them its `Across` (how devices are told apart and averaged)
