@@ -42,6 +42,14 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 """What orbax's temporary directory of a save in progress (or of one that failed or was killed) holds in its name."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredCheckpoint:
+    """What a read gives back (of either tier): the state dict (state-dict layout) and the JSON meta."""
+
+    state_dict: dict[str, Any]
+    meta: dict[str, Any]
+
+
 def handlers() -> dict[str, Any]:
     return {
         MODEL: ocp.PyTreeCheckpointHandler(use_compression=False),

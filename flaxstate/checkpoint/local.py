@@ -48,7 +48,7 @@ from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.layout import SET_ASIDE, to_json
+from flaxstate.checkpoint.layout import SET_ASIDE, StoredCheckpoint, to_json
 from flaxstate.records import FORMAT_VERSION
 
 logger = logging.getLogger("flaxstate")
@@ -280,8 +280,10 @@ class LocalStore(saving.SaveSlot):
                     return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
         return None
 
-    def read(self, step: int, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> Any:
-        """Restores a step that `covers` the template: the template's tree of arrays, on its shardings.
+    def read(
+        self, step: int, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool
+    ) -> StoredCheckpoint:
+        """Restores a step that `covers` the template: its state dict (the template's tree, on its shardings) and meta.
 
         Raises:
             DamagedCheckpointError: the file cannot be read whole.
@@ -310,7 +312,10 @@ class LocalStore(saving.SaveSlot):
                 for device, at in indices.items()
             ]
             flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-        return tree_paths.unflatten(flat)
+        state_dict = tree_paths.unflatten(flat)
+        state_dict.setdefault("flax_mutables", {})
+        state_dict.setdefault("state", {})
+        return StoredCheckpoint(state_dict=state_dict, meta=dict(meta))
 
 
 def _part(buffer: np.ndarray, entry: Mapping[str, Any], index: Index) -> np.ndarray:

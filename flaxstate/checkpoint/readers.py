@@ -28,7 +28,6 @@ from flaxstate.checkpoint.storage import (
     CheckpointError,
     CheckpointStore,
     Rename,
-    StoredCheckpoint,
     VanishedStepError,
     decode_rng,
     is_empty_or_missing,
@@ -182,16 +181,13 @@ class CheckpointFileReader:
         if chosen is not None:
             error: Exception | None = None
             try:
-                tree = chosen.store.read(chosen.step, chosen.meta, state_dict or {}, with_optimizer)
+                stored = chosen.store.read(chosen.step, chosen.meta, state_dict or {}, with_optimizer)
             except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
                 damage.reraise_interrupt(caught)
                 error = caught
             failed = tiers.all_read(error)
             if failed is None:
                 tiers.say("restored step %d from the local tier %s: %s.", chosen.step, self.local_dir, why)
-                tree.setdefault("flax_mutables", {})
-                tree.setdefault("state", {})
-                stored = StoredCheckpoint(state_dict=tree, meta=chosen.meta)
                 return self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
             if error is not None and not damage.is_damage(error):
                 raise error

@@ -16,7 +16,6 @@ gained 6% of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -44,6 +43,7 @@ from flaxstate.checkpoint.layout import (
     OPTIMIZER,
     SET_ASIDE,
     TMP_MARK,
+    StoredCheckpoint,
     decode_rng,
     encode_rng,
     is_empty_or_missing,
@@ -81,14 +81,6 @@ LISTING_ATTEMPTS = 20
 
 class VanishedStepError(CheckpointError):
     """A step that was listed and is gone: a live writer deleted it meanwhile (never damage)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredCheckpoint:
-    """What a read gives back: the state dict (state-dict layout) and the JSON meta."""
-
-    state_dict: dict[str, Any]
-    meta: dict[str, Any]
 
 
 class CheckpointStore(saving.SaveSlot):

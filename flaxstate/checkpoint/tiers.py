@@ -41,15 +41,16 @@ class LocalStep:
 
 
 def _offer(
-    store: LocalStore, template: Mapping[str, Any] | None, with_optimizer: bool, step: int | None
+    store: LocalStore, listed: list[int], template: Mapping[str, Any] | None, with_optimizer: bool, step: int | None
 ) -> tuple[dict[int, dict[str, Any]], str | None]:
-    """This process's steps that can restore into `template`, newest first, and why the newest it has cannot."""
+    """This process's steps (of `listed`) that can restore into `template`, newest first, and why the newest
+    it has cannot."""
     held: dict[int, dict[str, Any]] = {}
-    steps = [s for s in reversed(store.steps()) if step is None or s == step]
+    steps = [s for s in reversed(listed) if step is None or s == step]
     if not steps:
         return held, "it holds no local step (a new or replaced host?)" if step is None else f"no local step {step}"
     if template is None:
-        return held, "the read has no template to place the arrays on"
+        return held, "the read has no template to place the arrays on, or renames paths (the persistent tier's)"
     note = None
     for candidate in steps:
         try:
@@ -92,8 +93,9 @@ def agreed_local_step(
         tier's is passed over (worth a warning: progress is lost).
     """
     store = LocalStore(process_directory(local_dir), read_only=True)
-    held, note = _offer(store, template, with_optimizer, step)
-    newest_here = store.steps()[-1] if store.steps() else None
+    listed = store.steps()
+    held, note = _offer(store, listed, template, with_optimizer, step)
+    newest_here = listed[-1] if listed else None
     offers = collectives.allgather_json(
         {
             "held": [[s, meta.get("run_id")] for s, meta in held.items()],
