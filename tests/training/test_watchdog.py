@@ -109,19 +109,13 @@ def test_slow_but_progressing_steps_never_fire_and_an_interactive_session_is_onl
     assert "record 20" in output and "watchdog" not in output
 
 
+REQUESTED = dict(CONFIG, resume=False, data_sleep=0.05, every_seconds=3600, keep=5)
+"""A run that saves only what is asked (SIGUSR1) and its last record, slow enough for a signal to land."""
+
+
 def test_sigusr1_to_one_of_two_processes_makes_both_save_the_same_step_and_train_on(tmp_path):
     run_dir = tmp_path / "run"
-    config = dict(
-        CONFIG,
-        output_dir=str(run_dir),
-        out=str(tmp_path / "a.npz"),
-        resume=False,
-        data_sleep=0.05,
-        every_seconds=3600,
-        keep=5,
-        slow_process=1,
-        logger=True,
-    )
+    config = dict(REQUESTED, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), slow_process=1, logger=True)
     port = processes.free_port()
     workers = [processes.Watched(processes.start("resume", config, index, 2, port)) for index in (0, 1)]
     try:
@@ -143,15 +137,7 @@ def test_sigusr1_to_one_of_two_processes_makes_both_save_the_same_step_and_train
 
 def test_sigusr1_to_a_single_process_saves_the_next_record(tmp_path):
     run_dir = tmp_path / "run"
-    config = dict(
-        CONFIG,
-        output_dir=str(run_dir),
-        out=str(tmp_path / "a.npz"),
-        resume=False,
-        data_sleep=0.05,
-        every_seconds=3600,
-        keep=5,
-    )
+    config = dict(REQUESTED, output_dir=str(run_dir), out=str(tmp_path / "a.npz"))
     worker = processes.Watched(processes.start("resume", config))
     worker.wait_for("record 20", timeout=120)
     worker.process.send_signal(signal.SIGUSR1)
