@@ -21,6 +21,7 @@ allocate the state anew.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,47 +44,66 @@ def host_memory_kind(mesh: Mesh) -> str | None:
     return next((kind for kind in _HOST_KINDS if kind in kinds), None)
 
 
-def record_copier(
-    mesh: Mesh, sharding: Sharding | PyTree, memory: str
-) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
-    """Returns `(state, grads) -> (state, grads)` as a record holds them.
+Copy = Callable[[], tuple[PyTree, PyTree]]
+"""A record's copy under way: calling it waits for the copy and returns `(state, grads)` as the record holds them."""
+
+
+def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Callable[[PyTree, PyTree], Copy]:
+    """Returns `(state, grads) -> Copy`: starts copying both as a record holds them, without waiting.
+
+    The loop starts the copy right after its last dispatch, so the transfer
+    is queued behind the devices' last steps instead of after the host saw
+    them finish; the record calls the `Copy` once they have.
 
     Args:
         mesh: the loop's devices.
         sharding: the state's sharding on them (the device copy's): one for
             every leaf, or a tree of them.
         memory: one of `RECORD_MEMORIES`. `"host"`: both as read-only numpy
-            arrays in host memory (returns when they are there). `"device"`:
-            the state copied on the devices (asynchronously), the gradients
-            as they are (no update donates them).
+            arrays in host memory. `"device"`: the state copied on the
+            devices, the gradients as they are (no update donates them).
     """
     if memory == DEVICE:
         copy_on_devices = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=sharding)
-        return lambda state, grads: (copy_on_devices(state), grads)
+
+        def on_devices(state: PyTree, grads: PyTree) -> Copy:
+            copied = copy_on_devices(state)
+            return lambda: (copied, grads)
+
+        return on_devices
     kind = host_memory_kind(mesh)
-    transfers: dict[tuple[Sharding, ...], Callable[[list[jax.Array]], list[jax.Array]]] = {}
+    plans: dict[tuple[Sharding, ...], tuple[list[bool], Callable[[list[jax.Array]], list[jax.Array]]]] = {}
 
-    def stage(sources: list[jax.Array], kind: str) -> list[jax.Array]:
-        """The sources' copies in host memory: one compiled transfer where they share one device set."""
-        shardings = tuple([source.sharding for source in sources])
-        if shardings not in transfers:
-            out = [sharding.with_memory_kind(kind) for sharding in shardings]
-            if len({frozenset(sharding.device_set) for sharding in shardings}) == 1:
+    def plan(leaves: list[jax.Array], kind: str) -> tuple[list[bool], Callable[[list[jax.Array]], list[jax.Array]]]:
+        """Which leaves move one replica, and the transfer of the sources to host memory (made once per layout)."""
+        shardings = tuple([leaf.sharding for leaf in leaves])
+        if shardings not in plans:
+            one_replica = [len(s.device_set) > 1 and s.is_fully_replicated for s in shardings]
+            sources = _sources(leaves, one_replica)
+            out = [source.sharding.with_memory_kind(kind) for source in sources]
+            if len({frozenset(source.sharding.device_set) for source in sources}) == 1:
                 # One dispatch for every leaf: a fifth of the Python path of device_put's, leaf by leaf.
-                transfers[shardings] = jax.jit(lambda arrays: arrays, out_shardings=out)
+                transfer: Callable[[list[jax.Array]], list[jax.Array]]
+                transfer = jax.jit(lambda arrays: arrays, out_shardings=out)
             else:  # a jit takes one device set
-                transfers[shardings] = lambda arrays: jax.device_put(arrays, out)
-        return transfers[shardings](sources)
+                transfer = functools.partial(jax.device_put, device=out)
+            plans[shardings] = one_replica, transfer
+        return plans[shardings]
 
-    def to_host(state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
+    def to_host(state: PyTree, grads: PyTree) -> Copy:
         leaves, treedef = jax.tree.flatten((state, grads))
-        if kind is None:  # no host memory kind to stage in: a plain copy
-            return jax.tree.unflatten(treedef, [_read_only(np.array(leaf)) for leaf in leaves])
-        # Every transfer starts before the first is waited for. A replicated array moves one replica.
-        sources = [leaf.addressable_shards[0].data if leaf.is_fully_replicated else leaf for leaf in leaves]
-        return jax.tree.unflatten(treedef, [_host_value(array) for array in stage(sources, kind)])
+        if kind is None:  # no host memory kind to stage in: a plain copy, once the record asks
+            return lambda: jax.tree.unflatten(treedef, [_read_only(np.array(leaf)) for leaf in leaves])
+        one_replica, transfer = plan(leaves, kind)
+        staged = transfer(_sources(leaves, one_replica))  # every transfer starts before the first is waited for
+        return lambda: jax.tree.unflatten(treedef, [_host_value(array) for array in staged])
 
     return to_host
+
+
+def _sources(leaves: list[jax.Array], one_replica: list[bool]) -> list[jax.Array]:
+    """What moves to host memory: a leaf, or one replica of a replicated leaf (this process's first)."""
+    return [leaf.addressable_data(0) if one else leaf for leaf, one in zip(leaves, one_replica, strict=True)]
 
 
 def _host_value(array: jax.Array) -> np.ndarray | jax.Array:

@@ -18,6 +18,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from flaxstate.training import scaling
+
+
+def patience(loss_scaling: bool) -> int:
+    """How many non-finite losses in a row pass: loss scaling skips some steps; without it, none."""
+    return scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
+
+
+def error(step: int, patience: int) -> FloatingPointError:
+    """The error that ends training at `step`, where a watch of `patience` reported it."""
+    if patience:
+        return FloatingPointError(
+            f"the training loss was non-finite (nan or inf) for {patience + 1} steps in a "
+            f"row, up to step {step}: loss scaling skips such steps, but no scale mends a "
+            "forward pass that overflows. No record was yielded after it. Compute the loss in float32, "
+            "lower the learning rate, or check the data."
+        )
+    return FloatingPointError(
+        f"the training loss became non-finite (nan or inf) at step {step}; no record "
+        "was yielded after it. Lower the learning rate, clip gradients, or check the data."
+    )
+
+
 CHUNK = 64
 """How many dispatches' losses one check reduces (fewer are padded by repeating the last)."""
 

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax.core.scope import CollectionFilter
 
 from flaxstate.training import step, throughput
 from flaxstate.training.placement import Placement
+from flaxstate.training.task import TrainTask
 
 PyTree = Any
 _UNKNOWN = object()
@@ -51,6 +53,33 @@ class Program:
         self._updates: dict[int, Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
         self._flops: Any = _UNKNOWN
+
+    @classmethod
+    def build(
+        cls,
+        placement: Placement,
+        task: TrainTask,
+        rng_names: tuple[str, ...],
+        mutable: CollectionFilter,
+        n_microbatches: int,
+        state: PyTree,
+        rng: jax.Array,
+    ) -> Program:
+        """The programs of `task`'s step on `placement`, for `state` (placed) and the run's key `rng`.
+
+        Args:
+            rng_names: the rng collections the model takes in training.
+            mutable: the collections the update may change.
+            n_microbatches: M microbatches a step (see `step.microbatched`).
+        """
+        train_step = step.make_train_step(task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches)
+        shardings = placement.state_shardings(state)
+        return cls(placement, train_step, shardings, state, jax.random.key_impl(rng))
+
+    @property
+    def shardings(self) -> PyTree:
+        """The state's shardings."""
+        return self._shardings
 
     def update(self, n_steps: int) -> Callable[..., Any]:
         """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)` of `n_steps` steps.

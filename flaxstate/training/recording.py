@@ -1,8 +1,9 @@
 """A record from a segment's training: the state's copy, the data position, every process's waits, the run's facts.
 
-`TrainLoop` trains a segment with its `SegmentRunner`, then asks its
-`Recorder` for the `Checkpoint`: the copy of the state that the record holds
-(the loop's own is donated at the next dispatch), the data position and
+`TrainLoop` trains a segment with its `SegmentRunner` (which starts the
+record's copy of the state with the recorder's `start_copy`), then asks its
+`Recorder` for the `Checkpoint`: that copy (the loop's own state is donated
+at the next dispatch), the data position and
 every process's waits gathered across processes (one collective each), and
 what every record of a run carries (its key, id, session, batch size,
 devices and peak FLOP/s).
@@ -21,7 +22,7 @@ import jax
 
 from flaxstate.records import Checkpoint, Session
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import copies, multihost, startup
+from flaxstate.training import copies, multihost, startup, throughput
 from flaxstate.training.data import DataStream
 from flaxstate.training.placement import Placement
 from flaxstate.training.progress import ProgressDisplay
@@ -59,7 +60,7 @@ class Recorder:
     """Makes a run's records (see the module's docstring).
 
     Attributes:
-        copy: `(state, grads) -> (state, grads)` as a record holds them (`copies.record_copier`).
+        start_copy: `(state, grads) -> Copy`, the copies a record holds, started (`copies.record_copier`).
         views: the loop's device state behind its newest record's copy.
         data: the loop's data, for its position.
         progress: the progress display, told of every record.
@@ -67,7 +68,7 @@ class Recorder:
         rng, run_id, batch_size, n_devices, peak_flops, skipped_damaged: what every record carries.
     """
 
-    copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+    start_copy: Callable[[PyTree, PyTree], copies.Copy]
     views: copies.DeviceViews
     data: DataStream
     progress: ProgressDisplay
@@ -80,6 +81,40 @@ class Recorder:
     skipped_damaged: tuple[str, ...]
     last_loss: float = math.nan
     """The newest loss trained: a record of a segment that trained no step carries it again."""
+
+    @classmethod
+    def create(
+        cls,
+        placement: Placement,
+        shardings: PyTree,
+        record_memory: str,
+        look: startup.FirstLook,
+        begun: startup.Start,
+        progress: ProgressDisplay,
+        peak_flops_per_device: float | None,
+    ) -> Recorder:
+        """The recorder of a run that `begun` starts on `placement`, with `look`'s data and batch size.
+
+        Args:
+            shardings: the state's shardings.
+            record_memory: where records hold their copy (`copies.RECORD_MEMORIES`).
+            peak_flops_per_device: one device's peak FLOP/s, or `None` to look the devices up.
+        """
+        restored_step = None if begun.restored is None else int(begun.restored.step)
+        devices = list(placement.mesh.devices.flat)
+        return cls(
+            start_copy=copies.record_copier(placement.mesh, shardings, record_memory),
+            views=copies.DeviceViews(),
+            data=look.data,
+            progress=progress,
+            session=session(placement, begun.restore_seconds, restored_step),
+            rng=begun.rng,
+            run_id=begun.run_id,
+            batch_size=look.batch_size,
+            n_devices=len(devices),
+            peak_flops=throughput.peak_flops(peak_flops_per_device, devices),
+            skipped_damaged=() if begun.restored is None else begun.restored.skipped_damaged,
+        )
 
     def make(
         self,
@@ -95,8 +130,8 @@ class Recorder:
         """The record of a segment: `state` is the loop's live state at `step` (a collective in multi-process runs).
 
         Args:
-            trained: what the segment's training gives.
-            state: the loop's own state (copied for the record, and published as its device view).
+            trained: what the segment's training gives, the record's copy of the state started.
+            state: the loop's own state (published as the record's device view).
             step, final, preempted: the record's step, and whether it ends the run, or a preemption notice does.
             requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
             flops_per_step: XLA's count of a step's FLOPs, or `None`.
@@ -106,7 +141,8 @@ class Recorder:
         position = multihost.gather_position(self.data.position(), self.batch_size)
         waits = trained.waits
         process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
-        host_state, grads = self.copy(state, None if preempted else trained.grads)
+        host_state, grads = trained.copy()
+        grads = None if preempted else grads  # a notice that came while the devices finished
         self.views.publish(host_state, state)
         record = Checkpoint(
             state=host_state,

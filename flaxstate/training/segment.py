@@ -10,6 +10,11 @@ counts the time the devices waited for the host and for the data
 (`flaxstate.training.waiting`). Between dispatches it hands a Ctrl-C over
 (`KeyboardInterrupt`) and stops early on a preemption notice. An interrupted
 segment is kept, so the record that the next call makes covers all its steps.
+
+After the last dispatch it starts the record's copy of the state (see
+`flaxstate.training.copies`) before it waits for the devices: the transfer
+is queued behind the last steps, and the host's part of it runs while the
+devices compute, not after.
 """
 
 from __future__ import annotations
@@ -17,19 +22,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, compiling, scaling
-from flaxstate.training.copies import DeviceViews
+from flaxstate.training import batching, compiling, nonfinite
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
-from flaxstate.training.nonfinite import LossWatch
-from flaxstate.training.options import Schedule
 from flaxstate.training.placement import Placement
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
@@ -37,6 +40,8 @@ from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 from flaxstate.training.watchdog import Watchdog
 
 PyTree = Any
+Copy = Callable[[], tuple[PyTree, PyTree]]
+"""A record's copy under way (`flaxstate.training.copies.Copy`)."""
 _NOT_COUNTED = object()
 _NOT_TRACED = contextlib.nullcontext()
 try:  # whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read
@@ -59,7 +64,7 @@ class _Segment:
     """The steps since the last record: kept across an interruption, so the record is the same."""
 
     start_step: int
-    watch: LossWatch
+    watch: nonfinite.LossWatch
     elapsed: float = 0.0
     compile: float = 0.0
     waits: WaitTimes = dataclasses.field(default_factory=WaitTimes)
@@ -70,7 +75,8 @@ class Trained:
     """What a segment's training gives its record.
 
     Attributes:
-        grads: the last step's gradients (`None` after a preemption notice).
+        copy: the record's copy of the state and of the last step's gradients (`None`
+            after a preemption notice), started before the host waited for the devices.
         loss: the last loss (`None` if no step ran).
         n_steps: the steps the segment trained.
         elapsed: seconds training, up to the devices finishing the last step.
@@ -78,7 +84,7 @@ class Trained:
         waits: seconds of `elapsed` the devices waited for the host, and for the data.
     """
 
-    grads: PyTree
+    copy: Copy
     loss: float | None
     n_steps: int
     elapsed: float
@@ -95,10 +101,10 @@ class SegmentRunner:
         data: the training data.
         signals: Ctrl-C and preemption notices.
         progress: the progress bar.
-        views: the newest record's device view, cleared before a dispatch donates the state.
-        schedule: K steps a dispatch, M microbatches a step.
+        start_copy: starts the record's copy of the state and gradients (`copies.record_copier`).
+        n_microbatches: M microbatches a step (a batch must split into them).
         state: the state to train (placed on the devices).
-        rng_data: the run key's raw data, on the devices.
+        rng: the run's key.
         watchdog: told of each batch drawn and dispatch made, and what the segment waits for.
         global_batch: the one-step update's global batch (`jax.ShapeDtypeStruct`s), whose
             FLOPs the first segment counts (`flops_per_step`) before its first dispatch.
@@ -112,10 +118,10 @@ class SegmentRunner:
         data: DataStream,
         signals: Signals,
         progress: ProgressDisplay,
-        views: DeviceViews,
-        schedule: Schedule,
+        start_copy: Callable[[PyTree, PyTree], Copy],
+        n_microbatches: int,
         state: FlaxOptimTrainState,
-        rng_data: jax.Array,
+        rng: jax.Array,
         watchdog: Watchdog,
         global_batch: PyTree,
         loss_scaling: bool,
@@ -125,23 +131,24 @@ class SegmentRunner:
         self._data = data
         self._signals = signals
         self._progress = progress
-        self._views = views
-        self._schedule = schedule
+        self._start_copy = start_copy
+        self._n_microbatches = n_microbatches
         self.leaves, self._treedef = jax.tree.flatten(state)
         self.step = int(jax.device_get(state.step))
-        self.rng_data = rng_data
+        self.rng_data = jax.device_put(jax.random.key_data(rng), batching.replicated(placement.mesh))
+        """The run key's raw data, on the devices (the compiled programs take it)."""
         self._watchdog = watchdog
         self._global_batch = global_batch
         self._compiled: set[int] = set()
         """The dispatch sizes dispatched before (the first dispatch of a size compiles it)."""
         self._flops: Any = _NOT_COUNTED
-        self._patience = scaling.MAX_NONFINITE_LOSSES if loss_scaling else 0
+        self._patience = nonfinite.patience(loss_scaling)
         self._nonfinite_run: jax.Array | None = None
         """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
         self._segment: _Segment | None = None
         self._clock = DeviceWaitClock()
         self._checked_shapes: set[tuple[Any, ...]] = set()
-        self._check_every_shape = placement.n_local_parts * schedule.n_microbatches > 1
+        self._check_every_shape = placement.n_local_parts * n_microbatches > 1
         """Whether a batch of a new shape can fail to split (else any size divides, and the first is checked)."""
 
     @property
@@ -154,8 +161,11 @@ class SegmentRunner:
         """The FLOPs of one global step (`Program.flops_per_step`), once a segment has counted them."""
         return None if self._flops is _NOT_COUNTED else self._flops
 
-    def train(self, target: int, total: int) -> Trained:
-        """Trains up to step `target` (or a preemption notice) of a run of `total` steps (for the progress bar).
+    def train(self, sizes: Sequence[int], total: int) -> Trained:
+        """Trains dispatches of `sizes` steps each (or up to a preemption notice) of a run of `total` steps.
+
+        `sizes` are counted from the runner's step (`Schedule.dispatch_sizes`);
+        `total` is for the progress bar.
 
         Raises:
             KeyboardInterrupt: Ctrl-C, at a dispatch boundary; the segment is
@@ -163,9 +173,12 @@ class SegmentRunner:
             FloatingPointError: a non-finite loss (more than loss scaling
                 tolerates), naming the step.
         """
+        self._data.rewind()  # the batches that an interrupted call drew come again
         segment = self._segment
         if segment is None:
-            segment = self._segment = _Segment(self.step, LossWatch(self.step, self._patience, self._nonfinite_run))
+            segment = self._segment = _Segment(
+                self.step, nonfinite.LossWatch(self.step, self._patience, self._nonfinite_run)
+            )
         resumed_at = time.perf_counter()
         compiled_before = compiling.seconds()
         try:
@@ -173,7 +186,8 @@ class SegmentRunner:
                 self._watchdog.phase = "compiling the one-step update (and counting its FLOPs)"
                 self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
-            grads = self._dispatch_until(target, total, segment)
+            grads = self._dispatch_until(sizes, total, segment)
+            copy = self._start_copy(self.state, grads)  # queued behind the last steps: no wait of its own
             self._watchdog.phase = f"waiting for the devices to finish step {self.step}"
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
@@ -181,23 +195,10 @@ class SegmentRunner:
             segment.compile += compiling.seconds() - compiled_before
         self._segment = None
         if first_nonfinite is not None:
-            raise self._nonfinite_error(first_nonfinite)
+            raise nonfinite.error(first_nonfinite, self._patience)
         self._nonfinite_run = segment.watch.run
         n_steps = self.step - segment.start_step
-        return Trained(grads, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
-
-    def _nonfinite_error(self, step: int) -> FloatingPointError:
-        if self._patience:
-            return FloatingPointError(
-                f"the training loss was non-finite (nan or inf) for {self._patience + 1} steps in a "
-                f"row, up to step {step}: loss scaling skips such steps, but no scale mends a "
-                "forward pass that overflows. No record was yielded after it. Compute the loss in float32, "
-                "lower the learning rate, or check the data."
-            )
-        return FloatingPointError(
-            f"the training loss became non-finite (nan or inf) at step {step}; no record "
-            "was yielded after it. Lower the learning rate, clip gradients, or check the data."
-        )
+        return Trained(copy, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
 
     def check_batch(self, batch: batching.Batch) -> None:
         """Checks a batch's split over the placement and into microbatches, once per shape."""
@@ -205,7 +206,7 @@ class SegmentRunner:
             return
         shapes = tuple([array.shape for part in batch for array in part])
         if shapes not in self._checked_shapes:
-            self._placement.check_batch(batch, "TrainTask", self._schedule.n_microbatches)
+            self._placement.check_batch(batch, "TrainTask", self._n_microbatches)
             self._checked_shapes.add(shapes)
 
     def _host_batch(self, n_steps: int, first_step: int, waits: WaitTimes) -> Any:
@@ -230,36 +231,31 @@ class SegmentRunner:
             self.check_batch(each)
         return batching.stack(batches, first_step)
 
-    def _dispatch_until(self, target: int, total: int, segment: _Segment) -> Any:
-        """Runs the dispatches up to step `target`; returns the last step's gradients.
+    def _draw(self, sizes: Sequence[int], waits: WaitTimes) -> Iterator[tuple[int, Any]]:
+        """Each dispatch's `(n_steps, batch)` in turn, drawn when asked (and placed on the devices under several
+        processes; one process hands host arrays to the compiled call)."""
+        several_processes = jax.process_count() > 1
+        first_step = self.step + 1
+        for n in sizes:
+            batch = self._host_batch(n, first_step, waits)
+            yield n, self._placement.to_devices(batch, stacked=n > 1) if several_processes else batch
+            first_step += n
+
+    def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> Any:
+        """Runs the dispatches of `sizes` steps each; returns the last step's gradients.
 
         Between dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`)
         and stops early on a preemption notice (returning `None`). The state
         and step are stored, and the batches trained committed, right after
         each dispatch, before anything can raise.
         """
-        sizes = self._schedule.dispatch_sizes(self.step, target)
-        queue: collections.deque[tuple[int, Any]] = collections.deque()
-        chunks = iter(sizes)
-        queued_steps = 0
-        several_processes = jax.process_count() > 1  # one process hands host arrays to the compiled call
-
-        def prefetch() -> None:
-            nonlocal queued_steps
-            while len(queue) < PREFETCH and (n := next(chunks, None)) is not None:
-                batch = self._host_batch(n, self.step + queued_steps + 1, segment.waits)
-                if several_processes:
-                    batch = self._placement.to_devices(batch, stacked=n > 1)
-                queue.append((n, batch))
-                queued_steps += n
-
+        drawn = self._draw(sizes, segment.waits)
         watchdog = self._watchdog
         self._progress.start(self.step, total)
-        self._views.clear()  # the newest record's device view ends where the state is donated
         signals = self._signals
         if signals.reached_preemption():
             return None
-        prefetch()
+        queue = collections.deque(itertools.islice(drawn, PREFETCH))
         updates = {n: self._program.update(n) for n in set(sizes)}
         grads = None
         for n_left in range(len(sizes) - 1, -1, -1):
@@ -276,7 +272,6 @@ class SegmentRunner:
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
                 self.leaves, losses, step_grads = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
-            queued_steps -= n
             self._clock.dispatched(losses)
             watchdog.beats += 1
             watchdog.outputs.append(losses)
@@ -291,7 +286,7 @@ class SegmentRunner:
                     signals.interrupt_now()
                 if signals.reached_preemption():
                     return None
-                prefetch()
+                queue.extend(itertools.islice(drawn, PREFETCH - len(queue)))
         if signals.reached_preemption():
             return None
         return grads

@@ -1,5 +1,8 @@
-"""Where a run starts: a fresh state or a restored one, the run's key and id, and the data's position.
+"""Where a run starts: the data's first batch, a fresh or restored state, the run's key and id, the data's position.
 
+`first_look` reads the data's first batch before anything is on the devices:
+it is checked against the placement and gives the global batch size, the
+one-step update's global batch and the model's inputs for `init`.
 `TrainLoop(init=...)` takes a model's `init`, or a checkpoint reader (a
 `CheckpointSource`) that restores the newest checkpoint, or says there is none
 and a `target` to start fresh from. A restore reads into an abstract template
@@ -22,10 +25,10 @@ import numpy as np
 
 from flaxstate.records import CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import multihost, scaling
+from flaxstate.training import batching, multihost, scaling
 from flaxstate.training.data import DataStream
 from flaxstate.training.placement import Placement
-from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
 from flaxstate.training.task import TrainTask
 
 
@@ -81,6 +84,41 @@ def rng_names(collections: Mapping[str, Sequence[str]] | None) -> tuple[tuple[st
 
 
 @dataclasses.dataclass(frozen=True)
+class FirstLook:
+    """What the data's first batch tells, before anything is on the devices.
+
+    Attributes:
+        data: the training data, its first batch peeked at (not drawn).
+        batch_size: the global batch size (every process's part).
+        global_batch: the one-step update's global batch, as `jax.ShapeDtypeStruct`s.
+        inputs: the model's inputs for `init`: `input_sample`, else the first batch's.
+    """
+
+    data: DataStream
+    batch_size: int
+    global_batch: Any
+    inputs: tuple[Any, ...]
+
+
+def first_look(task: TrainTask, placement: Placement, n_microbatches: int, input_sample: Any) -> FirstLook:
+    """Peeks at the data's first batch and checks it against the placement and `n_microbatches`.
+
+    Raises:
+        ValueError: a batch that is empty, of the wrong structure, or that
+            does not split over the devices and microbatches (see `Placement.check_batch`).
+    """
+    data = DataStream(task.data, "TrainTask")
+    batch = batching.normalize(data.peek(), "TrainTask")
+    placement.check_batch(batch, "TrainTask", n_microbatches)
+    batch_size = placement.global_batch_size(int(np.shape(batch[0][0])[0]))
+    if input_sample is None:
+        inputs = batch[0]
+    else:
+        inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
+    return FirstLook(data, batch_size, batching.global_spec(batch, batch_size), inputs)
+
+
+@dataclasses.dataclass(frozen=True)
 class Start:
     """A run's start: its state (on the placement), key and id, and what it was restored from.
 
@@ -102,28 +140,33 @@ class Start:
 def start(
     init: Callable[..., Any] | CheckpointSource,
     task: TrainTask,
-    rng: jax.Array,
+    rng: jax.Array | int,
     placement: Placement,
-    inputs: tuple[Any, ...],
+    look: FirstLook,
     init_names: tuple[str, ...],
-    data: DataStream,
-    batch_size: int,
     progress: ProgressDisplay,
 ) -> Start:
-    """Creates or restores the state, and moves the data to the restored position.
+    """Creates or restores the state, moves the data to the restored position, and says the model's size.
 
     Raises:
+        TypeError: `rng` is neither a key nor an int.
         ValueError: no way to make a state (no `init`, a reader with neither
             a checkpoint nor a target), or a data position that cannot be kept.
     """
-    state, restored, restore_seconds = _state(init, task, rng, placement, inputs, init_names, progress)
+    key = as_key(rng)
+    state, restored, restore_seconds = _state(init, task, key, placement, look.inputs, init_names, progress)
     if restored is None:
-        return Start(state, rng, multihost.agree(uuid.uuid4().hex[:12]), None, restore_seconds)
-    message = data.restore(multihost.local_position(restored.data_position), int(restored.step), batch_size)
-    progress.log(f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else ""))
-    key = as_key(restored.rng) if restored.rng is not None else rng
-    run_id = restored.run_id or multihost.agree(uuid.uuid4().hex[:12])
-    return Start(state, key, run_id, restored, restore_seconds)
+        begun = Start(state, key, multihost.agree(uuid.uuid4().hex[:12]), None, restore_seconds)
+    else:
+        position = multihost.local_position(restored.data_position)
+        message = look.data.restore(position, int(restored.step), look.batch_size)
+        progress.log(f"Resumed from the checkpoint at step {restored.step}." + (f" {message}" if message else ""))
+        key = as_key(restored.rng) if restored.rng is not None else key
+        run_id = restored.run_id or multihost.agree(uuid.uuid4().hex[:12])
+        begun = Start(state, key, run_id, restored, restore_seconds)
+    n_params, n_bytes = count_parameters(state.params)
+    progress.log(f"Total number of trainable weights: {n_params:,} ({format_bytes(n_bytes)}).")
+    return begun
 
 
 def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
