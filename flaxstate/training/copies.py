@@ -44,33 +44,28 @@ def host_memory_kind(mesh: Mesh) -> str | None:
     return next((kind for kind in _HOST_KINDS if kind in kinds), None)
 
 
-Copy = Callable[[], tuple[PyTree, PyTree]]
-"""A record's copy under way: calling it waits for the copy and returns `(state, grads)` as the record holds them."""
+def record_copier(
+    mesh: Mesh, sharding: Sharding | PyTree, memory: str
+) -> Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]:
+    """Returns `(state, grads) -> (state, grads)` as a record holds them.
 
-
-def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Callable[[PyTree, PyTree], Copy]:
-    """Returns `(state, grads) -> Copy`: starts copying both as a record holds them, without waiting.
-
-    The loop starts the copy right after its last dispatch, so the transfer
-    is queued behind the devices' last steps instead of after the host saw
-    them finish; the record calls the `Copy` once they have.
+    Called once the devices finished the record's step. Staged before that,
+    behind the devices' last steps, the copy of a 49 MiB state took 10.6 ms
+    against 4.1 ms on this CPU (the transfer of arrays not yet ready takes a
+    slower path), while it saved a small state's record 0.1 ms.
 
     Args:
         mesh: the loop's devices.
         sharding: the state's sharding on them (the device copy's): one for
             every leaf, or a tree of them.
         memory: one of `RECORD_MEMORIES`. `"host"`: both as read-only numpy
-            arrays in host memory. `"device"`: the state copied on the
-            devices, the gradients as they are (no update donates them).
+            arrays in host memory (returns when they are there). `"device"`:
+            the state copied on the devices (asynchronously), the gradients
+            as they are (no update donates them).
     """
     if memory == DEVICE:
         copy_on_devices = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=sharding)
-
-        def on_devices(state: PyTree, grads: PyTree) -> Copy:
-            copied = copy_on_devices(state)
-            return lambda: (copied, grads)
-
-        return on_devices
+        return lambda state, grads: (copy_on_devices(state), grads)
     kind = host_memory_kind(mesh)
     plans: dict[tuple[Sharding, ...], tuple[list[bool], Callable[[list[jax.Array]], list[jax.Array]]]] = {}
 
@@ -90,13 +85,13 @@ def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Calla
             plans[shardings] = one_replica, transfer
         return plans[shardings]
 
-    def to_host(state: PyTree, grads: PyTree) -> Copy:
+    def to_host(state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
         leaves, treedef = jax.tree.flatten((state, grads))
-        if kind is None:  # no host memory kind to stage in: a plain copy, once the record asks
-            return lambda: jax.tree.unflatten(treedef, [_read_only(np.array(leaf)) for leaf in leaves])
+        if kind is None:  # no host memory kind to stage in: a plain copy
+            return jax.tree.unflatten(treedef, [_read_only(np.array(leaf)) for leaf in leaves])
         one_replica, transfer = plan(leaves, kind)
         staged = transfer(_sources(leaves, one_replica))  # every transfer starts before the first is waited for
-        return lambda: jax.tree.unflatten(treedef, [_host_value(array) for array in staged])
+        return jax.tree.unflatten(treedef, [_host_value(array) for array in staged])
 
     return to_host
 

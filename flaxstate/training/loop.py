@@ -158,7 +158,6 @@ class TrainLoop:
             look.data,
             self._signals,
             self._progress,
-            self._recorder.start_copy,
             n_microbatches,
             begun.state,
             begun.rng,
@@ -204,7 +203,7 @@ class TrainLoop:
         By default read-only numpy arrays in host memory (see `record_memory`),
         valid for as long as they are held.
         """
-        return self._recorder.start_copy(self._runner.state, None)()[0]
+        return self._recorder.copy(self._runner.state, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""

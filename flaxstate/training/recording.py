@@ -1,9 +1,8 @@
 """A record from a segment's training: the state's copy, the data position, every process's waits, the run's facts.
 
-`TrainLoop` trains a segment with its `SegmentRunner` (which starts the
-record's copy of the state with the recorder's `start_copy`), then asks its
-`Recorder` for the `Checkpoint`: that copy (the loop's own state is donated
-at the next dispatch), the data position and
+`TrainLoop` trains a segment with its `SegmentRunner`, then asks its
+`Recorder` for the `Checkpoint`: the copy of the state that the record holds
+(the loop's own is donated at the next dispatch), the data position and
 every process's waits gathered across processes (one collective each), and
 what every record of a run carries (its key, id, session, batch size,
 devices and peak FLOP/s).
@@ -60,7 +59,7 @@ class Recorder:
     """Makes a run's records (see the module's docstring).
 
     Attributes:
-        start_copy: `(state, grads) -> Copy`, the copies a record holds, started (`copies.record_copier`).
+        copy: `(state, grads) -> (state, grads)` as a record holds them (`copies.record_copier`).
         views: the loop's device state behind its newest record's copy.
         data: the loop's data, for its position.
         progress: the progress display, told of every record.
@@ -68,7 +67,7 @@ class Recorder:
         rng, run_id, batch_size, n_devices, peak_flops, skipped_damaged: what every record carries.
     """
 
-    start_copy: Callable[[PyTree, PyTree], copies.Copy]
+    copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
     views: copies.DeviceViews
     data: DataStream
     progress: ProgressDisplay
@@ -103,7 +102,7 @@ class Recorder:
         restored_step = None if begun.restored is None else int(begun.restored.step)
         devices = list(placement.mesh.devices.flat)
         return cls(
-            start_copy=copies.record_copier(placement.mesh, shardings, record_memory),
+            copy=copies.record_copier(placement.mesh, shardings, record_memory),
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
@@ -130,8 +129,8 @@ class Recorder:
         """The record of a segment: `state` is the loop's live state at `step` (a collective in multi-process runs).
 
         Args:
-            trained: what the segment's training gives, the record's copy of the state started.
-            state: the loop's own state (published as the record's device view).
+            trained: what the segment's training gives.
+            state: the loop's own state (copied for the record, and published as its device view).
             step, final, preempted: the record's step, and whether it ends the run, or a preemption notice does.
             requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
             flops_per_step: XLA's count of a step's FLOPs, or `None`.
@@ -141,8 +140,7 @@ class Recorder:
         position = multihost.gather_position(self.data.position(), self.batch_size)
         waits = trained.waits
         process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
-        host_state, grads = trained.copy()
-        grads = None if preempted else grads  # a notice that came while the devices finished
+        host_state, grads = self.copy(state, None if preempted else trained.grads)
         self.views.publish(host_state, state)
         record = Checkpoint(
             state=host_state,

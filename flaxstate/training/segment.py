@@ -10,11 +10,6 @@ counts the time the devices waited for the host and for the data
 (`flaxstate.training.waiting`). Between dispatches it hands a Ctrl-C over
 (`KeyboardInterrupt`) and stops early on a preemption notice. An interrupted
 segment is kept, so the record that the next call makes covers all its steps.
-
-After the last dispatch it starts the record's copy of the state (see
-`flaxstate.training.copies`) before it waits for the devices: the transfer
-is queued behind the last steps, and the host's part of it runs while the
-devices compute, not after.
 """
 
 from __future__ import annotations
@@ -40,8 +35,6 @@ from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 from flaxstate.training.watchdog import Watchdog
 
 PyTree = Any
-Copy = Callable[[], tuple[PyTree, PyTree]]
-"""A record's copy under way (`flaxstate.training.copies.Copy`)."""
 _NOT_COUNTED = object()
 _NOT_TRACED = contextlib.nullcontext()
 try:  # whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read
@@ -75,8 +68,7 @@ class Trained:
     """What a segment's training gives its record.
 
     Attributes:
-        copy: the record's copy of the state and of the last step's gradients (`None`
-            after a preemption notice), started before the host waited for the devices.
+        grads: the last step's gradients (`None` after a preemption notice).
         loss: the last loss (`None` if no step ran).
         n_steps: the steps the segment trained.
         elapsed: seconds training, up to the devices finishing the last step.
@@ -84,7 +76,7 @@ class Trained:
         waits: seconds of `elapsed` the devices waited for the host, and for the data.
     """
 
-    copy: Copy
+    grads: PyTree
     loss: float | None
     n_steps: int
     elapsed: float
@@ -101,7 +93,6 @@ class SegmentRunner:
         data: the training data.
         signals: Ctrl-C and preemption notices.
         progress: the progress bar.
-        start_copy: starts the record's copy of the state and gradients (`copies.record_copier`).
         n_microbatches: M microbatches a step (a batch must split into them).
         state: the state to train (placed on the devices).
         rng: the run's key.
@@ -118,7 +109,6 @@ class SegmentRunner:
         data: DataStream,
         signals: Signals,
         progress: ProgressDisplay,
-        start_copy: Callable[[PyTree, PyTree], Copy],
         n_microbatches: int,
         state: FlaxOptimTrainState,
         rng: jax.Array,
@@ -131,7 +121,6 @@ class SegmentRunner:
         self._data = data
         self._signals = signals
         self._progress = progress
-        self._start_copy = start_copy
         self._n_microbatches = n_microbatches
         self.leaves, self._treedef = jax.tree.flatten(state)
         self.step = int(jax.device_get(state.step))
@@ -187,7 +176,6 @@ class SegmentRunner:
                 self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(sizes, total, segment)
-            copy = self._start_copy(self.state, grads)  # queued behind the last steps: no wait of its own
             self._watchdog.phase = f"waiting for the devices to finish step {self.step}"
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
@@ -198,7 +186,7 @@ class SegmentRunner:
             raise nonfinite.error(first_nonfinite, self._patience)
         self._nonfinite_run = segment.watch.run
         n_steps = self.step - segment.start_step
-        return Trained(copy, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
+        return Trained(grads, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
 
     def check_batch(self, batch: batching.Batch) -> None:
         """Checks a batch's split over the placement and into microbatches, once per shape."""
