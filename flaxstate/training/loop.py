@@ -145,7 +145,7 @@ class TrainLoop:
         with self._watchdog.watching(phase):
             begun = startup.start(init, task, rng, where, look, init_names, self._progress)
         self._run_id = begun.run_id
-        self._restored_step = None if begun.restored is None else int(begun.restored.step)
+        self._restored_step = begun.restored_step
         self._program = Program.build(
             where, task, apply_names, mutable_collections, n_microbatches, begun.state, begun.rng
         )

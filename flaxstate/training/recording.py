@@ -99,14 +99,13 @@ class Recorder:
             record_memory: where records hold their copy (`copies.RECORD_MEMORIES`).
             peak_flops_per_device: one device's peak FLOP/s, or `None` to look the devices up.
         """
-        restored_step = None if begun.restored is None else int(begun.restored.step)
         devices = list(placement.mesh.devices.flat)
         return cls(
             copy=copies.record_copier(placement.mesh, shardings, record_memory),
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
-            session=session(placement, begun.restore_seconds, restored_step),
+            session=session(placement, begun.restore_seconds, begun.restored_step),
             rng=begun.rng,
             run_id=begun.run_id,
             batch_size=look.batch_size,

@@ -220,8 +220,11 @@ class SegmentRunner:
         return batching.stack(batches, first_step)
 
     def _draw(self, sizes: Sequence[int], waits: WaitTimes) -> Iterator[tuple[int, Any]]:
-        """Each dispatch's `(n_steps, batch)` in turn, drawn when asked (and placed on the devices under several
-        processes; one process hands host arrays to the compiled call)."""
+        """Each dispatch's `(n_steps, batch)` in turn, drawn when asked.
+
+        Under several processes a batch is placed on the devices as it is
+        drawn; one process hands host arrays to the compiled call.
+        """
         several_processes = jax.process_count() > 1
         first_step = self.step + 1
         for n in sizes:

@@ -136,6 +136,11 @@ class Start:
     restored: CheckpointFile | None
     restore_seconds: float = 0.0
 
+    @property
+    def restored_step(self) -> int | None:
+        """The restored checkpoint's step, or `None` for a fresh run."""
+        return None if self.restored is None else int(self.restored.step)
+
 
 def start(
     init: Callable[..., Any] | CheckpointSource,
