@@ -43,8 +43,7 @@ class LocalStep:
 def _offer(
     store: LocalStore, listed: list[int], template: Mapping[str, Any] | None, with_optimizer: bool, step: int | None
 ) -> tuple[dict[int, dict[str, Any]], str | None]:
-    """This process's steps (of `listed`) that can restore into `template`, newest first, and why the newest
-    it has cannot."""
+    """This process's steps of `listed` that fit `template`, newest first, and why its newest does not."""
     held: dict[int, dict[str, Any]] = {}
     steps = [s for s in reversed(listed) if step is None or s == step]
     if not steps:
