@@ -112,6 +112,21 @@ class DataStream:
         self._in_flight.append(entry)
         return entry[1]
 
+    def take(self, n_batches: int) -> list[Any]:
+        """Hands out the next `n_batches` batches, as `next` does (one call a dispatch of K steps).
+
+        Raises:
+            as `next`; the batches drawn before stay in flight.
+        """
+        if self._redraw or self._stateful:
+            return [self.next() for _ in range(n_batches)]
+        batches, in_flight = [], self._in_flight
+        for _ in range(n_batches):
+            batch = self._draw()
+            in_flight.append((None, batch))
+            batches.append(batch)
+        return batches
+
     def commit(self, n_batches: int) -> None:
         """Marks the oldest `n_batches` batches in flight as trained."""
         if n_batches == 1:

@@ -203,7 +203,7 @@ class TrainLoop:
         By default read-only numpy arrays in host memory (see `record_memory`),
         valid for as long as they are held.
         """
-        return self._recorder.copy(self._runner.state, None)[0]
+        return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
@@ -296,7 +296,8 @@ class TrainLoop:
         self._watchdog.phase = "agreeing with the other processes on the record"
         return self._recorder.make(
             trained,
-            self._runner.state,
+            self._runner.leaves,
+            self._runner.treedef,
             self.step,
             final=self.step >= self.n_steps,
             preempted=preempted,

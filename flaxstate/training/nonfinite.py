@@ -42,7 +42,8 @@ def error(step: int, patience: int) -> FloatingPointError:
 
 
 CHUNK = 64
-"""How many dispatches' losses one check reduces (fewer are padded by repeating the last)."""
+"""How many dispatches' losses one check reduces at most (fewer are padded by repeating the last, up to
+a power of two: a check's call costs about a microsecond an argument, and it compiles once per size)."""
 
 
 @jax.jit
@@ -109,7 +110,8 @@ class LossWatch:
             self._check()
 
     def _check(self) -> None:
-        padded = tuple(self._pending + [self._pending[-1]] * (CHUNK - len(self._pending)))
+        n_pending = len(self._pending)
+        padded = tuple(self._pending + [self._pending[-1]] * ((1 << (n_pending - 1).bit_length()) - n_pending))
         if self._patience:
             n_valid = len(self._pending) * self._pending_steps
             index, self.run = _first_long_run(padded, self.run, self._patience, n_valid)

@@ -108,7 +108,9 @@ class Placement(Protocol):
 
     def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch: ...
 
-    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]: ...
+    def compile_update(
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+    ) -> Callable[..., Any]: ...
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
 
@@ -183,8 +185,10 @@ class DataParallel:
         """This process's batch as global arrays (several processes) or as it is (see `batching.to_devices`)."""
         return batching.to_devices(batch, self.mesh, stacked=stacked)
 
-    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]:
-        """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated."""
+    def compile_update(
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+    ) -> Callable[..., Any]:
+        """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated (outputs replicated)."""
         return self._map(program, stacked, donate=(0,))
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
@@ -270,14 +274,16 @@ class Sharded:
         """This process's part of the global batch as global arrays (several processes) or as it is."""
         return batching.to_devices(batch, self.mesh, stacked=stacked, sharding=self.batch_layout.sharding(stacked))
 
-    def compile_update(self, program: Callable[..., Any], shardings: PyTree, stacked: bool) -> Callable[..., Any]:
-        """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)`, the state donated.
+    def compile_update(
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+    ) -> Callable[..., Any]:
+        """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses[, grads])`, the state donated.
 
-        The gradients (a K-step program's last step's; `None` for one step) lie as their parameters.
+        The gradients (`gradients`: a K-step record's last step's) lie as their parameters.
         """
         leaves = jax.tree.leaves(shardings)
-        grads = shardings.params if stacked else None
-        return self._jit(program, leaves, stacked, (leaves, self._replicated, grads), donate=(0,))
+        out = (leaves, self._replicated, shardings.params) if gradients else (leaves, self._replicated)
+        return self._jit(program, leaves, stacked, out, donate=(0,))
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
         """Compiles `program(state_leaves, batch, rng_data) -> grads`, sharded as their parameters."""

@@ -2,8 +2,8 @@
 
 Built from the pure step functions of `flaxstate.training.step` and compiled
 by the loop's placement, once each (the update once per K used). The update
-of any K returns one structure, `(state_leaves, losses, grads)`, see
-`step.update_program`.
+of any K returns one structure, `(state_leaves, losses)`; a record's dispatch
+also gives its last step's gradients (see `step.update_program`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Program:
     Args:
         placement: where the loop runs.
         train_step: `step.make_train_step(...)`, with the placement's `across`.
+        fenced_step: the same, `fenced` (the K-step updates').
         shardings: the state's shardings (`placement.state_shardings(state)`).
         state: the state (the programs take its flat leaves; only its
             structure, shapes, dtypes and shardings are kept).
@@ -38,19 +39,21 @@ class Program:
         self,
         placement: Placement,
         train_step: Callable[..., Any],
+        fenced_step: Callable[..., Any],
         shardings: PyTree,
         state: PyTree,
         rng_impl: Any,
     ) -> None:
         self._placement = placement
         self._train_step = train_step
+        self._fenced_step = fenced_step
         self._shardings = shardings
         leaves, self._treedef = jax.tree.flatten(state)
         self._abstract_leaves = [
             jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in leaves
         ]
         self._rng_impl = rng_impl
-        self._updates: dict[int, Callable[..., Any]] = {}
+        self._updates: dict[tuple[int, bool], Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
         self._flops: Any = _UNKNOWN
 
@@ -72,26 +75,34 @@ class Program:
             mutable: the collections the update may change.
             n_microbatches: M microbatches a step (see `step.microbatched`).
         """
-        train_step = step.make_train_step(task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches)
+        train_step, fenced_step = (
+            step.make_train_step(task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches, fenced)
+            for fenced in (False, True)
+        )
         shardings = placement.state_shardings(state)
-        return cls(placement, train_step, shardings, state, jax.random.key_impl(rng))
+        return cls(placement, train_step, fenced_step, shardings, state, jax.random.key_impl(rng))
 
     @property
     def shardings(self) -> PyTree:
         """The state's shardings."""
         return self._shardings
 
-    def update(self, n_steps: int) -> Callable[..., Any]:
-        """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)` of `n_steps` steps.
+    def update(self, n_steps: int, gradients: bool = False) -> Callable[..., Any]:
+        """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses)` of `n_steps` steps.
 
         The state is donated; `batches` are stacked along a leading axis of
-        `n_steps` when it is more than one. A `jax.jit` object: its
-        `lower(...).compile()` gives XLA's cost and memory analyses.
+        `n_steps` when it is more than one. With `gradients` (`n_steps` > 1)
+        the last step's gradients come out too, a record's (see
+        `step.update_program`). A `jax.jit` object: its `lower(...).compile()`
+        gives XLA's cost and memory analyses.
         """
-        if n_steps not in self._updates:
-            program = step.update_program(self._train_step, n_steps, self._treedef, self._rng_impl)
-            self._updates[n_steps] = self._placement.compile_update(program, self._shardings, stacked=n_steps > 1)
-        return self._updates[n_steps]
+        key = n_steps, gradients
+        if key not in self._updates:
+            train_step = self._fenced_step if n_steps > 1 else self._train_step
+            program = step.update_program(train_step, n_steps, self._treedef, self._rng_impl, gradients)
+            stacked = n_steps > 1
+            self._updates[key] = self._placement.compile_update(program, self._shardings, stacked, gradients)
+        return self._updates[key]
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The FLOPs of one global step, from XLA's cost analysis of the one-step update (computed once).

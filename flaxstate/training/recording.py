@@ -14,10 +14,10 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.tree_util import PyTreeDef
 
 from flaxstate.records import Checkpoint, Session
 from flaxstate.train_state import FlaxOptimTrainState
@@ -59,7 +59,7 @@ class Recorder:
     """Makes a run's records (see the module's docstring).
 
     Attributes:
-        copy: `(state, grads) -> (state, grads)` as a record holds them (`copies.record_copier`).
+        copy: `(state_leaves, treedef, grads) -> (state, grads)` as a record holds them (`copies.record_copier`).
         views: the loop's device state behind its newest record's copy.
         data: the loop's data, for its position.
         progress: the progress display, told of every record.
@@ -67,7 +67,7 @@ class Recorder:
         rng, run_id, batch_size, n_devices, peak_flops, skipped_damaged: what every record carries.
     """
 
-    copy: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+    copy: copies.Copier
     views: copies.DeviceViews
     data: DataStream
     progress: ProgressDisplay
@@ -117,7 +117,8 @@ class Recorder:
     def make(
         self,
         trained: Trained,
-        state: FlaxOptimTrainState,
+        leaves: list[jax.Array],
+        treedef: PyTreeDef,
         step: int,
         final: bool,
         preempted: bool,
@@ -125,11 +126,12 @@ class Recorder:
         flops_per_step: float | None,
         outside: float,
     ) -> Checkpoint:
-        """The record of a segment: `state` is the loop's live state at `step` (a collective in multi-process runs).
+        """The record of a segment, the loop's live state at `step` (a collective in multi-process runs).
 
         Args:
             trained: what the segment's training gives.
-            state: the loop's own state (copied for the record, and published as its device view).
+            leaves, treedef: the loop's own state, as it holds it (copied for the record, and published
+                as its device view).
             step, final, preempted: the record's step, and whether it ends the run, or a preemption notice does.
             requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
             flops_per_step: XLA's count of a step's FLOPs, or `None`.
@@ -139,8 +141,8 @@ class Recorder:
         position = multihost.gather_position(self.data.position(), self.batch_size)
         waits = trained.waits
         process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
-        host_state, grads = self.copy(state, None if preempted else trained.grads)
-        self.views.publish(host_state, state)
+        host_state, grads = self.copy(leaves, treedef, None if preempted else trained.grads)
+        self.views.publish(host_state, jax.tree.unflatten(treedef, leaves))
         record = Checkpoint(
             state=host_state,
             grads=grads,

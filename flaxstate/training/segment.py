@@ -122,14 +122,15 @@ class SegmentRunner:
         self._signals = signals
         self._progress = progress
         self._n_microbatches = n_microbatches
-        self.leaves, self._treedef = jax.tree.flatten(state)
+        self.leaves, self.treedef = jax.tree.flatten(state)
+        """The live state as the compiled update takes it (its arrays are donated at the next dispatch)."""
         self.step = int(jax.device_get(state.step))
         self.rng_data = jax.device_put(jax.random.key_data(rng), batching.replicated(placement.mesh))
         """The run key's raw data, on the devices (the compiled programs take it)."""
         self._watchdog = watchdog
         self._global_batch = global_batch
-        self._compiled: set[int] = set()
-        """The dispatch sizes dispatched before (the first dispatch of a size compiles it)."""
+        self._compiled: set[tuple[int, bool]] = set()
+        """The (size, whether a record's) of the dispatches made before: the first of each compiles."""
         self._flops: Any = _NOT_COUNTED
         self._patience = nonfinite.patience(loss_scaling)
         self._nonfinite_run: jax.Array | None = None
@@ -139,11 +140,6 @@ class SegmentRunner:
         self._checked_shapes: set[tuple[Any, ...]] = set()
         self._check_every_shape = placement.n_local_parts * n_microbatches > 1
         """Whether a batch of a new shape can fail to split (else any size divides, and the first is checked)."""
-
-    @property
-    def state(self) -> FlaxOptimTrainState:
-        """The live state (its arrays are donated at the next dispatch)."""
-        return jax.tree.unflatten(self._treedef, self.leaves)
 
     @property
     def flops_per_step(self) -> float | None:
@@ -207,7 +203,7 @@ class SegmentRunner:
             if n_steps == 1:
                 batch = batching.normalize(self._data.next(), "TrainTask")
             else:
-                batches = [batching.normalize(self._data.next(), "TrainTask") for _ in range(n_steps)]
+                batches = [batching.normalize(each, "TrainTask") for each in self._data.take(n_steps)]
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)
@@ -215,8 +211,9 @@ class SegmentRunner:
         if n_steps == 1:
             self.check_batch(batch)
             return batch
-        for each in batches:
-            self.check_batch(each)
+        if self._check_every_shape or not self._checked_shapes:
+            for each in batches:
+                self.check_batch(each)
         return batching.stack(batches, first_step)
 
     def _draw(self, sizes: Sequence[int], waits: WaitTimes) -> Iterator[tuple[int, Any]]:
@@ -235,10 +232,13 @@ class SegmentRunner:
     def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> Any:
         """Runs the dispatches of `sizes` steps each; returns the last step's gradients.
 
-        Between dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`)
-        and stops early on a preemption notice (returning `None`). The state
-        and step are stored, and the batches trained committed, right after
-        each dispatch, before anything can raise.
+        The last dispatch gives them: K steps by the update that also returns
+        its last step's (`Program.update`), one step by the gradients'
+        program beside the update. Between dispatches it hands a Ctrl-C over
+        (raising `KeyboardInterrupt`) and stops early on a preemption notice
+        (returning `None`). The state and step are stored, and the batches
+        trained committed, right after each dispatch, before anything can
+        raise.
         """
         drawn = self._draw(sizes, segment.waits)
         watchdog = self._watchdog
@@ -252,16 +252,21 @@ class SegmentRunner:
         for n_left in range(len(sizes) - 1, -1, -1):
             n, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
-            if n in self._compiled and (n_left or n > 1 or self._program.has_gradients):
+            compiled = (n, n_left == 0)  # the record's dispatch runs a program of its own
+            if compiled in self._compiled:
                 watchdog.phase = "dispatching"
-            else:  # the first dispatch of its size (or the record's first gradients) compiles
+            else:  # the first dispatch of its kind compiles
                 watchdog.phase = f"compiling the update of {n} steps"
-                self._compiled.add(n)
+                self._compiled.add(compiled)
             watchdog.step = self.step
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
-                if n_left == 0 and n == 1:  # the record's gradients: the last step's, before the update donates
+                if n_left == 0 and n == 1:  # the record's gradients: its step's, before the update donates
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
-                self.leaves, losses, step_grads = updates[n](self.leaves, batch, self.rng_data)
+                if n_left == 0 and n > 1:  # K steps that also give the last one's gradients
+                    update = self._program.update(n, gradients=True)
+                    self.leaves, losses, grads = update(self.leaves, batch, self.rng_data)
+                else:
+                    self.leaves, losses = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
             self._clock.dispatched(losses)
             watchdog.beats += 1
@@ -269,10 +274,7 @@ class SegmentRunner:
             self._data.commit(n)
             segment.watch.add(losses, n)
             self._progress.advance(n)
-            if n > 1:
-                grads = step_grads
             if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
-                grads = step_grads = None  # not the record's: freed before the next dispatch
                 if signals.interrupted:
                     signals.interrupt_now()
                 if signals.reached_preemption():

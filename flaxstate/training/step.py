@@ -154,8 +154,17 @@ def make_train_step(
     mutable: CollectionFilter,
     across: Across,
     n_microbatches: int = 1,
+    fenced: bool = False,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
+
+    `fenced` puts the averaged gradients behind `lax.optimization_barrier`,
+    for the K-step updates: XLA then computes them alike in the scan that
+    returns them (a record's) and the one that does not, where it otherwise
+    fuses them into the update differently (the digits example resumed at
+    step 20 ended a few ulps, amplified by adam to 1e-4, away from an
+    uninterrupted run). One step is left as a hand-written step is: its
+    gradients come from their own program, beside the same update.
 
     The loss and gradients of the batch (`loss_gradients`, over M
     microbatches with `microbatched`), their mean over the devices with the
@@ -172,6 +181,8 @@ def make_train_step(
         rngs = device_rngs(rng, state.step, rng_names, across)
         (value, mutables), grads = gradients(state, state.flax_mutables, inputs, targets, rngs)
         grads, value, mutables = across.mean((grads, value, mutables))
+        if fenced:
+            grads = lax.optimization_barrier(grads)
         mutables = {**state.flax_mutables, **mutables}
         if state.loss_scale is None:
             return state.apply_gradient(grads, flax_mutables=mutables), grads, value
@@ -234,38 +245,50 @@ def _rebuild(treedef: Any, leaves: list[jax.Array], rng_impl: Any, rng_data: jax
 
 
 def update_program(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], n_steps: int, treedef: Any, rng_impl: Any
-) -> Callable[..., tuple[list[jax.Array], jax.Array, PyTree]]:
-    """Returns `(state_leaves, batches, rng_data) -> (state_leaves, losses, grads)`: `n_steps` updates in one call.
+    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]],
+    n_steps: int,
+    treedef: Any,
+    rng_impl: Any,
+    gradients: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
+    """Returns `(state_leaves, batches, rng_data) -> (state_leaves, losses)`: `n_steps` updates in one call.
 
-    One output structure whatever K: `losses` has shape `(n_steps,)`;
-    `grads` are the last step's for K > 1 (a `lax.scan` over K stacked
-    batches) and `None` for one step, whose record computes its gradients
-    with `gradients_program` before the update (one more output buffer per
-    parameter every step would cost more; every step still runs the one same
-    XLA program, so where records fall never moves a result by an ulp). The
+    One output structure whatever K: `losses` has shape `(n_steps,)`, and
+    K > 1 is a `lax.scan` over K stacked batches. With `gradients` (K > 1
+    only) it also returns the last step's, carried through the scan: a
+    record's dispatch runs it, every other runs the update without (carried
+    through every scan, they cost a small MLP's step 2% here; the two give
+    the same state bit for bit on this CPU). A record of one step computes its
+    gradients with `gradients_program` instead, beside the same update. The
     state travels as its flat list of leaves (`treedef` rebuilds it inside)
     and the key as its raw data (`rng_impl` rewraps it), which keeps the
     per-step dispatch in JAX's C++ path, off Python's pytree flattening.
     """
 
-    def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[PyTree, jax.Array, PyTree]:
+    def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[Any, ...]:
         if n_steps == 1:
             state, _, loss = train_step(state, batches, rng)
-            return state, jnp.reshape(loss.astype(jnp.float32), (1,)), None
+            return state, jnp.reshape(loss.astype(jnp.float32), (1,))
+        if not gradients:
 
-        def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
+            def body(state: PyTree, batch: Batch) -> tuple[PyTree, jax.Array]:
+                state, _, loss = train_step(state, batch, rng)
+                return state, loss.astype(jnp.float32)
+
+            return lax.scan(body, state, batches, length=n_steps)
+
+        def carrying(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
             state, grads, loss = train_step(carry[0], batch, rng)
             return (state, grads), loss.astype(jnp.float32)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (state, grads), losses = lax.scan(body, (state, zeros), batches, length=n_steps)
+        (state, grads), losses = lax.scan(carrying, (state, zeros), batches, length=n_steps)
         return state, losses, grads
 
     def program(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
-        state, losses, grads = steps(state, batches, rng)
-        return jax.tree.leaves(state), losses, grads
+        state, *outputs = steps(state, batches, rng)
+        return jax.tree.leaves(state), *outputs
 
     return program
 
