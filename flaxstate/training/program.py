@@ -122,11 +122,6 @@ class Program:
             self._flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._flops
 
-    @property
-    def has_gradients(self) -> bool:
-        """Whether the record's gradient program was made (its first call compiles it)."""
-        return self._gradients is not None
-
     def gradients(self) -> Callable[..., Any]:
         """The compiled `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated)."""
         if self._gradients is None:

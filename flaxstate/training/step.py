@@ -257,8 +257,9 @@ def update_program(
     K > 1 is a `lax.scan` over K stacked batches. With `gradients` (K > 1
     only) it also returns the last step's, carried through the scan: a
     record's dispatch runs it, every other runs the update without (carried
-    through every scan, they cost a small MLP's step 2% here; the two give
-    the same state bit for bit on this CPU). A record of one step computes its
+    through every scan, they cost a small MLP's step 2% here). Given a
+    `fenced` train step (`make_train_step`), the two give the same state bit
+    for bit, wherever records fall. A record of one step computes its
     gradients with `gradients_program` instead, beside the same update. The
     state travels as its flat list of leaves (`treedef` rebuilds it inside)
     and the key as its raw data (`rng_impl` rewraps it), which keeps the
