@@ -62,9 +62,12 @@ def restore_interrupts() -> None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     template = fs.sharded_like(template, jax.tree.map(lambda _: sharding, template))
     reader = fs.CheckpointFileReader(directory)
-    start = time.perf_counter()
-    reader.restore(template)
-    print(f"RESTORE SECONDS {time.perf_counter() - start:.3f}", flush=True)
+    seconds = []
+    for _ in range(3):  # the shortest: the first, cold, took 0.3 s where later ones were quicker, and all
+        start = time.perf_counter()  # 12 signals of one CI run landed after their restore
+        reader.restore(template)
+        seconds.append(time.perf_counter() - start)
+    print(f"RESTORE SECONDS {min(seconds):.3f}", flush=True)
     for attempt in range(config["attempts"]):
         print(f"START {attempt}", flush=True)
         try:
