@@ -70,8 +70,8 @@ def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_pat
         processes.Watched(processes.start("resume", dict(config, hang_timeout=5), index, 2, port)) for index in (0, 1)
     ]
     try:
-        for worker in workers:
-            worker.wait_for("record 10", timeout=120)
+        for worker in workers:  # record 20's save waited for step 10's: a step is saved before the stop
+            worker.wait_for("record 20", timeout=120)
         os.kill(workers[1].process.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         assert workers[0].finish(timeout=90) == watchdog.EXIT_STATUS
