@@ -133,21 +133,29 @@ class DeviceViews:
     an `EvalLoop` given that record (or a summary of it) evaluates the device
     arrays instead of putting the host copy's parameters on the devices
     again: no second copy of the parameters, no host-to-device transfer. The
-    loop `clear`s its view before it dispatches (and donates).
+    loop `clear`s its view before it dispatches (and donates). The view keeps
+    the loop's flat leaves and builds the state from them at the first lookup
+    (most records are never evaluated from the loop's arrays).
     """
 
     def __init__(self) -> None:
         self._host: PyTree = None
         self._device: PyTree = None
+        self._leaves: list[jax.Array] = []
+        self._treedef: PyTreeDef | None = None
 
-    def publish(self, host: PyTree, device: PyTree) -> None:
-        """Notes that `host` (a record's state) is a copy of `device` (the loop's state)."""
-        self._host, self._device = host, device
+    def publish(self, host: PyTree, leaves: list[jax.Array], treedef: PyTreeDef) -> None:
+        """Notes that `host` (a record's state) is a copy of the loop's state, held as `leaves` of `treedef`."""
+        self._host, self._device, self._leaves, self._treedef = host, None, leaves, treedef
 
     def clear(self) -> None:
         """Forgets the view: the loop is about to donate its state."""
-        self._host = self._device = None
+        self._host, self._device, self._leaves, self._treedef = None, None, [], None
 
     def lookup(self, host: PyTree) -> PyTree | None:
         """The device state behind `host`, or `None` (another state, or the loop has dispatched since)."""
-        return self._device if host is not None and host is self._host else None
+        if host is None or host is not self._host or self._treedef is None:
+            return None
+        if self._device is None:
+            self._device = jax.tree.unflatten(self._treedef, self._leaves)
+        return self._device

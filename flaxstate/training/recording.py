@@ -142,7 +142,7 @@ class Recorder:
         waits = trained.waits
         process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
         host_state, grads = self.copy(leaves, treedef, None if preempted else trained.grads)
-        self.views.publish(host_state, jax.tree.unflatten(treedef, leaves))
+        self.views.publish(host_state, leaves, treedef)
         record = Checkpoint(
             state=host_state,
             grads=grads,
