@@ -167,6 +167,7 @@ def handwritten_jit_runner(model: MLP, data: list, n_steps_per_dispatch: int, re
     jitted = jax.jit(mapped, in_shardings=shardings, donate_argnums=(0, 1))
     state = jax.device_put((params, tx.init(params)), shardings[0])
     batches = itertools.cycle(data)
+    kept: list = []
 
     def run(n_steps: int) -> None:
         nonlocal state
@@ -183,7 +184,6 @@ def handwritten_jit_runner(model: MLP, data: list, n_steps_per_dispatch: int, re
             kept.append(([np.array(leaf) for leaf in jax.tree.leaves(state)], float(loss)))
             del kept[:-1]  # the newest record is held, as a loop's caller holds its newest
 
-    kept: list = []
     return run
 
 

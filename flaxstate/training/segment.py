@@ -184,9 +184,14 @@ class SegmentRunner:
         n_steps = self.step - segment.start_step
         return Trained(grads, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
 
+    @property
+    def _checking(self) -> bool:
+        """Whether a batch can still fail the split check (else the first batch checked stands for all)."""
+        return self._check_every_shape or not self._checked_shapes
+
     def check_batch(self, batch: batching.Batch) -> None:
         """Checks a batch's split over the placement and into microbatches, once per shape."""
-        if not self._check_every_shape and self._checked_shapes:
+        if not self._checking:
             return
         shapes = tuple([array.shape for part in batch for array in part])
         if shapes not in self._checked_shapes:
@@ -211,7 +216,7 @@ class SegmentRunner:
         if n_steps == 1:
             self.check_batch(batch)
             return batch
-        if self._check_every_shape or not self._checked_shapes:
+        if self._checking:  # skips K calls that would each return at once
             for each in batches:
                 self.check_batch(each)
         return batching.stack(batches, first_step)

@@ -270,21 +270,14 @@ def update_program(
         if n_steps == 1:
             state, _, loss = train_step(state, batches, rng)
             return state, jnp.reshape(loss.astype(jnp.float32), (1,))
-        if not gradients:
 
-            def body(state: PyTree, batch: Batch) -> tuple[PyTree, jax.Array]:
-                state, _, loss = train_step(state, batch, rng)
-                return state, loss.astype(jnp.float32)
-
-            return lax.scan(body, state, batches, length=n_steps)
-
-        def carrying(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
+        def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
             state, grads, loss = train_step(carry[0], batch, rng)
-            return (state, grads), loss.astype(jnp.float32)
+            return ((state, grads) if gradients else (state,)), loss.astype(jnp.float32)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (state, grads), losses = lax.scan(carrying, (state, zeros), batches, length=n_steps)
-        return state, losses, grads
+        start = (state, jax.tree.map(jnp.zeros_like, state.params)) if gradients else (state,)
+        carry, losses = lax.scan(body, start, batches, length=n_steps)
+        return carry[0], losses, *carry[1:]
 
     def program(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
