@@ -198,8 +198,8 @@ def global_batches(
         a re-iterable of this process's parts of the global batches, from step 0.
 
     Raises:
-        ValueError: an empty source, arrays of different lengths, a
-            `batch_size` that the processes (or the mesh's batch parts)
+        ValueError: an empty source, arrays of different lengths, fewer
+            examples than one global batch (naming both), a `batch_size` that the processes (or the mesh's batch parts)
             do not divide, naming both, or only one of `mesh` and `axis_rules`.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -213,8 +213,14 @@ def global_batches(
             f"global_batches source must be numpy arrays (or a dict or tuple of them) or a random-access source "
             f"(len and __getitem__), got {type(source).__name__}."
         )
-    if (len(jax.tree.leaves(source)[0]) if _is_arrays(source) else len(source)) == 0:
+    n_examples = len(jax.tree.leaves(source)[0]) if _is_arrays(source) else len(source)
+    if n_examples == 0:
         raise ValueError("global_batches source is empty.")
+    if n_examples < batch_size:
+        raise ValueError(
+            f"global_batches source has {n_examples} examples, fewer than one global batch of {batch_size}: a "
+            f"batch would hold some examples twice. Give a batch_size of at most {n_examples}, or more examples."
+        )
     if (mesh is None) != (axis_rules is None):
         raise ValueError("global_batches takes mesh and axis_rules together (the sharded loop's), or neither.")
     if mesh is not None and axis_rules is not None:

@@ -110,6 +110,11 @@ def test_bad_settings_are_refused_naming_the_problem():
         fs.global_batches((X, Y), 0)
     with pytest.raises(ValueError, match="random-access"):
         fs.global_batches(iter([1, 2]), 4)
+    with pytest.raises(ValueError, match="has 15 examples, fewer than one global batch of 16"):
+        fs.global_batches((X, Y), 16)  # a batch would repeat examples
+    with pytest.raises(ValueError, match="has 3 examples, fewer than one global batch of 4"):
+        fs.global_batches([(x, y) for x, y in zip(X[:3], Y[:3], strict=True)], 4)
+    assert len(next(iter(fs.global_batches((X, Y), 15)))[1]) == 15  # exactly one batch: every example once
 
 
 def served(output, start, local):

@@ -9,6 +9,7 @@ state from disk).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -80,7 +81,8 @@ class CheckpointFileReader:
                 earlier model layout (the persistent tier only).
 
         Raises:
-            ValueError: a list that is not `[local_dir, persistent_dir]`.
+            ValueError: a list that is not `[local_dir, persistent_dir]`, or
+                tiers that are one directory or one inside the other (naming both).
         """
         self.local_dir: Path | None = None
         """The local tier's directory, or `None` (one directory)."""
@@ -93,6 +95,12 @@ class CheckpointFileReader:
                     f"CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir]; got {dirs!r}."
                 )
             self.local_dir, self.output_dir = Path(dirs[0]), Path(dirs[1])
+            overlap = tiers.overlap(self.local_dir, self.output_dir)
+            if overlap is not None:
+                raise ValueError(
+                    f"CheckpointFileReader's tiers [{str(dirs[0])!r}, {str(dirs[1])!r}] {overlap}: "
+                    + tiers.tiers_apart_advice()
+                )
         self.target = target
         self.step = step
         self.rename = rename
@@ -144,8 +152,9 @@ class CheckpointFileReader:
         """
         directory = self._directory()
         try:
+            agreed_persistent = None
             if self.local_dir is not None:
-                restored = self._read_local(template)
+                restored, agreed_persistent = self._read_local(template)
                 if restored is not None:
                     return restored
             if is_empty_or_missing(directory):
@@ -159,25 +168,41 @@ class CheckpointFileReader:
                 )
                 raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
             with CheckpointStore(directory, read_only=True) as store:
-                return self._read(store, template)
+                persistent = self._read(store, template)
+            if agreed_persistent is not None and persistent.step < agreed_persistent:
+                # The persistent tier's newest step read as a step but its arrays were damaged: the tiers agree
+                # again against the step restored, so a local step newer than that one is not lost.
+                local, _ = self._read_local(template, persistent.step, persistent.skipped_damaged)
+                if local is not None:
+                    return local
+            return persistent
         except Exception as error:
             damage.reraise_interrupt(error)
             raise
 
-    def _read_local(self, template: CheckpointFile | None) -> CheckpointFile | None:
-        """The newest local step whole on every process, when newer than the persistent tier's; else `None`."""
+    def _read_local(
+        self, template: CheckpointFile | None, persistent_step: int | None = None, skipped: tuple[str, ...] = ()
+    ) -> tuple[CheckpointFile | None, int | None]:
+        """The newest local step whole on every process, when newer than the persistent tier's; else `None`.
+
+        Also returns the persistent tier's newest step as the processes agreed
+        on it: its newest step whose meta reads, unless `persistent_step` (the
+        step that the persistent read restored after `skipped` were damaged)
+        is given.
+        """
         assert self.local_dir is not None
         state = template.state if template is not None else None
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
         persistent = self._directory()
-        newest = None
-        if not is_empty_or_missing(persistent):
+        newest = persistent_step
+        if persistent_step is None and not is_empty_or_missing(persistent):
             with CheckpointStore(persistent, read_only=True) as store:
                 newest = _newest_readable(store)
-        chosen, why, passed_over = tiers.agreed_local_step(
+        agreement = tiers.agreed_local_step(
             self.local_dir, state_dict if self.rename is None else None, with_optimizer, newest, self.step
         )
+        chosen, why, passed_over = agreement.local, agreement.why, agreement.passed_over
         if chosen is not None:
             error: Exception | None = None
             try:
@@ -188,13 +213,14 @@ class CheckpointFileReader:
             failed = tiers.all_read(error)
             if failed is None:
                 tiers.say("restored step %d from the local tier %s: %s.", chosen.step, self.local_dir, why)
-                return self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
+                restored = self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
+                return dataclasses.replace(restored, skipped_damaged=skipped), agreement.persistent
             if error is not None and not damage.is_damage(error):
                 raise error
             why, passed_over = f"the local step {chosen.step} could not be read ({failed})", True
-        if newest is not None or passed_over:  # else both tiers are empty: a fresh start, nothing to say
+        if persistent_step is None and (newest is not None or passed_over):  # else both empty: nothing to say
             tiers.say("restoring from the persistent tier %s: %s.", persistent, why, warn=passed_over)
-        return None
+        return None, agreement.persistent
 
     def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
         """The candidates not yet found damaged, preferred first (only `step` when it was given)."""

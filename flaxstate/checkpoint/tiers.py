@@ -31,6 +31,27 @@ CANDIDATES = 8
 """How many of its newest local steps each process offers (a run keeps a few)."""
 
 
+def overlap(local_dir: Path, persistent_dir: Path) -> str | None:
+    """How the two tiers' directories overlap ("are the same directory", "... inside ..."), or `None` if apart."""
+    local, persistent = Path(local_dir).absolute().resolve(), Path(persistent_dir).absolute().resolve()
+    if local == persistent:
+        return f"are the same directory, {local}"
+    if persistent in local.parents:
+        return f"overlap: the local tier {local} is inside the persistent tier {persistent}"
+    if local in persistent.parents:
+        return f"overlap: the persistent tier {persistent} is inside the local tier {local}"
+    return None
+
+
+def tiers_apart_advice() -> str:
+    """What to do about overlapping tiers."""
+    return (
+        "each tier lists, removes and sets aside steps in its own directory, so one would take the other's "
+        "files for its own. Give the local tier a directory of its own on each host (e.g. /dev/shm/run) and "
+        "the persistent tier another (e.g. a shared filesystem's runs/exp1)."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalStep:
     """A local step that every process holds whole: this process's store, the step, and its meta."""
@@ -70,13 +91,32 @@ def _offer(
     return held, note
 
 
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What the processes agreed on: the local step to restore (or `None`), and why.
+
+    Attributes:
+        local: the local step to restore; `None`: the persistent tier.
+        why: one line that says which tier and why.
+        passed_over: a local step newer than the persistent tier's is passed
+            over (worth a warning: progress is lost).
+        persistent: the persistent tier's newest step as the processes see it
+            (the newest of their views), or `None`.
+    """
+
+    local: LocalStep | None
+    why: str
+    passed_over: bool
+    persistent: int | None
+
+
 def agreed_local_step(
     local_dir: Path,
     template: Mapping[str, Any] | None,
     with_optimizer: bool,
     persistent_newest: int | None,
     step: int | None = None,
-) -> tuple[LocalStep | None, str, bool]:
+) -> Agreement:
     """The newest local step whole on every process, when newer than the persistent tier's (a collective).
 
     Args:
@@ -87,9 +127,7 @@ def agreed_local_step(
         step: only this step (a reader made with `step=`).
 
     Returns:
-        the step to restore (`None`: the persistent tier), one line that says
-        which and why, and whether a local step newer than the persistent
-        tier's is passed over (worth a warning: progress is lost).
+        the agreement: the local step to restore or `None`, and why.
     """
     store = LocalStore(process_directory(local_dir), read_only=True)
     listed = store.steps()
@@ -114,11 +152,14 @@ def agreed_local_step(
             for i, offer in enumerate(offers)
             if offer["held"]
         )
-        return None, f"no local step is whole on every process ({notes or held_steps})", passed_over
+        why = f"no local step is whole on every process ({notes or held_steps})"
+        return Agreement(None, why, passed_over, persistent)
     newest, _ = max(common)
     if persistent is not None and newest <= persistent:
-        return None, f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}", False
-    return LocalStep(store, newest, held[newest]), f"step {newest} is whole in every process's local tier", False
+        why = f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}"
+        return Agreement(None, why, False, persistent)
+    chosen = LocalStep(store, newest, held[newest])
+    return Agreement(chosen, f"step {newest} is whole in every process's local tier", False, persistent)
 
 
 def all_read(error: BaseException | None) -> str | None:

@@ -43,6 +43,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import collectives, environment
+from flaxstate.checkpoint import tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.ledger import Ledger
@@ -129,12 +130,22 @@ class _Writer:
                 f"{directory} is already written by {first!r}; two writers on one directory would save the "
                 "same steps twice. Give each writer its own directory, or close() the first one."
             )
+        for other in list(_OPEN.values()):
+            if other._per_process != per_process:
+                local, persistent = (self, other) if per_process else (other, self)
+                overlap = tiers.overlap(local.output_dir, persistent.output_dir)
+                if overlap is not None:
+                    raise CheckpointError(
+                        f"{description} and the open {other!r}: the local and persistent tiers {overlap}; "
+                        + tiers.tiers_apart_advice()
+                    )
         self._metadata = to_json(metadata)
         self._best = best
         self._overwrite = overwrite
         self._claimed = False
         self._environment: dict[str, Any] | None = None
         self._every_seconds = every_seconds
+        self._keep = keep
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
         self._store: CheckpointStore | LocalStore = (
@@ -338,6 +349,14 @@ class _Writer:
                 checkpoint.step,
                 ", ".join(path.name for path in moved),
             )
+            pruned = self._store.prune_aside(SUPERSEDED, self._keep)
+            if pruned:
+                logger.warning(
+                    "%r: removed the oldest steps set aside (%s kept at most): %s.",
+                    self,
+                    self._keep,
+                    ", ".join(path.name for path in pruned),
+                )
 
     def _refusal(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> str:
         if others:
@@ -366,16 +385,27 @@ class _Writer:
     def close(self) -> None:
         """Waits for the pending save and releases the directory (`with writer:` does this).
 
+        A Ctrl-C while waiting leaves the writer open, its directory claimed
+        while the save runs: call `close()` again to wait for it.
+
         Raises:
             CheckpointSaveError: the pending save failed, naming its step.
+            KeyboardInterrupt: Ctrl-C while waiting.
         """
         try:
             self._store.close()
-        finally:
-            if self._ledger is not None:
-                self._ledger.close()
-            if _OPEN.get(self._key) is self:
-                del _OPEN[self._key]
+        except KeyboardInterrupt:
+            raise  # the save still runs: the directory stays this writer's
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+        if _OPEN.get(self._key) is self:
+            del _OPEN[self._key]
 
 
 class CheckpointFileWriter(_Writer):
@@ -431,8 +461,10 @@ class CheckpointFileWriter(_Writer):
                 `<step>.superseded`, not refused.
 
         Raises:
-            CheckpointError: another open writer writes `output_dir`, or
-                `metadata` is not JSON-serializable.
+            CheckpointError: another open writer writes `output_dir`; a local
+                tier (`per_process=True`) and an open persistent writer whose
+                directories are one or nested (naming both); or `metadata`
+                is not JSON-serializable.
             ValueError: `keep` below 1, or `every_seconds` not positive.
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"

@@ -156,10 +156,12 @@ def start(
     Raises:
         TypeError: `rng` is neither a key nor an int.
         ValueError: no way to make a state (no `init`, a reader with neither
-            a checkpoint nor a target), or a data position that cannot be kept.
+            a checkpoint nor a target), a data position that cannot be kept, or
+            an EMA schedule whose decay at the first step is outside [0, 1).
     """
     key = as_key(rng)
     state, restored, restore_seconds = _state(init, task, key, placement, look.inputs, init_names, progress)
+    task.ema_decay_at(0 if restored is None else int(restored.step))  # a bad schedule fails before any save
     if restored is None:
         begun = Start(state, key, multihost.agree(uuid.uuid4().hex[:12]), None, restore_seconds)
     else:

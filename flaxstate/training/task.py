@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
 
@@ -40,7 +42,12 @@ class TrainTask:
             an optax-style schedule of the step (e.g. a warm-up). It is
             sharded as the parameters are, saved under `state/ema` and
             resumed exactly; a step that loss scaling skips leaves it as it
-            was. `EvalLoop(use_ema=True)` evaluates it. None: no EMA.
+            was. `EvalLoop(use_ema=True)` evaluates it. None: no EMA. A decay
+            must lie in [0, 1): a constant is checked here, a schedule at the
+            run's first step (`ema_decay_at`).
+
+    Raises:
+        ValueError: a constant `ema_decay` outside [0, 1) or not a number.
 
     Example:
         >>> import optax
@@ -54,6 +61,40 @@ class TrainTask:
     data: Iterable[Any]
     loss_scale: DynamicScale | None = None
     ema_decay: float | Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ema_decay is not None and not callable(self.ema_decay):
+            _check_decay(self.ema_decay, "")
+
+    def ema_decay_at(self, step: int) -> float | None:
+        """The EMA's decay at `step` (the schedule's value, or the constant), checked; None without an EMA.
+
+        Raises:
+            ValueError: a decay outside [0, 1) or not finite, naming the step.
+        """
+        if self.ema_decay is None:
+            return None
+        if not callable(self.ema_decay):
+            return float(self.ema_decay)
+        return _check_decay(np.asarray(self.ema_decay(step)), f" (the schedule's value at step {step})")
+
+
+def _check_decay(decay: Any, where: str) -> float:
+    try:
+        if isinstance(decay, str | bytes):
+            raise TypeError(decay)
+        value = float(decay)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"TrainTask ema_decay must be a number in [0, 1) or a schedule of the step, got {decay!r}{where}."
+        ) from None
+    if isinstance(decay, bool) or not math.isfinite(value) or not 0 <= value < 1:
+        raise ValueError(
+            f"TrainTask ema_decay must lie in [0, 1), got {decay!r}{where}: the EMA is decay * ema + (1 - decay) * "
+            "params, so a decay of 1 or more never follows the parameters and a negative one diverges. A typical "
+            "decay is 0.999."
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

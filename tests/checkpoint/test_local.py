@@ -6,6 +6,7 @@ The processes' agreement and kill -9 restarts are in `test_tiers.py` (two gloo p
 
 import json
 import logging
+import re
 
 import jax
 import numpy as np
@@ -83,6 +84,70 @@ def test_a_damaged_persistent_step_does_not_hide_a_newer_local_one(tmp_path, cap
     reader = fs.CheckpointFileReader([local_dir, persistent_dir], target=toy.MLP().init)
     assert make_loop(n_steps=12, init=reader).step == 12
     assert "restored step 12 from the local tier" in caplog.text
+
+
+def test_a_persistent_step_whose_arrays_are_truncated_does_not_hide_a_newer_local_one(tmp_path, caplog):
+    straight = make_loop(n_steps=16)
+    list(straight)
+    local_dir, persistent_dir, _ = train(tmp_path, persistent_steps=(4, 12))  # local: 8, 12; persistent: 4, 12
+    for array_file in (persistent_dir / "12").rglob("*"):
+        if array_file.is_file() and array_file.parent.name == "d":  # every array file: its meta still reads
+            with open(array_file, "r+b") as handle:
+                handle.truncate(array_file.stat().st_size // 2)
+    caplog.set_level(logging.INFO, logger="flaxstate")
+    reader = fs.CheckpointFileReader([local_dir, persistent_dir], target=toy.MLP().init)
+    loop = make_loop(n_steps=16, init=reader)
+    assert loop.step == 12  # the local step, not the persistent step 4
+    assert "restored step 12 from the local tier" in caplog.text
+    with (
+        fs.CheckpointFileWriter(local_dir, keep=2, per_process=True) as local,
+        fs.CheckpointFileWriter(persistent_dir, keep=2) as persistent,
+    ):
+        for record in loop:
+            persistent(local(record))
+    assert "12.damaged" in {p.name for p in persistent_dir.iterdir()}  # set aside, not a refusal
+    for path, value in flat_state(straight.state).items():
+        np.testing.assert_array_equal(flat_state(loop.state)[path], value, err_msg=path)
+
+
+def test_steps_set_aside_by_fallbacks_are_kept_at_most_keep_and_the_oldest_removed_with_one_line(tmp_path, caplog):
+    local_dir, persistent_dir, _ = train(tmp_path)  # local: 8, 12; persistent: 4
+    part = process_directory(local_dir)
+    for restart in range(3):  # each restart falls back to the persistent step 4, past the local 8 and 12
+        loop = make_loop(n_steps=12, init=fs.CheckpointFileReader(persistent_dir, target=toy.MLP().init))
+        assert loop.step == 4
+        with fs.CheckpointFileWriter(local_dir, keep=2, per_process=True) as local:
+            for record in loop:
+                local(record)
+        aside = sorted(p.name for p in part.iterdir() if ".superseded" in p.name)
+        assert len(aside) == 2, (restart, aside)
+    assert aside == ["12.superseded", "8.superseded"]  # the third restart's (the names of removed ones are free)
+    assert sorted(p.name for p in part.iterdir() if p.name.isdigit()) == ["12", "8"]
+    assert caplog.text.count("removed the oldest steps set aside (2 kept at most): ") == 2
+
+
+def test_tiers_that_are_one_directory_or_nested_are_refused_naming_both(tmp_path):
+    persistent, local = tmp_path / "run", tmp_path / "run" / "local"
+    for dirs, how in [
+        ([persistent, persistent], "same directory"),
+        ([local, persistent], f"local tier {local} is inside the persistent tier {persistent}"),
+        ([persistent, local], f"persistent tier {local} is inside the local tier {persistent}"),
+        ([tmp_path / "x" / ".." / "run", persistent], "same directory"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(how)):
+            fs.CheckpointFileReader(dirs)
+    fs.CheckpointFileReader([tmp_path / "local", persistent])  # siblings are apart
+    with fs.CheckpointFileWriter(persistent):
+        for local_dir in (persistent, local, tmp_path):
+            with pytest.raises(
+                fs.CheckpointError, match=re.escape(f"and the open CheckpointFileWriter('{persistent}'")
+            ):
+                fs.CheckpointFileWriter(local_dir, per_process=True)
+        fs.CheckpointFileWriter(tmp_path / "local", per_process=True).close()
+    with fs.CheckpointFileWriter(local, per_process=True):
+        with pytest.raises(fs.CheckpointError, match="inside the persistent tier"):
+            fs.CheckpointFileWriter(persistent)
+    fs.CheckpointFileWriter(persistent).close()  # the local writer closed: the directory is free again
 
 
 def test_a_damaged_local_step_is_passed_over_with_a_warning_and_set_aside_by_the_writer(tmp_path, caplog):

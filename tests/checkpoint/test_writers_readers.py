@@ -475,15 +475,23 @@ try:
 except KeyboardInterrupt:
     print("INTERRUPTED CLOSE")
 try:
+    fs.CheckpointFileWriter({str(tmp_path)!r})
+    print("A SECOND WRITER WHILE THE SAVE RUNS")
+except fs.CheckpointError as error:
+    print("SECOND WRITER REFUSED", "already written by" in str(error))
+try:
     writer.close()
     print("CLOSED WITHOUT AN ERROR")
 except fs.CheckpointSaveError as error:
     print("REPORTED", error)
+fs.CheckpointFileWriter({str(tmp_path)!r}).close()
+print("REOPENED")
 """)
     assert code == 0, output
     lines = output.splitlines()
     assert "INTERRUPTED []" in lines and "WAITED [2]" in lines, output
     assert "INTERRUPTED CLOSE" in lines, output
+    assert "SECOND WRITER REFUSED True" in lines and "REOPENED" in lines, output  # released once the save ended
     assert any(line.startswith("REPORTED saving the checkpoint of step 4") for line in lines), output
 
 

@@ -139,3 +139,35 @@ def test_an_inference_state_restored_with_use_ema_reads_none_of_the_optimizer_st
     training = fs.FlaxOptimTrainState.create(optax.adam(1e-2), variables, ema_decay=DECAY)
     with pytest.raises(fs.CheckpointError, match="damaged"):
         fs.CheckpointFileReader(tmp_path).restore(training)  # the same files, read whole
+
+
+@pytest.mark.parametrize("decay", [1.5, 1.0, -0.1, float("nan"), float("inf"), "0.9", True])
+def test_a_constant_decay_outside_0_1_is_refused_at_construction_naming_the_setting(decay):
+    with pytest.raises(ValueError, match=r"TrainTask ema_decay must"):
+        fs.TrainTask(apply=toy.MLP().apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=[], ema_decay=decay)
+    fs.TrainTask(apply=toy.MLP().apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=[], ema_decay=0.0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        (optax.constant_schedule(1.5), r"lie in \[0, 1\), got .*1.5.* at step 0"),
+        (lambda step: step * 0.0 + float("nan"), r"lie in \[0, 1\), got .*nan.* at step 0"),
+        (lambda step: "high", "must be a number"),
+    ],
+)
+def test_a_schedule_bad_at_the_first_step_is_refused_before_training(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        make_loop(n_steps=2, every=1, ema_decay=schedule)
+
+
+def test_a_schedule_is_checked_at_the_step_a_run_resumes_from_before_anything_is_saved(tmp_path):
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        for record in make_loop(n_steps=4, every=4, ema_decay=DECAY):
+            writer(record)
+    saved = sorted(path.name for path in tmp_path.iterdir())
+    late = optax.piecewise_constant_schedule(0.9, {3: 2.0})  # fine at step 0, 1.8 from step 3 on
+    reader = fs.CheckpointFileReader(tmp_path, target=toy.MLP().init)
+    with pytest.raises(ValueError, match=r"got .*1.8.* at step 4"):
+        make_loop(init=reader, n_steps=8, every=4, ema_decay=late)
+    assert sorted(path.name for path in tmp_path.iterdir()) == saved
