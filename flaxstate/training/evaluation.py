@@ -14,6 +14,7 @@ from flaxstate.records import Checkpoint, Summary
 from flaxstate.sharding import AxisRules
 from flaxstate.train_state import InferenceState
 from flaxstate.training import batching, placement
+from flaxstate.training.startup import as_key
 from flaxstate.training.step import make_eval_step
 from flaxstate.training.task import EvalTask
 
@@ -55,7 +56,8 @@ class EvalLoop:
     def __init__(
         self,
         task: EvalTask,
-        rng: jax.Array,
+        rng: jax.Array | int,
+        *,
         n_steps: int = 1,
         devices: Sequence[jax.Device] | None = None,
         group: str = "eval",
@@ -68,7 +70,7 @@ class EvalLoop:
 
         Args:
             task: what to evaluate.
-            rng: the evaluation's random key, for `rng_collections`.
+            rng: the evaluation's random key (or an int seed), for `rng_collections`.
             n_steps: batches per evaluation.
             devices: the devices (all devices of all processes by default).
             group: the metrics' group name in the summary.
@@ -90,13 +92,14 @@ class EvalLoop:
             ValueError: `n_steps` below 1, or no metrics; only one of `mesh`
                 and `axis_rules`, or `mesh` with `devices`; rules naming a
                 mesh axis the mesh does not have.
+            TypeError: `rng` is neither a key nor an int.
         """
-        if n_steps < 1:
-            raise ValueError(f"EvalLoop n_steps must be at least 1, got {n_steps}.")
+        if isinstance(n_steps, bool) or not isinstance(n_steps, int | np.integer) or n_steps < 1:
+            raise ValueError(f"EvalLoop n_steps must be an int of at least 1, got {n_steps!r}.")
         if not task.metrics:
             raise ValueError("EvalTask.metrics is empty; give at least one {name: metric} to evaluate.")
         self._task = task
-        self._rng = jax.random.key(rng) if isinstance(rng, int) else rng
+        self._rng = as_key(rng, "EvalLoop")
         self._rng_collections = tuple(rng_collections)
         self._n_steps = n_steps
         self._group = group

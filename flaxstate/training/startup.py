@@ -48,8 +48,8 @@ class CheckpointSource(Protocol):
     def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
 
 
-def as_key(rng: jax.Array | int) -> jax.Array:
-    """A typed key from a key, raw key data (uint32), or an int seed.
+def as_key(rng: jax.Array | int, owner: str = "TrainLoop") -> jax.Array:
+    """A typed key from a key, raw key data (uint32), or an int seed (`owner` names the setting's owner in errors).
 
     Raises:
         TypeError: neither a key nor an int.
@@ -58,7 +58,7 @@ def as_key(rng: jax.Array | int) -> jax.Array:
         return jax.random.key(int(rng))
     if not hasattr(rng, "dtype"):
         raise TypeError(
-            f"TrainLoop rng must be a random key (jax.random.key(0)) or an int seed, got {type(rng).__name__}."
+            f"{owner} rng must be a random key (jax.random.key(0)) or an int seed, got {type(rng).__name__}."
         )
     key: Any = rng
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
