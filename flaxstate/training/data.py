@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -51,12 +51,18 @@ def is_global(data: Any) -> bool:
     return callable(getattr(data, "iter_from", None))
 
 
+def _nothing() -> None:
+    pass
+
+
 class DataStream:
     """Batches drawn one by one from a task's data, held until trained, with a saveable position."""
 
-    def __init__(self, data: Iterable[Any], task_name: str) -> None:
+    def __init__(self, data: Iterable[Any], task_name: str, on_draw: Callable[[], None] | None = None) -> None:
+        """Wraps `data`; `on_draw` is called after each batch drawn from it (a sign of progress for a watchdog)."""
         self._data = data
         self._task_name = task_name
+        self._on_draw = on_draw or _nothing
         self._iterator: Any = iter(data)  # with get_state/set_state where the data has them (grain's)
         self._one_shot = self._iterator is data
         """An iterator that `iter()` gives back as it is: it cannot be re-created."""
@@ -158,6 +164,7 @@ class DataStream:
             raise
         self._raised = None
         self._n_drawn += 1
+        self._on_draw()
         return batch
 
     def _recreate_after(self, error: BaseException) -> Any:

@@ -36,7 +36,7 @@ from flaxstate.training.recording import Recorder
 from flaxstate.training.segment import SegmentRunner, Trained
 from flaxstate.training.startup import CheckpointSource
 from flaxstate.training.task import TrainTask
-from flaxstate.training.watchdog import HangTimeout, Watchdog, check_timeout
+from flaxstate.training.watchdog import HangTimeout, Phase, Watchdog, check_timeout
 
 __all__ = ["CheckpointSource", "TrainLoop"]
 
@@ -140,8 +140,8 @@ class TrainLoop:
         where = placement.create("TrainLoop", devices, mesh, axis_rules)
         self._progress = ProgressDisplay(stdout)
         self._signals = Signals(handle_preemption)
-        look = startup.first_look(task, where, n_microbatches, input_sample)
-        phase = "restoring the checkpoint" if isinstance(init, CheckpointSource) else "compiling the state's creation"
+        look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)
+        phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
         with self._watchdog.watching(phase):
             begun = startup.start(init, task, rng, where, look, init_names, self._progress)
         self._run_id = begun.run_id
@@ -266,7 +266,7 @@ class TrainLoop:
                     f"The checkpoint's step {self.step} is at or past n_steps ({self.n_steps}): nothing to "
                     "train. Raise n_steps to train on."
                 )
-            with self._watchdog.watching("waiting for the saves to finish"):
+            with self._watchdog.watching(Phase.WAITING_FOR_SAVES):
                 background.wait_all()
             self._watchdog.close()
             return None
@@ -293,7 +293,7 @@ class TrainLoop:
 
     def _record(self, trained: Trained, outside: float) -> Checkpoint:
         preempted = self._signals.take_preemption()
-        self._watchdog.phase = "agreeing with the other processes on the record"
+        self._watchdog.enter(Phase.AGREEING_ON_RECORD)
         return self._recorder.make(
             trained,
             self._runner.leaves,

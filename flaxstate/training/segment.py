@@ -32,7 +32,7 @@ from flaxstate.training.placement import Placement
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
-from flaxstate.training.watchdog import Watchdog
+from flaxstate.training.watchdog import Phase, Watchdog
 
 PyTree = Any
 _NOT_COUNTED = object()
@@ -168,11 +168,11 @@ class SegmentRunner:
         compiled_before = compiling.seconds()
         try:
             if self._flops is _NOT_COUNTED:  # compiles the one-step update ahead of its first dispatch
-                self._watchdog.phase = "compiling the one-step update (and counting its FLOPs)"
+                self._watchdog.enter(Phase.COMPILING_ONE_STEP)
                 self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(sizes, total, segment)
-            self._watchdog.phase = f"waiting for the devices to finish step {self.step}"
+            self._watchdog.enter(Phase.WAITING_FOR_DEVICES, f" step {self.step}")
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
@@ -200,8 +200,7 @@ class SegmentRunner:
 
     def _host_batch(self, n_steps: int, first_step: int, waits: WaitTimes) -> Any:
         """The next dispatch's batch (K batches stacked), drawn as one timed draw."""
-        watchdog = self._watchdog
-        watchdog.phase, watchdog.step = "waiting for the data", first_step - 1
+        self._watchdog.enter(Phase.WAITING_FOR_DATA, step=first_step - 1)
         self._signals.in_data = True
         start = time.perf_counter()
         try:
@@ -212,7 +211,6 @@ class SegmentRunner:
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)
-        watchdog.beats += 1
         if n_steps == 1:
             self.check_batch(batch)
             return batch
@@ -259,11 +257,10 @@ class SegmentRunner:
             self._clock.dispatching(time.perf_counter(), segment.waits)
             compiled = (n, n_left == 0)  # the record's dispatch runs a program of its own
             if compiled in self._compiled:
-                watchdog.phase = "dispatching"
+                watchdog.enter(Phase.DISPATCHING, step=self.step)
             else:  # the first dispatch of its kind compiles
-                watchdog.phase = f"compiling the update of {n} steps"
+                watchdog.enter(Phase.COMPILING_UPDATE, f" of {n} steps", self.step)
                 self._compiled.add(compiled)
-            watchdog.step = self.step
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
                 if n_left == 0 and n == 1:  # the record's gradients: its step's, before the update donates
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
@@ -274,8 +271,7 @@ class SegmentRunner:
                     self.leaves, losses = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
             self._clock.dispatched(losses)
-            watchdog.beats += 1
-            watchdog.outputs.append(losses)
+            watchdog.dispatched(losses)
             self._data.commit(n)
             segment.watch.add(losses, n)
             self._progress.advance(n)

@@ -100,14 +100,23 @@ class FirstLook:
     inputs: tuple[Any, ...]
 
 
-def first_look(task: TrainTask, placement: Placement, n_microbatches: int, input_sample: Any) -> FirstLook:
+def first_look(
+    task: TrainTask,
+    placement: Placement,
+    n_microbatches: int,
+    input_sample: Any,
+    on_draw: Callable[[], None] | None = None,
+) -> FirstLook:
     """Peeks at the data's first batch and checks it against the placement and `n_microbatches`.
+
+    `on_draw` is called after each batch the run draws (the watchdog's sign of
+    progress, also while a resume moves the data past the batches trained).
 
     Raises:
         ValueError: a batch that is empty, of the wrong structure, or that
             does not split over the devices and microbatches (see `Placement.check_batch`).
     """
-    data = DataStream(task.data, "TrainTask")
+    data = DataStream(task.data, "TrainTask", on_draw)
     batch = batching.normalize(data.peek(), "TrainTask")
     placement.check_batch(batch, "TrainTask", n_microbatches)
     batch_size = placement.global_batch_size(int(np.shape(batch[0][0])[0]))

@@ -144,3 +144,100 @@ def test_sigusr1_to_a_single_process_saves_the_next_record(tmp_path):
     assert worker.finish(timeout=120) == 0
     requested = [line.split()[1] for line in worker.output.splitlines() if line.endswith("requested")]
     assert len(requested) == 1 and saved_steps(run_dir) == [int(requested[0]), 60]
+
+
+def test_each_phase_carries_its_allowance_and_its_message_is_only_text():
+    allowances = {phase.name: phase.floor_seconds for phase in watchdog.Phase}
+    slow, normal = watchdog.SLOW_FLOOR_SECONDS, watchdog.FLOOR_SECONDS
+    assert allowances == {
+        "STARTING": normal,
+        "RESTORING": slow,
+        "COMPILING_STATE": slow,
+        "COMPILING_ONE_STEP": slow,
+        "COMPILING_UPDATE": slow,
+        "WAITING_FOR_DATA": normal,
+        "DISPATCHING": normal,
+        "WAITING_FOR_DEVICES": normal,
+        "AGREEING_ON_RECORD": normal,
+        "WAITING_FOR_SAVES": normal,
+    }
+    assert (slow, normal) == (3600.0, 600.0)
+    dog = watchdog.Watchdog("auto", exit_process=False)
+    assert dog.limit(watchdog.Phase.COMPILING_UPDATE) == 3600.0 and dog.limit(watchdog.Phase.DISPATCHING) == 600.0
+    assert watchdog.Watchdog(5, exit_process=False).limit(watchdog.Phase.COMPILING_UPDATE) == 5.0
+    assert watchdog.Watchdog(None).limit(watchdog.Phase.DISPATCHING) == float("inf")
+
+
+def test_hang_timeout_takes_numpy_numbers_and_refuses_what_is_no_number():
+    assert watchdog.check_timeout(np.int64(600)) == 600.0 and watchdog.check_timeout(np.float32(1.5)) == 1.5
+    assert watchdog.check_timeout("auto") == "auto" and watchdog.check_timeout(None) is None
+    for bad in ("600", 0, -1, float("nan"), float("inf"), True, [600]):
+        with pytest.raises(ValueError, match="hang_timeout must be a positive number of seconds"):
+            watchdog.check_timeout(bad)
+
+
+def fires(dog: watchdog.Watchdog, seconds: float, every: float | None) -> bool:
+    """Whether `dog` fires within `seconds` of a watched block, told of progress every `every` seconds."""
+    with dog.watching(watchdog.Phase.WAITING_FOR_DATA):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(every or seconds)
+            if every is not None:
+                dog.beat()
+    dog.close()
+    return dog.fired
+
+
+def test_beats_keep_it_quiet_and_silence_fires_naming_the_phase(capfd):
+    assert not fires(watchdog.Watchdog(0.8, exit_process=False), 2.5, every=0.1)
+    assert fires(watchdog.Watchdog(0.8, exit_process=False), 2.5, every=None)
+    assert "no progress for 1 s at step 0: waiting for the data" in capfd.readouterr().err
+
+
+def test_a_debugger_holding_a_prompt_in_any_thread_is_a_person_at_work():
+    import bdb
+    import threading
+
+    dog = watchdog.Watchdog(0.8, exit_process=False)
+    stopped, release = threading.Event(), threading.Event()
+
+    class Prompt(bdb.Bdb):  # a debugger stopped at a line, waiting for its person (as pdb's prompt does)
+        def user_line(self, frame):
+            stopped.set()
+            release.wait(10)
+            self.set_continue()
+
+    def reader():
+        Prompt().set_trace()
+        return 1
+
+    with dog.watching(watchdog.Phase.WAITING_FOR_DATA):
+        thread = threading.Thread(target=reader)
+        thread.start()
+        assert stopped.wait(10) and watchdog.debugger_attached()
+        time.sleep(2.5)  # three timeouts at the prompt
+        fired_at_the_prompt = dog.fired
+        release.set()
+        thread.join(10)
+        assert not watchdog.debugger_attached()
+        time.sleep(2.5)  # no progress and no debugger: it fires
+    dog.close()
+    assert not fired_at_the_prompt and dog.fired
+
+
+def test_a_resume_s_catch_up_and_each_of_k_batches_are_progress(tmp_path, reference):
+    """A resume draws 20 batches to catch up (5 s) and a dispatch draws 10 (2.5 s); neither is a hang of 1.5 s."""
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), per_dispatch=10, out=str(tmp_path / "a.npz"))
+    processes.run("resume", dict(config, n_steps=20, resume=False))
+    slow = dict(config, resume=True, data_sleep=0.25, hang_timeout=1.5, n_steps=30)
+    output = processes.run("resume", slow, timeout=240)[0]
+    assert "start 20" in output and "record 30" in output and "watchdog" not in output, output[-3000:]
+
+
+def test_a_pdb_prompt_in_the_data_reader_is_left_alone(tmp_path):
+    config = dict(CONFIG, n_steps=20, output_dir=str(tmp_path / "run"), out=str(tmp_path / "a.npz"), resume=False)
+    worker = processes.Watched(processes.start("resume", dict(config, pdb_after=12, pdb_seconds=4, hang_timeout=1)))
+    assert worker.finish(timeout=120) == 0, worker.output[-3000:]
+    assert "at the pdb prompt" in worker.output and "(Pdb)" in worker.output
+    assert "record 20" in worker.output and "watchdog" not in worker.output

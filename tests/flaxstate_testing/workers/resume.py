@@ -65,6 +65,22 @@ def stuck_reader(batches, after, seconds=None):
         yield batch
 
 
+def debugged_reader(batches, after, seconds):
+    """Yields `after` batches, then stops at a real pdb prompt that a person answers ("c") `seconds` later."""
+    import pdb
+
+    for index, batch in enumerate(batches):
+        if index == after:
+            read_end, write_end = os.pipe()
+            typed = threading.Timer(seconds, os.write, (write_end, b"c\n"))
+            typed.start()
+            print("at the pdb prompt", flush=True)
+            pdb.Pdb(stdin=os.fdopen(read_end), stdout=sys.stdout).set_trace()
+        yield batch
+
+
+if config.get("pdb_after") is not None:
+    data = debugged_reader(data, config["pdb_after"], config["pdb_seconds"])
 if config.get("block_after") is not None and jax.process_index() == config.get("block_process", 0):
     data = stuck_reader(data, config["block_after"], config.get("block_seconds"))
 if config.get("interactive"):
