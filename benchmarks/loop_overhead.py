@@ -5,10 +5,11 @@ alternating rounds of the same number of steps, each round ending with the
 host waiting for the devices; the table gives median microseconds a step and
 the throughput ratio to the hand-written pmap loop, the hand-written jit loop
 and the hand-written jit loop of the same K. flaxstate makes a record a round
-(a host copy of the state, the loss, the last step's gradients): the rows "a
-record a round" are the hand-written jit loop doing the same copy and read,
-which tells the loop's own cost from a record's (raise `--steps` to space the
-records out).
+(a host copy of the state, the loss, the last step's gradients), or, in the
+rows "run() per call", ends a run each round (`for c in loop.run(n)`, a
+notebook cell's habit). The rows "a record a round" are the hand-written jit
+loop doing the same copy and read, which tells the loop's own cost from a
+record's (raise `--steps` to space the records out).
 
     python benchmarks/loop_overhead.py [--rounds 7] [--steps 400] [--models tiny,small,larger]
 """
@@ -56,7 +57,7 @@ Runner = Callable[[int], None]
 """Trains n steps and returns when the devices are done."""
 
 
-def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: int) -> Runner:
+def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: int, per_call: bool = False) -> Runner:
     task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
     # One record a round: the host waits for the devices once, at its end, as the other loops do.
     loop = fs.TrainLoop(
@@ -74,7 +75,12 @@ def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: i
         assert n_steps == steps
         loop.next_checkpoint()
 
-    return run
+    def run_per_call(n_steps: int) -> None:
+        """`loop.run(n)` once a round, as a notebook cell (or flax_extra's habit) calls it: the run ends each time."""
+        for _ in loop.run(loop.step + n_steps):
+            pass
+
+    return run_per_call if per_call else run
 
 
 def handwritten_pmap_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runner:
@@ -274,11 +280,13 @@ def main() -> None:
             "hand-written jit, K=1": handwritten_jit_runner(model, data, 1),
             "hand-written jit, K=1, a record a round": handwritten_jit_runner(model, data, 1, record=True),
             "flaxstate TrainLoop, K=1": flaxstate_runner(model, data, 1, steps),
+            "flaxstate TrainLoop, K=1, run() per call": flaxstate_runner(model, data, 1, steps, per_call=True),
             "flax_extra TrainLoop (shim)": flax_extra_runner(model, data, 1),
             "hand-written pmap + scan, K=10": handwritten_pmap_runner(model, data, 10),
             "hand-written jit + scan, K=10": handwritten_jit_runner(model, data, 10),
             "hand-written jit + scan, K=10, a record a round": handwritten_jit_runner(model, data, 10, record=True),
             "flaxstate TrainLoop, K=10": flaxstate_runner(model, data, 10, steps),
+            "flaxstate TrainLoop, K=10, run() per call": flaxstate_runner(model, data, 10, steps, per_call=True),
         }
         medians = measure(runners, args.rounds, steps)
         pmap = medians["hand-written pmap, K=1"]

@@ -268,7 +268,8 @@ class TrainLoop:
                 )
             with self._watchdog.watching(Phase.WAITING_FOR_SAVES):
                 background.wait_all()
-            self._watchdog.close()
+            # The watchdog's thread stays (unarmed, it never fires): a next `run()` (a notebook cell's habit)
+            # starts no other; a dropped loop's finalizer stops it.
             return None
         return self._schedule.next_record_step(self.step)
 

@@ -6,14 +6,17 @@ process and `SIGUSR1` are all real. Each restart must end bit-equal to a
 run that was never stopped.
 """
 
+import gc
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 from flaxstate_testing import processes
 from flaxstate_testing.checkpoints import saved_steps
+from flaxstate_testing.loops import make_loop
 
 from flaxstate.training import watchdog
 
@@ -241,3 +244,19 @@ def test_a_pdb_prompt_in_the_data_reader_is_left_alone(tmp_path):
     assert worker.finish(timeout=120) == 0, worker.output[-3000:]
     assert "at the pdb prompt" in worker.output and "(Pdb)" in worker.output
     assert "record 20" in worker.output and "watchdog" not in worker.output
+
+
+def test_run_called_once_a_cell_keeps_one_watchdog_thread_which_a_dropped_loop_stops():
+    before = set(threading.enumerate())
+    loop = make_loop(n_steps=2, every=2, hang_timeout=60)
+    threads = set()
+    for n_steps in (2, 4, 6):  # three cells, each ending its run
+        for _ in loop.run(n_steps):
+            threads |= {t for t in threading.enumerate() if t.name == "flaxstate-watchdog" and t not in before}
+    assert loop.step == 6 and len(threads) == 1, threads  # one across runs (each end used to stop it)
+    (thread,) = threads
+    assert thread.is_alive() and not loop._watchdog.fired
+    del loop
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
