@@ -40,10 +40,32 @@ _N_STEPS = 2**40
 
 def _is_arrays(source: Any) -> bool:
     """Whether `source` is arrays (an array, or a dict or tuple of them) rather than a sequence of examples."""
-    if isinstance(source, np.ndarray):
+    if isinstance(source, np.ndarray | jax.Array):
         return True
     leaves = jax.tree.leaves(source) if isinstance(source, Mapping | tuple) else []
-    return bool(leaves) and all(isinstance(leaf, np.ndarray) and leaf.ndim >= 1 for leaf in leaves)
+    return bool(leaves) and all(isinstance(leaf, np.ndarray | jax.Array) and leaf.ndim >= 1 for leaf in leaves)
+
+
+def _on_host(source: Any) -> Any:
+    """`source`'s jax arrays as numpy arrays (read once; batches are gathered on the host as numpy's are).
+
+    Raises:
+        ValueError: a jax array that this process does not hold whole (a
+            global array of several processes), naming its path.
+    """
+
+    def fetch(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if not leaf.is_fully_addressable:
+            raise ValueError(
+                f"global_batches source{jax.tree_util.keystr(path)} is a jax array spread over several processes "
+                "(not fully addressable here); give every process the whole source as numpy arrays (each reads "
+                "its part of each batch)."
+            )
+        return np.asarray(leaf)
+
+    return jax.tree_util.tree_map_with_path(fetch, source)
 
 
 def _stack(examples: Sequence[Any]) -> PyTree:
@@ -178,8 +200,9 @@ def global_batches(
         [[0, 1], [2, 3], [4, 0]]
 
     Args:
-        source: arrays with a common first dimension (a numpy array, or a
-            dict or tuple of them), or a random-access source of examples
+        source: arrays with a common first dimension (a numpy or jax array,
+            or a dict or tuple of them; jax arrays are read to the host once),
+            or a random-access source of examples
             (`len` and `__getitem__`).
         batch_size: the global batch size (all processes together).
         seed: the seed of each epoch's permutation.
@@ -198,13 +221,19 @@ def global_batches(
         a re-iterable of this process's parts of the global batches, from step 0.
 
     Raises:
-        ValueError: an empty source, arrays of different lengths, fewer
+        ValueError: a negative seed, an empty source, arrays of different lengths, fewer
             examples than one global batch (naming both), a `batch_size` that the processes (or the mesh's batch parts)
             do not divide, naming both, or only one of `mesh` and `axis_rules`.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"global_batches batch_size must be a positive int, got {batch_size!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(
+            f"global_batches seed must be an int of at least 0 (numpy's permutations take no negative seed), "
+            f"got {seed!r}."
+        )
     if _is_arrays(source):
+        source = _on_host(source)
         lengths = {len(leaf) for leaf in jax.tree.leaves(source)}
         if len(lengths) > 1:
             raise ValueError(f"global_batches source arrays differ in length: {sorted(lengths)}; give one per example.")
@@ -234,4 +263,4 @@ def global_batches(
             f"global_batches batch_size {batch_size} does not divide among {where}: give a batch size that "
             f"{part[1]} divides, e.g. {batch_size - batch_size % part[1] or part[1]}."
         )
-    return GlobalBatches(source, batch_size, seed, shuffle, transform, part, read_threads, workers)
+    return GlobalBatches(source, batch_size, int(seed), shuffle, transform, part, read_threads, workers)

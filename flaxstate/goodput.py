@@ -20,7 +20,9 @@ split into productive step time and buckets of lost time:
   event to this one's process start (in the total: all gaps).
 
 `productive` plus the buckets equals `wall_time`; `goodput` is
-`productive / wall_time`.
+`productive / wall_time`. A ledger cut short (a process killed right after
+its session line) ends its session no earlier than its events account for,
+so no bucket is negative.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _productive(record: dict[str, Any]) -> float:
 
 def _account(session: _Session, resumed_at: int | None, down_time: float) -> dict[str, Any]:
     """One session's wall time split; `resumed_at`: the step the next session resumed from (`None`: none)."""
-    wall = max(session.last_time - float(session.start["time"]), 0.0)
+    seen = max(session.last_time - float(session.start["time"]), 0.0)
     lost_steps, lost_seconds, productive = 0, 0.0, 0.0
     for record in session.records:
         seconds, n_steps, step = _productive(record), int(record["steps"]), int(record["step"])
@@ -107,6 +109,8 @@ def _account(session: _Session, resumed_at: int | None, down_time: float) -> dic
         "lost_progress": lost_seconds,
     }
     kept = productive - lost_seconds
+    # A ledger cut short (a kill right after the session line) knows less wall time than its events account for.
+    wall = max(seen, kept + sum(buckets.values()))
     buckets["outside_loop"] = wall - kept - sum(buckets.values())
     buckets["down_time"] = down_time
     return {
@@ -141,14 +145,19 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """
     events = list(events)
     sessions = _sessions(events)
-    accounts = []
+    accounts: list[dict[str, Any]] = []
     for index, session in enumerate(sessions):
         following = sessions[index + 1] if index + 1 < len(sessions) else None
         resumed_at = None
         if following is not None:
             restored = following.start.get("restored_step")
             resumed_at = int(restored) if restored is not None else 0
-        down = 0.0 if index == 0 else max(float(session.start["time"]) - sessions[index - 1].last_time, 0.0)
+        down = 0.0
+        if accounts:  # from the previous session's end: its last event, or what its events account for
+            previous = accounts[-1]
+            down = max(
+                float(session.start["time"]) - previous["started"] - previous["wall_time"] + previous["down_time"], 0.0
+            )
         accounts.append(_account(session, resumed_at, down))
     return {"sessions": accounts, "total": _total(accounts)}
 

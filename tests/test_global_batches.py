@@ -115,6 +115,23 @@ def test_bad_settings_are_refused_naming_the_problem():
     with pytest.raises(ValueError, match="has 3 examples, fewer than one global batch of 4"):
         fs.global_batches([(x, y) for x, y in zip(X[:3], Y[:3], strict=True)], 4)
     assert len(next(iter(fs.global_batches((X, Y), 15)))[1]) == 15  # exactly one batch: every example once
+    with pytest.raises(ValueError, match="seed must be an int of at least 0"):
+        fs.global_batches((X, Y), 4, seed=-1)  # numpy's SeedSequence would refuse it only at the first batch
+    assert fs.global_batches((X, Y), 4, seed=np.int64(3)).seed == 3
+
+
+def test_jax_arrays_are_a_source_as_numpy_arrays_are():
+    import jax.numpy as jnp
+
+    on_host = fs.global_batches({"x": X, "y": Y}, batch_size=4, seed=3)
+    on_device = fs.global_batches({"x": jnp.asarray(X), "y": jnp.asarray(Y)}, batch_size=4, seed=3)
+    assert on_device.n_examples == 15  # its examples, not the tuple's or dict's length
+    for want, got in itertools.islice(zip(on_host, on_device, strict=False), 5):
+        for key in ("x", "y"):
+            assert isinstance(got[key], np.ndarray)
+            np.testing.assert_array_equal(got[key], want[key])
+    x, y = next(iter(fs.global_batches((jnp.asarray(X), jnp.asarray(Y)), batch_size=15, shuffle=False)))
+    np.testing.assert_array_equal(y, Y)
 
 
 def served(output, start, local):

@@ -59,6 +59,15 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+def run_of(run_dir: str | Path) -> str | None:
+    """The run that a run directory's ledger belongs to (its newest event's), or `None` where it has none."""
+    try:
+        events = read_events(Path(run_dir) / FILENAME)
+    except OSError:
+        return None
+    return next((event["run_id"] for event in reversed(events) if isinstance(event.get("run_id"), str)), None)
+
+
 class Ledger:
     """Appends a run's events to `run_dir/goodput.jsonl` (on the primary process; elsewhere does nothing).
 

@@ -300,43 +300,67 @@ class LocalStore(saving.SaveSlot):
             DamagedCheckpointError: the file cannot be read whole.
         """
         where = self.directory / str(step) / ARRAYS
-        try:  # read, not mapped: JAX's CPU client would alias a mapping's read-only pages, which a step donates
-            buffer = np.fromfile(where, dtype=np.uint8)
-        except OSError as error:
-            raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
-        if buffer.size != meta["bytes"]:
-            raise DamagedCheckpointError(f"{where} changed while it was read: the step is damaged")
         stored: Mapping[str, Any] = meta["arrays"]
         flat: dict[str, Any] = {}
-        for path, target in _wanted(template, with_optimizer).items():
-            entry = stored[path]
-            shape = tuple(entry["shape"])
-            sharding = getattr(target, "sharding", None)
-            if sharding is None:
-                flat[path] = np.array(_part(buffer, entry, [[0, size] for size in shape]))
-                continue
-            indices = sharding.addressable_devices_indices_map(shape)
-            arrays = [
-                jax.device_put(
-                    _part(buffer, entry, _index(at, shape)), device, may_alias=False
-                )  # never the file's pages
-                for device, at in indices.items()
-            ]
-            flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        try:
+            with _Parts(where, meta["bytes"]) as parts:  # only the parts the template needs are read
+                for path, target in _wanted(template, with_optimizer).items():
+                    entry = stored[path]
+                    shape = tuple(entry["shape"])
+                    sharding = getattr(target, "sharding", None)
+                    if sharding is None:
+                        flat[path] = np.array(parts.values(entry, [[0, size] for size in shape]))
+                        continue
+                    indices = sharding.addressable_devices_indices_map(shape)
+                    arrays = [
+                        jax.device_put(parts.values(entry, _index(at, shape)), device, may_alias=False)
+                        for device, at in indices.items()
+                    ]
+                    flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        except OSError as error:
+            raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
         state_dict = tree_paths.unflatten(flat)
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=dict(meta))
 
 
-def _part(buffer: np.ndarray, entry: Mapping[str, Any], index: Index) -> np.ndarray:
-    """The values at `index` of an array stored in `buffer` (a view), from a stored part that contains it."""
-    dtype = jnp.dtype(entry["dtype"])
-    outer = next(part for part in entry["parts"] if _contains(part["index"], index))  # covers() checked
-    shape = [stop - start for start, stop in outer["index"]]
-    begin = outer["offset"]
-    data = buffer[begin : begin + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-    return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]
+class _Parts:
+    """A step's arrays file, read a stored part at a time (each once), as the template asks for them.
+
+    Read, not mapped: JAX's CPU client would alias a mapping's read-only
+    pages, which a step donates.
+    """
+
+    def __init__(self, path: Path, size: int) -> None:
+        self._path = path
+        self._size = size
+        self._file = open(path, "rb")  # noqa: SIM115  closed by __exit__
+        self._read: dict[int, np.ndarray] = {}
+
+    def __enter__(self) -> _Parts:
+        if os.fstat(self._file.fileno()).st_size != self._size:
+            self._file.close()
+            raise DamagedCheckpointError(f"{self._path} changed while it was read: the step is damaged")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._file.close()
+
+    def values(self, entry: Mapping[str, Any], index: Index) -> np.ndarray:
+        """The values at `index` of a stored array, from a stored part that contains it (a view of that part)."""
+        dtype = jnp.dtype(entry["dtype"])
+        outer = next(part for part in entry["parts"] if _contains(part["index"], index))  # covers() checked
+        shape = [stop - start for start, stop in outer["index"]]
+        begin = int(outer["offset"])
+        if begin not in self._read:
+            data = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+            self._file.seek(begin)
+            if self._file.readinto(data.data) != data.size:
+                raise DamagedCheckpointError(f"{self._path} ends inside an array's part: the step is damaged")
+            self._read[begin] = data
+        data = self._read[begin].view(dtype).reshape(shape)
+        return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]
 
 
 def _wanted(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint import damage, tiers
+from flaxstate.checkpoint import damage, ledger, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
@@ -104,6 +104,8 @@ class CheckpointFileReader:
         self.target = target
         self.step = step
         self.rename = rename
+        self._local_restored: tiers.LocalStep | None = None
+        """The local tier's step that the last read restored (`None`: the persistent tier's, or none)."""
 
     def __repr__(self) -> str:
         where = repr(str(self.output_dir))
@@ -151,6 +153,7 @@ class CheckpointFileReader:
                 taken for damage); reading again starts over.
         """
         directory = self._directory()
+        self._local_restored = None
         try:
             agreed_persistent = None
             if self.local_dir is not None:
@@ -172,7 +175,7 @@ class CheckpointFileReader:
             if agreed_persistent is not None and persistent.step < agreed_persistent:
                 # The persistent tier's newest step read as a step but its arrays were damaged: the tiers agree
                 # again against the step restored, so a local step newer than that one is not lost.
-                local, _ = self._read_local(template, persistent.step, persistent.skipped_damaged)
+                local, _ = self._read_local(template, persistent.step, persistent.run_id, persistent.skipped_damaged)
                 if local is not None:
                     return local
             return persistent
@@ -181,26 +184,35 @@ class CheckpointFileReader:
             raise
 
     def _read_local(
-        self, template: CheckpointFile | None, persistent_step: int | None = None, skipped: tuple[str, ...] = ()
+        self,
+        template: CheckpointFile | None,
+        persistent_step: int | None = None,
+        persistent_run: str | None = None,
+        skipped: tuple[str, ...] = (),
     ) -> tuple[CheckpointFile | None, int | None]:
-        """The newest local step whole on every process, when newer than the persistent tier's; else `None`.
+        """The newest local step of the persistent tier's run whole on every process, when newer; else `None`.
 
         Also returns the persistent tier's newest step as the processes agreed
         on it: its newest step whose meta reads, unless `persistent_step` (the
-        step that the persistent read restored after `skipped` were damaged)
-        is given.
+        step that the persistent read restored, of `persistent_run`, after
+        `skipped` were damaged) is given.
         """
         assert self.local_dir is not None
         state = template.state if template is not None else None
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
         persistent = self._directory()
-        newest = persistent_step
+        newest, run = persistent_step, persistent_run
         if persistent_step is None and not is_empty_or_missing(persistent):
             with CheckpointStore(persistent, read_only=True) as store:
-                newest = _newest_readable(store)
+                newest, run = _newest_readable(store)
         agreement = tiers.agreed_local_step(
-            self.local_dir, state_dict if self.rename is None else None, with_optimizer, newest, self.step
+            self.local_dir,
+            state_dict if self.rename is None else None,
+            with_optimizer,
+            newest,
+            run or ledger.run_of(persistent),
+            self.step,
         )
         chosen, why, passed_over = agreement.local, agreement.why, agreement.passed_over
         if chosen is not None:
@@ -213,6 +225,7 @@ class CheckpointFileReader:
             failed = tiers.all_read(error)
             if failed is None:
                 tiers.say("restored step %d from the local tier %s: %s.", chosen.step, self.local_dir, why)
+                self._local_restored = chosen
                 restored = self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
                 return dataclasses.replace(restored, skipped_damaged=skipped), agreement.persistent
             if error is not None and not damage.is_damage(error):
@@ -308,23 +321,14 @@ class CheckpointFileReader:
             raise CheckpointError(f"{self._directory()} holds no checkpoint to restore.")
         if not use_ema:
             return restored.state
-        with CheckpointStore(self._directory(), read_only=True) as store:
-            stored = tree_paths.flatten(store.stored_tree(restored.step))
-            targets = tree_paths.flatten({"target": _plain_tree(restored.state.params)})
-            paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}
-            missing = [path for path in paths if path not in stored]
-            if missing:
-                raise CheckpointError(
-                    f"the checkpoint of step {restored.step} in {self._directory()} holds no EMA of the parameters "
-                    f"({missing[0]} and {len(missing) - 1} more are missing): it was trained without "
-                    "TrainTask(ema_decay=...); restore without use_ema."
-                )
-            ema = store.read_paths(restored.step, list(paths))
+        targets = tree_paths.flatten({"target": _plain_tree(restored.state.params)})
+        paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}  # the EMA's, as restored
+        ema = self._stored_ema(restored.step, paths, targets)
 
-        def placed(template: Any, value: np.ndarray) -> Any:
+        def placed(template: Any, value: Any) -> Any:
             value = value.astype(template.dtype)
             sharding = getattr(template, "sharding", None)
-            return jax.device_put(value, sharding) if isinstance(template, jax.Array) else value
+            return jax.device_put(value, sharding) if isinstance(template, jax.Array) else np.asarray(value)
 
         flat_params = {paths_by_target: ema[ema_path] for ema_path, paths_by_target in paths.items()}
         new_params = tree_paths.unflatten({path.removeprefix("target/"): value for path, value in flat_params.items()})
@@ -333,20 +337,55 @@ class CheckpointFileReader:
         )
         return restored.state.replace(params=params)
 
+    def _stored_ema(self, step: int, paths: Mapping[str, str], targets: Mapping[str, Any]) -> dict[str, Any]:
+        """The EMA's arrays at `paths` (as restored, by '/'-joined path), read from the tier that gave `step`."""
+        local = self._local_restored
+        if local is not None:  # the local tier's step: the EMA's parts of the same file, and no other
+            _check_ema(paths, local.meta["arrays"], step, local.store.directory)
+            template = tree_paths.unflatten({path: targets[target] for path, target in paths.items()})
+            flat = tree_paths.flatten(local.store.read(local.step, local.meta, template, True).state_dict)
+            return {path: flat[path] for path in paths}
+        with CheckpointStore(self._directory(), read_only=True) as store:
+            stored = tree_paths.flatten(store.stored_tree(step))
+            names = dict(zip(tree_paths.rename(stored, self.rename), stored, strict=True))  # as restored -> stored
+            _check_ema(paths, names, step, self._directory())
+            read = store.read_paths(step, [names[path] for path in paths])
+        return {path: read[names[path]] for path in paths}
 
-def _newest_readable(store: CheckpointStore) -> int | None:
-    """The newest step whose meta reads (a damaged newest step must not hide a newer local one), or `None`."""
+
+def _check_ema(paths: Iterable[str], stored: Container[str], step: int, directory: Path) -> None:
+    """Raises unless a step holds every EMA path.
+
+    Raises:
+        CheckpointError: it holds none or some (naming the first missing path and how many).
+    """
+    missing = [path for path in paths if path not in stored]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint of step {step} in {directory} holds no EMA of the parameters "
+            f"({missing[0]} and {len(missing) - 1} more are missing): it was trained without "
+            "TrainTask(ema_decay=...); restore without use_ema."
+        )
+
+
+def _newest_readable(store: CheckpointStore) -> tuple[int | None, str | None]:
+    """The newest step whose meta reads (a damaged newest step must not hide a newer local one), and its run.
+
+    The run is `None` where no step's meta reads (the tiers then ask the
+    directory's ledger).
+    """
     for step in sorted(store.steps(), reverse=True):
         try:
-            store.read_meta(step)
+            meta = store.read_meta(step)
         except VanishedStepError:
             continue
         except Exception as error:
             damage.reraise_interrupt(error)
             if damage.is_damage(error):
                 continue
-        return step  # readable, or an error that the persistent tier's read reports
-    return None
+            return step, None  # an error that the persistent tier's read reports
+        return step, meta.get("run_id", LEGACY_RUN_ID)
+    return None, None
 
 
 def _plain_tree(tree: Any) -> Any:

@@ -3,11 +3,16 @@
 `CheckpointFileReader([local_dir, persistent_dir])` asks `agreed_local_step`
 first. Each process lists its own local steps (`flaxstate.checkpoint.local`)
 that are whole and fit the template on its devices; one small collective
-gathers them, and the newest step that every process holds, of one run, is
-taken when it is newer than the persistent tier's newest. Otherwise the
-persistent tier restores, and the primary process says why in one line:
-a process with no local steps (a replaced host), another process count or
-mesh, a damaged local step, or a persistent step as new.
+gathers them, and the newest step that every process holds, of the
+persistent directory's run, is taken when it is newer than the persistent
+tier's newest. The persistent directory's run is its newest step's, or, before
+its first save, its goodput ledger's; a new directory has none, so another
+run's local steps (one /dev/shm path shared by every experiment on a host)
+never restore into a new experiment. Otherwise the persistent tier restores
+(or the run starts fresh), and the primary process says why in one line: a
+process with no local steps (a replaced host), another process count or
+mesh, a damaged local step, a local step of another run, or a persistent
+step as new.
 """
 
 from __future__ import annotations
@@ -115,15 +120,22 @@ def agreed_local_step(
     template: Mapping[str, Any] | None,
     with_optimizer: bool,
     persistent_newest: int | None,
+    persistent_run: str | None,
     step: int | None = None,
 ) -> Agreement:
-    """The newest local step whole on every process, when newer than the persistent tier's (a collective).
+    """The newest local step of the persistent tier's run whole on every process, when newer (a collective).
+
+    A local step of another run is never restored: the local directory is
+    often one path that every run on the host shares (/dev/shm/run), and a
+    new experiment must not resume an old one's state.
 
     Args:
         local_dir: the local tier's directory (each process reads its own part).
         template: the state dict to restore into (its shardings), or `None`.
         with_optimizer: whether the optimizer's arrays are restored.
         persistent_newest: this process's view of the persistent tier's newest step.
+        persistent_run: the persistent directory's run (its newest step's, or
+            its ledger's), or `None` for a new directory.
         step: only this step (a reader made with `step=`).
 
     Returns:
@@ -138,10 +150,12 @@ def agreed_local_step(
             "held": [[s, meta.get("run_id")] for s, meta in held.items()],
             "note": note,
             "persistent": persistent_newest,
+            "run": persistent_run,
             "newest": newest_here,
         }
     )
     persistent = max((offer["persistent"] for offer in offers if offer["persistent"] is not None), default=None)
+    run = next((offer["run"] for offer in offers if offer["run"] is not None), None)  # one shared directory
     newer = [offer["newest"] for offer in offers if offer["newest"] is not None]
     passed_over = bool(newer) and (persistent is None or max(newer) > persistent)
     common = set.intersection(*({tuple(pair) for pair in offer["held"]} for offer in offers))
@@ -154,12 +168,31 @@ def agreed_local_step(
         )
         why = f"no local step is whole on every process ({notes or held_steps})"
         return Agreement(None, why, passed_over, persistent)
-    newest, _ = max(common)
+    ours = {pair for pair in common if pair[1] == run}
+    if not ours:
+        return Agreement(None, _another_run(max(common), run), True, persistent)
+    newest, _ = max(ours)
     if persistent is not None and newest <= persistent:
         why = f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}"
         return Agreement(None, why, False, persistent)
     chosen = LocalStep(store, newest, held[newest])
     return Agreement(chosen, f"step {newest} is whole in every process's local tier", False, persistent)
+
+
+def _another_run(newest: tuple[int, str | None], run: str | None) -> str:
+    """Why the local tier's newest step, of another run than the persistent directory's, is not restored."""
+    step, its_run = newest
+    whose = (
+        "the persistent directory is new (it holds no checkpoint and no goodput ledger)"
+        if run is None
+        else f"the persistent directory's checkpoints are of run {run}"
+    )
+    return (
+        f"the local tier's step {step} is of run {its_run}, and {whose}: a run restores only its own local "
+        "steps. Its local writer refuses to mix with the other "
+        "run's steps: give that CheckpointFileWriter overwrite=True (they are removed) or a directory of its "
+        f"own; to resume run {its_run} instead, point the reader's persistent tier at that run's directory"
+    )
 
 
 def all_read(error: BaseException | None) -> str | None:

@@ -83,7 +83,7 @@ class TrainLoop:
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
         record_memory: str = "host",
-        peak_flops_per_device: float | None = None,
+        peak_flops_per_device: float | str | None = None,
         handle_preemption: bool = True,
         hang_timeout: HangTimeout = "auto",
         stdout: bool = True,
@@ -114,7 +114,8 @@ class TrainLoop:
                 feeding its part of the global batch (see `flaxstate.training.placement`).
             record_memory: where records (and `state`) hold their copy: `"host"`
                 or `"device"` (faster, room for the state twice; see `flaxstate.training.copies`).
-            peak_flops_per_device: one device's peak FLOP/s, for records' MFU; by
+            peak_flops_per_device: one device's peak FLOP/s, for records' MFU (a
+                number, or a string of one: YAML 1.1 reads 989e12 as "989e12"); by
                 default the known dense bfloat16 peak (`flaxstate.training.throughput`).
             handle_preemption: on SIGTERM (to any process), stop at the next
                 dispatch boundary and yield a last record with `preempted=True`.
@@ -146,6 +147,10 @@ class TrainLoop:
             begun = startup.start(init, task, rng, where, look, init_names, self._progress)
         self._run_id = begun.run_id
         self._restored_step = begun.restored_step
+        self._check_ema_decays = task.check_ema_decays
+        self._check_ema_decays(begun.restored_step or 0, n_steps)  # a schedule's bad decay fails before any training
+        self._ema_checked = n_steps
+        """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
         self._program = Program.build(
             where, task, apply_names, mutable_collections, n_microbatches, begun.state, begun.rng
         )
@@ -283,6 +288,9 @@ class TrainLoop:
         if record is None:
             if self._outside is None:  # an interrupted call's segment goes on: its outside time is counted
                 self._outside = time.perf_counter() - self._returned_at
+            if self.n_steps > self._ema_checked:  # run(n) or next_step() went past the steps checked
+                self._check_ema_decays(self._ema_checked, self.n_steps)
+                self._ema_checked = self.n_steps
             with self._signals.installed(interrupts=True), self._watchdog.watching():
                 self._recorder.views.clear()  # the newest record's device view ends where the state is donated
                 sizes = self._schedule.dispatch_sizes(self.step, target)

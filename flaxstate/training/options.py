@@ -7,6 +7,8 @@ is read, compiled or restored.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -77,15 +79,23 @@ def check_record_memory(record_memory: str) -> str:
     return record_memory
 
 
-def check_peak_flops(peak_flops_per_device: float | None) -> float | None:
-    """Returns `peak_flops_per_device`, checked.
+def check_peak_flops(peak_flops_per_device: float | str | None) -> float | None:
+    """Returns `peak_flops_per_device` as a float, checked (a string such as "989e12", which YAML 1.1 reads, parsed).
 
     Raises:
-        ValueError: given, and not a positive number.
+        ValueError: given, and not a positive finite number.
     """
-    if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+    if peak_flops_per_device is None:
+        return None
+    value: Any = peak_flops_per_device
+    if isinstance(value, str):  # YAML 1.1 reads 989e12 (no dot before the e) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"TrainLoop peak_flops_per_device must be a positive FLOP/s figure (e.g. 989e12 for an H100's dense "
             f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."
         )
-    return peak_flops_per_device
+    return float(value)

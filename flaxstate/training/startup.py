@@ -170,7 +170,6 @@ def start(
     """
     key = as_key(rng)
     state, restored, restore_seconds = _state(init, task, key, placement, look.inputs, init_names, progress)
-    task.ema_decay_at(0 if restored is None else int(restored.step))  # a bad schedule fails before any save
     if restored is None:
         begun = Start(state, key, multihost.agree(uuid.uuid4().hex[:12]), None, restore_seconds)
     else:

@@ -7,9 +7,13 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
+
+EMA_CHECK_CHUNK = 1 << 20
+"""Steps of an EMA schedule computed at once when a run's steps are checked."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +47,9 @@ class TrainTask:
             sharded as the parameters are, saved under `state/ema` and
             resumed exactly; a step that loss scaling skips leaves it as it
             was. `EvalLoop(use_ema=True)` evaluates it. None: no EMA. A decay
-            must lie in [0, 1): a constant is checked here, a schedule at the
-            run's first step (`ema_decay_at`).
+            must lie in [0, 1): a constant is checked here, a schedule at
+            every step the loop will train (`check_ema_decays`), before it
+            trains them.
 
     Raises:
         ValueError: a constant `ema_decay` outside [0, 1) or not a number.
@@ -66,17 +71,23 @@ class TrainTask:
         if self.ema_decay is not None and not callable(self.ema_decay):
             _check_decay(self.ema_decay, "")
 
-    def ema_decay_at(self, step: int) -> float | None:
-        """The EMA's decay at `step` (the schedule's value, or the constant), checked; None without an EMA.
+    def check_ema_decays(self, first: int, stop: int) -> None:
+        """Checks a schedule's decay at every step in [first, stop), computed a chunk of steps at once.
 
         Raises:
-            ValueError: a decay outside [0, 1) or not finite, naming the step.
+            ValueError: a decay outside [0, 1) or not finite, naming the first such step.
         """
-        if self.ema_decay is None:
-            return None
-        if not callable(self.ema_decay):
-            return float(self.ema_decay)
-        return _check_decay(np.asarray(self.ema_decay(step)), f" (the schedule's value at step {step})")
+        if not callable(self.ema_decay) or stop <= first:
+            return
+        _check_decay(np.asarray(self.ema_decay(first)), f" (the schedule's value at step {first})")  # its type too
+        values_of = jax.jit(jax.vmap(self.ema_decay))
+        for start in range(first, stop, EMA_CHECK_CHUNK):
+            steps = np.arange(start, min(start + EMA_CHECK_CHUNK, stop), dtype=np.int32)
+            values = np.broadcast_to(np.asarray(values_of(steps), dtype=np.float64), steps.shape)
+            bad = ~(np.isfinite(values) & (values >= 0) & (values < 1))
+            if bad.any():
+                at = int(np.argmax(bad))
+                _check_decay(values[at], f" (the schedule's value at step {steps[at]})")
 
 
 def _check_decay(decay: Any, where: str) -> float:

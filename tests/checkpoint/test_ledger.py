@@ -151,3 +151,21 @@ def test_the_report_of_events_written_by_hand():
     assert second["down_time"] == 10.0 and second["steps"] == 10  # another run's event is not counted
     assert report["total"]["wall_time"] == 40.0
     assert report["total"]["goodput"] == pytest.approx((3.0 + 4.0) / 40.0)
+
+
+def test_a_ledger_cut_after_its_session_line_gives_no_negative_bucket(tmp_path):
+    train(tmp_path, loop=make_loop(n_steps=8))
+    path = tmp_path / ledger.FILENAME
+    lines = path.read_text().splitlines(keepends=True)
+    for cut in (1, 2):  # killed right after the session line, and after the first record's
+        path.write_text("".join(lines[:cut]))
+        (account,) = goodput.report(ledger.read_events(path))["sessions"]
+        assert all(account[name] >= 0 for name in goodput.BUCKETS), account
+        parts = account["productive"] + sum(account[name] for name in goodput.BUCKETS)
+        assert parts == pytest.approx(account["wall_time"])
+        assert account["wall_time"] >= account["startup"] > 0
+    resumed = make_loop(init=fs.CheckpointFileReader(tmp_path, target=toy.MLP().init), n_steps=12)
+    train(tmp_path, loop=resumed)
+    first, second = goodput.report(ledger.read_events(path))["sessions"]
+    assert first["wall_time"] >= first["startup"] > 0 and second["down_time"] >= 0
+    assert all(account[name] >= 0 for account in (first, second) for name in goodput.BUCKETS)

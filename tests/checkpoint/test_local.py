@@ -7,6 +7,7 @@ The processes' agreement and kill -9 restarts are in `test_tiers.py` (two gloo p
 import json
 import logging
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -180,3 +181,70 @@ def test_tiers_are_a_list_of_two_and_only_for_the_newest_reader(tmp_path):
     reader = fs.CheckpointFileReader([tmp_path / "a", tmp_path / "b"])
     assert repr(reader) == f"CheckpointFileReader([{str(tmp_path / 'a')!r}, {str(tmp_path / 'b')!r}])"
     assert "per_process=True" in repr(fs.CheckpointFileWriter(tmp_path / "c", per_process=True))
+
+
+def test_a_new_experiment_never_restores_another_run_s_local_steps_and_says_so(tmp_path, caplog):
+    local_dir, _, first = train(tmp_path)  # experiment 1: local steps 8 and 12, persistent step 4
+    reader = fs.CheckpointFileReader([local_dir, tmp_path / "experiment-2"], target=toy.MLP().init)
+    second = make_loop(n_steps=12, init=reader)
+    assert second.step == 0 and second.run_id != first.run_id
+    said = caplog.text
+    assert f"the local tier's step 12 is of run {first.run_id}" in said, said
+    assert "the persistent directory is new" in said and "overwrite=True" in said, said
+    with (
+        fs.CheckpointFileWriter(local_dir, keep=2, per_process=True) as local,
+        pytest.raises(fs.CheckpointError, match="another run"),
+    ):
+        local(second.next_checkpoint())
+    assert sorted(p.name for p in process_directory(local_dir).iterdir()) == ["12", "8"]  # experiment 1's, kept
+
+
+def test_a_persistent_directory_of_another_run_restores_its_own_step_not_the_newer_local_one(tmp_path, caplog):
+    local_dir, _, first = train(tmp_path / "a")  # run A: local steps 8 and 12
+    _, other_persistent, other = train(tmp_path / "b", n_steps=4)  # run B: persistent step 4
+    loop = make_loop(n_steps=12, init=fs.CheckpointFileReader([local_dir, other_persistent], target=toy.MLP().init))
+    assert loop.step == 4 and loop.run_id == other.run_id != first.run_id
+    assert f"the persistent directory's checkpoints are of run {other.run_id}" in caplog.text, caplog.text
+
+
+def test_a_local_step_restores_before_the_run_s_first_persistent_save_through_its_ledger(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="flaxstate")
+    local_dir, persistent_dir, first = train(tmp_path)
+    shutil.rmtree(persistent_dir / "4")  # as if killed before the first persistent save: the ledger alone names the run
+    assert [p.name for p in persistent_dir.iterdir() if p.name.isdigit()] == []
+    loop = make_loop(n_steps=16, init=fs.CheckpointFileReader([local_dir, persistent_dir], target=toy.MLP().init))
+    assert loop.step == 12 and loop.run_id == first.run_id
+    assert "restored step 12 from the local tier" in caplog.text
+
+
+def read_bytes() -> int:
+    """The bytes this process has read through read(2) and its kin so far (Linux's /proc/self/io)."""
+    with open("/proc/self/io") as io_file:
+        return next(int(line.split()[1]) for line in io_file if line.startswith("rchar:"))
+
+
+def test_an_inference_state_restored_from_the_local_tier_reads_only_its_arrays_bytes(tmp_path):
+    model = toy.MLP(width=16384)  # adam's two moments: the file is three times the parameters
+    local_dir, persistent_dir = tmp_path / "local", tmp_path / "persistent"
+    loop = make_loop(n_steps=4, every=4, model=model)
+    with (
+        fs.CheckpointFileWriter(local_dir, per_process=True) as local,
+        fs.CheckpointFileWriter(persistent_dir) as persistent,
+    ):
+        for record in loop:
+            persistent(local(record))
+    persistent_steps = sorted(p.name for p in persistent_dir.iterdir() if p.name.isdigit())
+    shutil.rmtree(persistent_dir / persistent_steps[-1])  # so that only the local tier holds step 4
+    variables = model.init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    file_bytes = (process_directory(local_dir) / "4" / "arrays.bin").stat().st_size
+    params_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(variables["params"]))
+    reader = fs.CheckpointFileReader([local_dir, persistent_dir])
+    before = read_bytes()
+    restored = reader.restore(fs.InferenceState.create(variables))
+    read = read_bytes() - before
+    assert params_bytes < read < params_bytes + (file_bytes - params_bytes) // 2, (read, params_bytes, file_bytes)
+    for path, value in flat_state(loop.state).items():
+        if path.startswith("target/"):
+            np.testing.assert_array_equal(
+                np.asarray(tree_paths.flatten({"target": restored.params})[path]), value, err_msg=path
+            )

@@ -144,12 +144,14 @@ def test_a_damaged_local_save_falls_back_to_the_newest_step_whole_on_both(killed
     assert (directory / "local-1" / "process-1" / f"{common[-1]}.damaged").is_dir()
 
 
-def test_the_local_tier_of_another_run_is_refused(killed, tmp_path):
+def test_a_new_experiment_does_not_resume_another_run_s_local_tier_and_its_writer_refuses_to_mix(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
-    shutil.rmtree(directory / "persistent")
+    shutil.rmtree(directory / "persistent")  # README's pattern: one local path on each host, a new persistent one
     before = [local_steps(directory, i) for i in range(2)]
-    _, outputs = run(directory, 2, expect_success=False, resume=False)
+    _, outputs = run(directory, 2, expect_success=False)
+    assert "the persistent directory is new" in outputs[0], outputs[0][-3000:]
     for output in outputs:
+        assert "start 0" in output, output[-3000:]
         assert "holds checkpoints of another run" in output, output[-3000:]
         assert "done" not in output
     assert [local_steps(directory, i) for i in range(2)] == before

@@ -171,3 +171,48 @@ def test_a_schedule_is_checked_at_the_step_a_run_resumes_from_before_anything_is
     with pytest.raises(ValueError, match=r"got .*1.8.* at step 4"):
         make_loop(init=reader, n_steps=8, every=4, ema_decay=late)
     assert sorted(path.name for path in tmp_path.iterdir()) == saved
+
+
+def test_a_schedule_not_finite_at_any_later_step_is_refused_before_training_and_when_a_run_goes_past_it():
+    def spike(step):  # fine up to step 4, NaN from step 5 on
+        return jax.numpy.where(step >= 5, jax.numpy.nan, 0.9)
+
+    with pytest.raises(ValueError, match=r"got .*nan.* at step 5"):
+        make_loop(n_steps=8, every=4, ema_decay=spike)
+    loop = make_loop(n_steps=4, every=4, ema_decay=spike)
+    assert [record.step for record in loop] == [4]
+    with pytest.raises(ValueError, match=r"got .*nan.* at step 5"):
+        list(loop.run(8))
+    assert loop.step == 4  # nothing trained past the steps checked
+    assert np.isfinite(np.concatenate([np.ravel(x) for x in jax.tree.leaves(loop.state.ema)])).all()
+
+
+def test_use_ema_through_the_tiers_reads_the_ema_of_the_step_the_local_tier_restored(tmp_path):
+    local_dir, persistent_dir = tmp_path / "local", tmp_path / "persistent"
+    with (
+        fs.CheckpointFileWriter(local_dir, keep=2, per_process=True) as local,
+        fs.CheckpointFileWriter(persistent_dir) as persistent,
+    ):
+        for record in make_loop(n_steps=12, every=4, ema_decay=DECAY):
+            local(record)
+            if record.step == 4:
+                persistent(record)  # the persistent tier holds step 4 only
+            last = leaves(record.ema_params)
+    variables = toy.MLP().init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    reader = fs.CheckpointFileReader([local_dir, persistent_dir])
+    averaged = reader.restore(fs.InferenceState.create(variables), use_ema=True)  # the local tier's step 12
+    for a, b in zip(leaves(averaged.params), last, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_use_ema_with_rename_reads_the_ema_under_its_old_paths(tmp_path):
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        last = [writer(record) for record in make_loop(n_steps=4, every=4, ema_decay=DECAY)][-1]
+    params = toy.MLP().init(jax.random.key(0), np.zeros((1, 4), np.float32))["params"]
+    renamed = {"params": {"Encoder_0": params["Dense_0"], "Dense_1": params["Dense_1"]}}  # a later layout
+    reader = fs.CheckpointFileReader(tmp_path, rename={"Dense_0/": "Encoder_0/"})
+    averaged = reader.restore(fs.InferenceState.create(renamed), use_ema=True)
+    for new, old in (("Encoder_0", "Dense_0"), ("Dense_1", "Dense_1")):
+        for name in ("kernel", "bias"):
+            np.testing.assert_array_equal(averaged.params[new][name], last.ema_params[old][name])
+    assert not np.array_equal(averaged.params["Encoder_0"]["kernel"], last.state.params["Dense_0"]["kernel"])

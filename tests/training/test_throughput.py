@@ -54,8 +54,11 @@ def test_mfu_is_absent_on_a_cpu_and_follows_the_records_own_fields_with_a_given_
     out = io.StringIO()
     fs.SummaryLogger(out)(record)
     assert f"{record.examples_per_second:,.0f} examples/s, MFU {record.mfu:.1%}" in out.getvalue()
-    with pytest.raises(ValueError, match="peak_flops_per_device must be a positive FLOP/s figure"):
-        first_record(peak_flops_per_device=0)
+    for bad in (0, "fast", float("inf"), True):
+        with pytest.raises(ValueError, match="peak_flops_per_device must be a positive FLOP/s figure"):
+            first_record(peak_flops_per_device=bad)
+    from_yaml, _ = first_record(peak_flops_per_device="2e12")  # YAML 1.1 reads 2e12 as a string
+    assert from_yaml.peak_flops == 2e12 * from_yaml.n_devices
 
 
 def test_the_peaks_of_known_devices_and_none_for_others():
