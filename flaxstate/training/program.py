@@ -33,6 +33,8 @@ class Program:
         state: the state (the programs take its flat leaves; only its
             structure, shapes, dtypes and shardings are kept).
         rng_impl: the loop key's implementation (the programs take its raw data).
+        counted_step: with microbatches, the step with their loop written
+            out (`unrolled`), whose lowering counts every microbatch's FLOPs.
     """
 
     def __init__(
@@ -43,10 +45,12 @@ class Program:
         shardings: PyTree,
         state: PyTree,
         rng_impl: Any,
+        counted_step: Callable[..., Any] | None = None,
     ) -> None:
         self._placement = placement
         self._train_step = train_step
         self._fenced_step = fenced_step
+        self._counted_step = counted_step
         self._shardings = shardings
         leaves, self._treedef = jax.tree.flatten(state)
         self._abstract_leaves = [
@@ -75,12 +79,22 @@ class Program:
             mutable: the collections the update may change.
             n_microbatches: M microbatches a step (see `step.microbatched`).
         """
-        train_step, fenced_step = (
-            step.make_train_step(task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches, fenced)
-            for fenced in (False, True)
+        train_step, fenced_step, counted_step = (
+            step.make_train_step(
+                task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches, fenced, unrolled
+            )
+            for fenced, unrolled in ((False, False), (True, False), (False, True))
         )
         shardings = placement.state_shardings(state)
-        return cls(placement, train_step, fenced_step, shardings, state, jax.random.key_impl(rng))
+        return cls(
+            placement,
+            train_step,
+            fenced_step,
+            shardings,
+            state,
+            jax.random.key_impl(rng),
+            counted_step if n_microbatches > 1 else None,
+        )
 
     @property
     def shardings(self) -> PyTree:
@@ -107,6 +121,11 @@ class Program:
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The FLOPs of one global step, from XLA's cost analysis of the one-step update (computed once).
 
+        XLA counts a loop's body once, so with microbatches the count is
+        scaled by the ratio of two lowerings' counts (not compiled): the
+        step with the microbatches' loop written out, over the step as it
+        runs.
+
         Args:
             batch, rng_data: what the update takes beside the state (arrays or
                 `jax.ShapeDtypeStruct`s: only their shapes and dtypes count).
@@ -119,6 +138,10 @@ class Program:
             update: Any = self.update(1)  # a jax.jit object
             lowered = update.lower(self._abstract_leaves, batch, rng_data)
             per_device = throughput.flops_of(lowered.compile())
+            if per_device is not None and self._counted_step is not None:
+                program = step.update_program(self._counted_step, 1, self._treedef, self._rng_impl, False)
+                counted: Any = self._placement.compile_update(program, self._shardings, False, False)
+                per_device *= throughput.loop_factor(lowered, counted.lower(self._abstract_leaves, batch, rng_data))
             self._flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._flops
 

@@ -111,7 +111,7 @@ def loss_gradients(apply: Callable[..., Any], loss: Callable[..., Any], mutable:
     return gradients
 
 
-def microbatched(gradients: GradientFunction, n_microbatches: int) -> GradientFunction:
+def microbatched(gradients: GradientFunction, n_microbatches: int, unrolled: bool = False) -> GradientFunction:
     """Returns `gradients` accumulated over `n_microbatches` microbatches of the batch (as Levanter's `microbatched`).
 
     The batch is split into M equal microbatches, interleaved (`microbatches`);
@@ -120,7 +120,9 @@ def microbatched(gradients: GradientFunction, n_microbatches: int) -> GradientFu
     collections (batch statistics) carried from one to the next in order, as
     over M smaller steps, and dropout rngs folded with the microbatch's
     index. Loss and gradients are their mean over the M. M = 1 is
-    `gradients` itself.
+    `gradients` itself. `unrolled` writes the M bodies out, for XLA's cost
+    analysis, which counts a loop's body once (never to run: M microbatches'
+    activations would live at once).
     """
     if n_microbatches == 1:
         return gradients
@@ -140,7 +142,7 @@ def microbatched(gradients: GradientFunction, n_microbatches: int) -> GradientFu
         split = functools.partial(microbatches, n_microbatches=n_microbatches)
         micro = (jnp.arange(n_microbatches), jax.tree.map(split, inputs), jax.tree.map(split, targets))
         start = (zeros, jnp.zeros((), jnp.float32), mutables)
-        (grads_sum, loss_sum, mutables), _ = lax.scan(body, start, micro)
+        (grads_sum, loss_sum, mutables), _ = lax.scan(body, start, micro, unroll=n_microbatches if unrolled else 1)
         grads = jax.tree.map(lambda g: g / n_microbatches, grads_sum)
         return (loss_sum / n_microbatches, mutables), grads
 
@@ -155,6 +157,7 @@ def make_train_step(
     across: Across,
     n_microbatches: int = 1,
     fenced: bool = False,
+    unrolled: bool = False,
 ) -> Callable[[PyTree, Batch, jax.Array], tuple[PyTree, PyTree, jax.Array]]:
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
 
@@ -165,6 +168,8 @@ def make_train_step(
     step 20 ended a few ulps, amplified by adam to 1e-4, away from an
     uninterrupted run). One step is left as a hand-written step is: its
     gradients come from their own program, beside the same update.
+    `unrolled`: the microbatches' loop written out (`microbatched`), a step
+    to count FLOPs of, not to run.
 
     The loss and gradients of the batch (`loss_gradients`, over M
     microbatches with `microbatched`), their mean over the devices with the
@@ -174,7 +179,7 @@ def make_train_step(
     parameters, optimizer state, mutable collections and the EMA as they were
     (the step count still advances) and lowers the scale.
     """
-    gradients = microbatched(loss_gradients(apply, loss, mutable), n_microbatches)
+    gradients = microbatched(loss_gradients(apply, loss, mutable), n_microbatches, unrolled)
 
     def train_step(state: PyTree, batch: Batch, rng: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
         inputs, targets = batch

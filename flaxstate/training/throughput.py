@@ -5,7 +5,9 @@ of the one-step update the loop runs: forward and backward matmuls (about
 6 x parameters x examples for an MLP), plus attention, elementwise work and
 the optimizer's update, which a hand count of 6PB leaves out. They are read
 from the one-step program whatever K: XLA counts a `lax.scan`'s body once,
-not once per step. The count is of the program that one device runs; the
+not once per step. For the same reason a step of M microbatches is scaled
+by the ratio of its count with the microbatches' loop written out to its
+count as it runs (two lowerings, not compiled; `loop_factor`). The count is of the program that one device runs; the
 global FLOPs of a step are that times the devices (data-parallel, each runs
 the whole update on its part of the batch; sharded, each runs its part).
 
@@ -52,10 +54,20 @@ def peak_flops_per_device(devices: Sequence[jax.Device]) -> float | None:
     return next((peak for name, peak in DENSE_BF16_PEAKS if name in kind), None)
 
 
-def flops_of(compiled: jax.stages.Compiled) -> float | None:
-    """XLA's FLOPs count of a compiled program (`None` where the backend gives none)."""
+def flops_of(compiled: jax.stages.Compiled | jax.stages.Lowered) -> float | None:
+    """XLA's FLOPs count of a compiled (or lowered) program (`None` where the backend gives none)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):
         analysis = analysis[0] if analysis else None
     flops = analysis.get("flops") if analysis else None
     return float(flops) if flops is not None and flops >= 0 else None
+
+
+def loop_factor(rolled: jax.stages.Lowered, unrolled: jax.stages.Lowered) -> float:
+    """How many times the FLOPs of `unrolled` (a loop written out) are those of `rolled` (1 where either is unknown).
+
+    XLA's cost analysis counts a loop's body once: the factor scales a
+    compiled program's count up to every iteration's.
+    """
+    counts = flops_of(rolled), flops_of(unrolled)
+    return counts[1] / counts[0] if counts[0] and counts[1] else 1.0

@@ -39,6 +39,10 @@ def test_the_flops_of_a_step_are_six_times_parameters_times_examples_for_an_mlp(
     assert record.flops_per_step == pytest.approx(hand_count, rel=0.03)
     # K steps a dispatch: the same FLOPs a step (XLA counts a scan's body once, so the one-step program is read).
     assert first_record(per_dispatch=5)[0].flops_per_step == record.flops_per_step
+    # M microbatches: the same examples a step, so the same FLOPs (XLA counted the microbatches' loop once: 1/M).
+    for n_microbatches in (2, 4):
+        micro, _ = first_record(n_microbatches=n_microbatches)
+        assert micro.flops_per_step == pytest.approx(record.flops_per_step, rel=0.03), n_microbatches
     assert record.batch_size == 64
     assert record.examples_per_second == pytest.approx(record.steps_per_second * 64)
 
