@@ -148,6 +148,18 @@ def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():
     assert "compiled 0" in output
 
 
+def test_tensor_parallel_data_split_over_two_processes_as_data_parallel_is_refused_naming_both_splits():
+    outputs = processes.run("sharding_errors.py", {}, n_processes=2, timeout=120)
+    for index, output in enumerate(outputs):
+        error = dict(re.findall(r"^case ([^:]+): (.*)$", output, re.MULTILINE))[
+            "tensor-parallel data split as data-parallel"
+        ]
+        assert error.startswith("ValueError: TrainTask data is global_batches("), error
+        assert f"feeds this process part {index} of 2 of each global batch" in error, error
+        assert "places part 0 of 1 on this process's devices" in error and "mesh=mesh, axis_rules=axis_rules" in error
+        assert "compiled 0" in output
+
+
 def row_statistics() -> optax.GradientTransformation:
     """A hand-made factored optimizer state: one running mean of squared gradients per row of each kernel."""
 

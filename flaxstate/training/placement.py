@@ -104,6 +104,8 @@ class Placement(Protocol):
 
     def global_batch_size(self, local_size: int) -> int: ...
 
+    def process_part(self) -> tuple[int, int]: ...
+
     def state_shardings(self, state: PyTree) -> PyTree: ...
 
     def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch: ...
@@ -176,6 +178,10 @@ class DataParallel:
     def global_batch_size(self, local_size: int) -> int:
         """The global batch's size when this process feeds `local_size` examples."""
         return local_size * jax.process_count()
+
+    def process_part(self) -> tuple[int, int]:
+        """Which part of the global batch this process feeds: `(index, count)` of equal, contiguous parts."""
+        return jax.process_index(), jax.process_count()
 
     def state_shardings(self, state: PyTree) -> NamedSharding:
         """Replicated: one sharding for every leaf."""
@@ -265,6 +271,10 @@ class Sharded:
     def global_batch_size(self, local_size: int) -> int:
         """The global batch's size when this process feeds `local_size` examples."""
         return local_size * self.batch_layout.n_parts // self.n_local_parts
+
+    def process_part(self) -> tuple[int, int]:
+        """Which part of the global batch this process feeds (`BatchLayout.process_part`)."""
+        return self.batch_layout.process_part()
 
     def state_shardings(self, state: PyTree) -> PyTree:
         """One sharding per leaf, from its logical axes through the rules."""

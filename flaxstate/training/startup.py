@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxstate.global_batches import GlobalBatches
 from flaxstate.records import CheckpointFile
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, multihost, scaling
@@ -114,8 +115,12 @@ def first_look(
 
     Raises:
         ValueError: a batch that is empty, of the wrong structure, or that
-            does not split over the devices and microbatches (see `Placement.check_batch`).
+            does not split over the devices and microbatches (see
+            `Placement.check_batch`); `global_batches` whose split over the
+            processes is not the placement's (tensor parallelism fed as data
+            parallelism), naming both.
     """
+    check_split(task.data, placement)
     data = DataStream(task.data, "TrainTask", on_draw)
     batch = batching.normalize(data.peek(), "TrainTask")
     placement.check_batch(batch, "TrainTask", n_microbatches)
@@ -125,6 +130,26 @@ def first_look(
     else:
         inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
     return FirstLook(data, batch_size, batching.global_spec(batch, batch_size), inputs)
+
+
+def check_split(data: Any, placement: Placement) -> None:
+    """Checks that `global_batches` feed this process the part of each global batch that the placement puts here.
+
+    Raises:
+        ValueError: another part (e.g. half a batch each, where a
+            tensor-parallel mesh gives every process the whole batch), naming both.
+    """
+    if not isinstance(data, GlobalBatches):
+        return  # another iterable: its batches' sizes are checked (check_batch), its rows cannot be
+    made, placed = data.part, placement.process_part()
+    if tuple(made) != tuple(placed):
+        raise ValueError(
+            f"TrainTask data is {data!r}: it feeds this process part {made[0]} of {made[1]} of each global batch, "
+            f"but the loop places part {placed[0]} of {placed[1]} on this process's devices, so the processes "
+            "would train on other rows than the loop's (with tensor parallelism over processes, each holds the "
+            "whole batch). Make the data with the loop's own mesh= and axis_rules=, global_batches(..., "
+            "mesh=mesh, axis_rules=axis_rules), or with neither for a data-parallel loop."
+        )
 
 
 @dataclasses.dataclass(frozen=True)

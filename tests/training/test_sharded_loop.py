@@ -54,17 +54,19 @@ def params(directory, step=None):
     return checkpoint.step, tree_paths.flatten(checkpoint.state["target"])
 
 
-ATOL = 1e-5
+ATOL = 3e-5
 """The absolute tolerance between layouts (`assert_close` says why)."""
 
 
 def assert_close(a, b, rtol=1e-5):
-    """Equal up to the order of reductions: 1e-5 relative, or 1e-5 absolute.
+    """Equal up to the order of reductions: 1e-5 relative, or 3e-5 absolute.
 
     AdamW divides each gradient by its own running scale, so an element whose gradient is near zero moves by up
     to a learning rate (3e-3) a step whatever its gradient's low bits: reduction order shows there as an absolute
-    difference, not a relative one (seen: up to 3.3e-6 after 6 steps, on the 32 weights of one hidden unit).
-    Training on other batches moves every element by about the learning rate, 300 times the tolerance.
+    difference, not a relative one (seen: up to 3.3e-6 after 6 steps, on the 32 weights of one hidden unit; on
+    an AMD EPYC machine, 1.03e-5 on one weight of 2048, tensor-parallel against one device, the same before and
+    after the change that met it). Training on other batches moves every element by about the learning rate,
+    100 times the tolerance.
     """
     assert a[0] == b[0]
     assert a[1].keys() == b[1].keys()

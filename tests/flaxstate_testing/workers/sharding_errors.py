@@ -1,7 +1,9 @@
 """Builds sharded TrainLoops from bad input over a mesh of 2 devices; prints each error that they raise.
 
 Run in one process with 2 CPU devices: every error comes before anything is
-compiled, so no collective ever runs (those deadlock on these machines).
+compiled, so no collective ever runs (those deadlock on these machines). Run
+as 2 processes of one device each, it builds the cases that only the
+processes' split of the data can raise.
 Prints `case NAME: TYPE: MESSAGE` a case, on one line, then `done`.
 """
 
@@ -44,13 +46,20 @@ def build(config, mesh: str, rules=lm.RULES, n_microbatches: int = 1) -> None:
     )
 
 
-cases = {
-    "odd dimension": lambda: build(dataclasses.replace(small, embed=33), "fsdp=2"),
-    "odd heads": lambda: build(dataclasses.replace(small, heads=3), "model=2"),
-    "odd batch": lambda: build(dataclasses.replace(small, batch_size=7), "fsdp=2"),
-    "odd microbatches": lambda: build(small, "fsdp=2", n_microbatches=3),
-    "unknown mesh axis": lambda: build(small, "fsdp=2", (*lm.RULES, ("mlp", "tensor"))),
+across_processes = {  # 2 processes of one device each: only what the processes' split of the data changes
+    "tensor-parallel data split as data-parallel": lambda: build(small, "model=2"),  # data(config): half each
 }
+cases = (
+    across_processes
+    if config["n_processes"] > 1
+    else {
+        "odd dimension": lambda: build(dataclasses.replace(small, embed=33), "fsdp=2"),
+        "odd heads": lambda: build(dataclasses.replace(small, heads=3), "model=2"),
+        "odd batch": lambda: build(dataclasses.replace(small, batch_size=7), "fsdp=2"),
+        "odd microbatches": lambda: build(small, "fsdp=2", n_microbatches=3),
+        "unknown mesh axis": lambda: build(small, "fsdp=2", (*lm.RULES, ("mlp", "tensor"))),
+    }
+)
 for name, case in cases.items():
     try:
         case()
