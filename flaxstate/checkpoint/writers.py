@@ -96,6 +96,7 @@ def metadata_changes(old: Any, new: Any) -> list[str]:
 class _Writer:
     def __init__(
         self,
+        *,
         output_dir: Path,
         subdir: str | None,
         keep: int,
@@ -471,17 +472,17 @@ class CheckpointFileWriter(_Writer):
         local = ", per_process=True" if per_process else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
         super().__init__(
-            Path(output_dir),
-            None,
-            keep,
-            metadata,
-            None,
-            overwrite,
-            description,
-            every_seconds,
-            clock,
-            ledger,
-            per_process,
+            output_dir=Path(output_dir),
+            subdir=None,
+            keep=keep,
+            metadata=metadata,
+            best=None,
+            overwrite=overwrite,
+            description=description,
+            every_seconds=every_seconds,
+            clock=clock,
+            ledger=ledger,
+            per_process=per_process,
         )
 
 
@@ -500,7 +501,15 @@ class _BestWriter(_Writer):
         self.metric, self.group = metric, group
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
         description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"
-        super().__init__(Path(output_dir), self.policy.subdir, keep, metadata, self.policy, overwrite, description)
+        super().__init__(
+            output_dir=Path(output_dir),
+            subdir=self.policy.subdir,
+            keep=keep,
+            metadata=metadata,
+            best=self.policy,
+            overwrite=overwrite,
+            description=description,
+        )
 
     def __call__(self, checkpoint: Checkpoint) -> Checkpoint:
         if checkpoint.preempted and self.policy.value(checkpoint.metrics) is None:

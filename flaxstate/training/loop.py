@@ -133,6 +133,7 @@ class TrainLoop:
             TypeError: `rng` is neither a key nor an int.
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
+        n_microbatches = self._schedule.n_microbatches  # checked
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         record_memory = check_record_memory(record_memory)
@@ -144,7 +145,15 @@ class TrainLoop:
         look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)
         phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
         with self._watchdog.watching(phase):
-            begun = startup.start(init, task, rng, where, look, init_names, self._progress)
+            begun = startup.start(
+                init=init,
+                task=task,
+                rng=rng,
+                placement=where,
+                look=look,
+                init_names=init_names,
+                progress=self._progress,
+            )
         self._run_id = begun.run_id
         self._restored_step = begun.restored_step
         self._check_ema_decays = task.check_ema_decays
@@ -152,22 +161,34 @@ class TrainLoop:
         self._ema_checked = n_steps
         """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
         self._program = Program.build(
-            where, task, apply_names, mutable_collections, n_microbatches, begun.state, begun.rng
+            placement=where,
+            task=task,
+            rng_names=apply_names,
+            mutable=mutable_collections,
+            n_microbatches=n_microbatches,
+            state=begun.state,
+            rng=begun.rng,
         )
         self._recorder = Recorder.create(
-            where, self._program.shardings, record_memory, look, begun, self._progress, peak_flops_per_device
+            placement=where,
+            shardings=self._program.shardings,
+            record_memory=record_memory,
+            look=look,
+            begun=begun,
+            progress=self._progress,
+            peak_flops_per_device=peak_flops_per_device,
         )
         self._runner = SegmentRunner(
-            self._program,
-            where,
-            look.data,
-            self._signals,
-            self._progress,
-            n_microbatches,
-            begun.state,
-            begun.rng,
-            self._watchdog,
-            look.global_batch,
+            program=self._program,
+            placement=where,
+            data=look.data,
+            signals=self._signals,
+            progress=self._progress,
+            n_microbatches=n_microbatches,
+            state=begun.state,
+            rng=begun.rng,
+            watchdog=self._watchdog,
+            global_batch=look.global_batch,
             loss_scaling=task.loss_scale is not None,
         )
         self._made: Checkpoint | None = None

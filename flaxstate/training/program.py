@@ -64,6 +64,7 @@ class Program:
     @classmethod
     def build(
         cls,
+        *,
         placement: Placement,
         task: TrainTask,
         rng_names: tuple[str, ...],

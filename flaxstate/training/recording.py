@@ -84,6 +84,7 @@ class Recorder:
     @classmethod
     def create(
         cls,
+        *,
         placement: Placement,
         shardings: PyTree,
         record_memory: str,

@@ -35,7 +35,6 @@ from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 from flaxstate.training.watchdog import Phase, Watchdog
 
 PyTree = Any
-_NOT_COUNTED = object()
 _NOT_TRACED = contextlib.nullcontext()
 try:  # whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read
     from jax._src.lib import _profiler
@@ -104,6 +103,7 @@ class SegmentRunner:
 
     def __init__(
         self,
+        *,
         program: Program,
         placement: Placement,
         data: DataStream,
@@ -131,7 +131,8 @@ class SegmentRunner:
         self._global_batch = global_batch
         self._compiled: set[tuple[int, bool]] = set()
         """The (size, whether a record's) of the dispatches made before: the first of each compiles."""
-        self._flops: Any = _NOT_COUNTED
+        self._flops_counted = False
+        """Whether a segment has counted the FLOPs (`Program` keeps them)."""
         self._patience = nonfinite.patience(loss_scaling)
         self._nonfinite_run: jax.Array | None = None
         """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
@@ -144,7 +145,7 @@ class SegmentRunner:
     @property
     def flops_per_step(self) -> float | None:
         """The FLOPs of one global step (`Program.flops_per_step`), once a segment has counted them."""
-        return None if self._flops is _NOT_COUNTED else self._flops
+        return self._program.flops_per_step(self._global_batch, self.rng_data) if self._flops_counted else None
 
     def train(self, sizes: Sequence[int], total: int) -> Trained:
         """Trains dispatches of `sizes` steps each (or up to a preemption notice) of a run of `total` steps.
@@ -167,9 +168,10 @@ class SegmentRunner:
         resumed_at = time.perf_counter()
         compiled_before = compiling.seconds()
         try:
-            if self._flops is _NOT_COUNTED:  # compiles the one-step update ahead of its first dispatch
+            if not self._flops_counted:  # compiles the one-step update ahead of its first dispatch
                 self._watchdog.enter(Phase.COMPILING_ONE_STEP)
-                self._flops = self._program.flops_per_step(self._global_batch, self.rng_data)
+                self._program.flops_per_step(self._global_batch, self.rng_data)
+                self._flops_counted = True
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(sizes, total, segment)
             self._watchdog.enter(Phase.WAITING_FOR_DEVICES, f" step {self.step}")

@@ -177,6 +177,7 @@ class Start:
 
 
 def start(
+    *,
     init: Callable[..., Any] | CheckpointSource,
     task: TrainTask,
     rng: jax.Array | int,
