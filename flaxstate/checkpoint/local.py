@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -116,6 +115,9 @@ class LocalStore(saving.SaveSlot):
         read_only: open for reading; nothing is created.
     """
 
+    shared = False
+    """Each process writes its own directory."""
+
     def __init__(self, directory: str | Path, keep: int | None = None, read_only: bool = False) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
@@ -184,16 +186,6 @@ class LocalStore(saving.SaveSlot):
         if self._keep is not None:
             for old in self.steps()[: -self._keep]:
                 self._remove(old)
-
-    def prune_aside(self, suffix: str, keep: int) -> list[Path]:
-        """Removes all but the `keep` steps set aside last as `<step><suffix>`; returns those removed."""
-        pattern = re.compile(rf"\d+{re.escape(suffix)}(-\d+)?")
-        aside = [path for path in self.directory.iterdir() if pattern.fullmatch(path.name) and path.is_dir()]
-        aside.sort(key=lambda path: (path.stat().st_ctime_ns, path.name))  # a rename sets a directory's ctime
-        removed = aside[: max(0, len(aside) - keep)]
-        for path in removed:
-            shutil.rmtree(path, ignore_errors=True)
-        return removed
 
     def _remove(self, step: int) -> None:
         """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""

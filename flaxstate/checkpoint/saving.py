@@ -14,6 +14,8 @@ with `join`, which a Ctrl-C interrupts without forgetting the save.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 import threading
 import time
@@ -120,6 +122,10 @@ class SaveSlot:
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
         raise NotImplementedError
 
+    def prune_aside(self, suffix: str, keep: int) -> list[Path]:
+        """Removes all but the `keep` steps set aside last as `<step><suffix>`; returns those removed."""
+        return prune_aside(self.directory, suffix, keep)
+
     def __enter__(self) -> Self:
         return self
 
@@ -188,3 +194,16 @@ def aside(step_dir: Path, suffix: str) -> Path:
         n += 1
         target = step_dir.with_name(f"{step_dir.name}{suffix}-{n}")
     return target
+
+
+def prune_aside(directory: Path, suffix: str, keep: int) -> list[Path]:
+    """Removes all but the `keep` steps set aside last in `directory` as `<step><suffix>`; returns those removed."""
+    if not directory.is_dir():
+        return []
+    pattern = re.compile(rf"\d+{re.escape(suffix)}(-\d+)?")
+    aside = [path for path in directory.iterdir() if pattern.fullmatch(path.name) and path.is_dir()]
+    aside.sort(key=lambda path: (path.stat().st_ctime_ns, path.name))  # a rename sets a directory's ctime
+    removed = aside[: max(0, len(aside) - keep)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

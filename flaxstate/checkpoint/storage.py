@@ -95,6 +95,9 @@ class CheckpointStore(saving.SaveSlot):
     Close it (`close()`, or `with CheckpointStore(...) as store:`) when done.
     """
 
+    shared = True
+    """Every process writes this one directory together: only the primary process changes it."""
+
     def __init__(
         self,
         directory: str | Path,
@@ -227,14 +230,15 @@ class CheckpointStore(saving.SaveSlot):
 
         return self._reading(step, read)
 
-    def set_aside(self, step: int) -> Path:
-        """Moves a damaged step out of orbax's sight (`<step>.damaged`), keeping its files; returns the new path.
+    def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
+        """Moves a step out of orbax's sight (`<step><suffix>`, `.damaged` by default), keeping its files.
 
-        Called on the primary process; the others see the move at their next listing.
+        Called on the primary process; the others see the move at their next
+        listing. Returns the new path.
         """
         self.wait()
         step_dir = self.directory / str(step)
-        target = saving.aside(step_dir, SET_ASIDE)
+        target = saving.aside(step_dir, suffix)
         step_dir.rename(target)
         self._manager.reload()
         return target

@@ -43,15 +43,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import collectives, environment
-from flaxstate.checkpoint import tiers
+from flaxstate.checkpoint import stores, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.ledger import Ledger
-from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
     CheckpointError,
-    CheckpointStore,
     VanishedStepError,
     encode_rng,
     to_json,
@@ -115,13 +113,10 @@ class _Writer:
             raise ValueError(f"every_seconds must be a positive number of seconds or None, got {every_seconds}.")
         self.output_dir = output_dir
         """The run's directory."""
-        directory = output_dir / subdir if subdir is not None else output_dir
-        if per_process:
-            directory = process_directory(output_dir)
+        directory = stores.store_directory(output_dir, per_process=per_process, subdir=subdir)
         self.directory = directory
         """Where this writer's checkpoints go: the run's directory, a best writer's subdirectory of it, or
         (per process) this process's part of the local tier."""
-        self._per_process = per_process
         self._clock = clock
         self._description = description
         key = directory.absolute().resolve()
@@ -132,7 +127,7 @@ class _Writer:
                 "same steps twice. Give each writer its own directory, or close() the first one."
             )
         for other in list(_OPEN.values()):
-            if other._per_process != per_process:
+            if other._store.shared == per_process:  # one writer a local tier, the other persistent
                 local, persistent = (self, other) if per_process else (other, self)
                 overlap = tiers.overlap(local.output_dir, persistent.output_dir)
                 if overlap is not None:
@@ -149,10 +144,8 @@ class _Writer:
         self._keep = keep
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
-        self._store: CheckpointStore | LocalStore = (
-            LocalStore(directory, keep=keep) if per_process else CheckpointStore(directory, keep=keep, best=best)
-        )
-        self._ledger = Ledger(directory) if ledger and not per_process else None
+        self._store: stores.Store = stores.open_store(directory, per_process=per_process, keep=keep, best=best)
+        self._ledger = Ledger(directory) if ledger and self._store.shared else None
         _OPEN[key] = self
         self._key = key
 
@@ -267,7 +260,7 @@ class _Writer:
 
     def _set_aside(self, damaged: list[int]) -> None:
         """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
-        if jax.process_index() == 0 or self._per_process:
+        if jax.process_index() == 0 or not self._store.shared:
             for step in damaged:
                 target = self._store.set_aside(step)
                 logger.warning("%r: the damaged checkpoint of step %d is set aside as %s.", self, step, target)
@@ -275,7 +268,7 @@ class _Writer:
             if removed:
                 names = ", ".join(path.name for path in removed)
                 logger.warning("%r: removed the folders of saves that did not finish: %s.", self, names)
-        if jax.process_count() > 1 and damaged and not self._per_process:
+        if jax.process_count() > 1 and damaged and self._store.shared:
             multihost_utils.sync_global_devices("flaxstate: damaged steps set aside")
 
     def _claim(self, checkpoint: Checkpoint) -> None:
@@ -291,7 +284,7 @@ class _Writer:
         run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
         others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
         ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
-        if self._per_process:
+        if not self._store.shared:
             self._claim_local(checkpoint, others, ahead, run_of)
             return
         if others or ahead:
@@ -340,7 +333,6 @@ class _Writer:
             logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others, self.directory)
             self._store.delete(others)
         if ahead:
-            assert isinstance(self._store, LocalStore)
             moved = [self._store.set_aside(step, SUPERSEDED) for step in ahead]
             logger.warning(
                 "%r: steps %s of this run are at or after this record's step %d (the restart resumed from an "

@@ -1,0 +1,96 @@
+"""The store a writer saves into: one protocol for a directory of steps, and the one place that picks it.
+
+Two stores implement `Store`:
+
+- `flaxstate.checkpoint.storage.CheckpointStore`: an orbax directory that
+  every process writes together (the run directory, the persistent tier);
+  `shared`: only the primary process changes it, and the others wait.
+- `flaxstate.checkpoint.local.LocalStore`: this process's own files (the
+  local tier, `per_process=True`); each process changes its own.
+
+A writer is written against `Store` alone; `store_directory` and
+`open_store` make the choice once, from the path and the options. A third
+store (object storage) is a third implementation here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.layout import SET_ASIDE
+from flaxstate.checkpoint.local import LocalStore, process_directory
+from flaxstate.checkpoint.storage import CheckpointStore
+
+
+class Store(Protocol):
+    """A directory of steps: list, read a step's meta, save, set aside, remove, and wait for the save in flight.
+
+    Attributes:
+        directory: where its steps are (this process's part, for a per-process store).
+        shared: whether every process writes this one directory together
+            (then only the primary process changes it), or each its own.
+        completed: the step and seconds of the newest save seen complete.
+    """
+
+    directory: Path
+    shared: bool
+    completed: tuple[int, float | None] | None
+
+    def steps(self) -> list[int]:
+        """The whole steps, oldest first."""
+        ...
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """A step's meta, checked (damage raises `DamagedCheckpointError`)."""
+        ...
+
+    def save(
+        self, step: int, state_dict: Mapping[str, Any], meta: Mapping[str, Any], metrics: Mapping[str, float] | None
+    ) -> None:
+        """Starts a save of one step (it runs in the background until `wait`)."""
+        ...
+
+    def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
+        """Moves a step out of the listing (`<step><suffix>`), keeping its files."""
+        ...
+
+    def prune_aside(self, suffix: str, keep: int) -> list[Path]:
+        """Removes all but the `keep` steps set aside last as `<step><suffix>`."""
+        ...
+
+    def remove_unfinished(self, step: int | None = None) -> list[Path]:
+        """Removes what saves that did not finish left."""
+        ...
+
+    def delete(self, steps: list[int]) -> None:
+        """Removes whole steps."""
+        ...
+
+    def wait(self) -> None:
+        """Waits for the save in flight (raising its failure)."""
+        ...
+
+    def settle(self) -> None:
+        """Waits for the save in flight, keeping a failure for the next `wait`."""
+        ...
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases the store."""
+        ...
+
+
+def store_directory(output_dir: Path, *, per_process: bool, subdir: str | None = None) -> Path:
+    """Where a writer's steps go: the run directory, a best writer's `subdir` of it, or this process's local part."""
+    if per_process:
+        return process_directory(output_dir)
+    return output_dir / subdir if subdir is not None else output_dir
+
+
+def open_store(directory: Path, *, per_process: bool, keep: int, best: BestPolicy | None = None) -> Store:
+    """The store of `directory` (from `store_directory`): per-process files, or an orbax directory."""
+    if per_process:
+        return LocalStore(directory, keep=keep)
+    return CheckpointStore(directory, keep=keep, best=best)
