@@ -21,7 +21,7 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint import damage, ledger, tiers
+from flaxstate.checkpoint import damage, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.storage import (
     LEGACY_RUN_ID,
@@ -190,50 +190,30 @@ class CheckpointFileReader:
         persistent_run: str | None = None,
         skipped: tuple[str, ...] = (),
     ) -> tuple[CheckpointFile | None, int | None]:
-        """The newest local step of the persistent tier's run whole on every process, when newer; else `None`.
+        """The local tier's step when the tiers agree on one (`tiers.read_local`), else `None`.
 
         Also returns the persistent tier's newest step as the processes agreed
-        on it: its newest step whose meta reads, unless `persistent_step` (the
-        step that the persistent read restored, of `persistent_run`, after
-        `skipped` were damaged) is given.
+        on it (see `tiers.read_local` for `persistent_step` and
+        `persistent_run`); `skipped`: the persistent steps found damaged.
         """
         assert self.local_dir is not None
         state = template.state if template is not None else None
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
-        persistent = self._directory()
-        newest, run = persistent_step, persistent_run
-        if persistent_step is None and not is_empty_or_missing(persistent):
-            with CheckpointStore(persistent, read_only=True) as store:
-                newest, run = _newest_readable(store)
-        agreement = tiers.agreed_local_step(
+        read = tiers.read_local(
             self.local_dir,
+            self._directory(),
             state_dict if self.rename is None else None,
             with_optimizer,
-            newest,
-            run or ledger.run_of(persistent),
-            self.step,
+            step=self.step,
+            persistent_step=persistent_step,
+            persistent_run=persistent_run,
         )
-        chosen, why, passed_over = agreement.local, agreement.why, agreement.passed_over
-        if chosen is not None:
-            error: Exception | None = None
-            try:
-                stored = chosen.store.read(chosen.step, chosen.meta, state_dict or {}, with_optimizer)
-            except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
-                damage.reraise_interrupt(caught)
-                error = caught
-            failed = tiers.all_read(error)
-            if failed is None:
-                tiers.say("restored step %d from the local tier %s: %s.", chosen.step, self.local_dir, why)
-                self._local_restored = chosen
-                restored = self._checkpoint_file(stored, state, with_optimizer, chosen.store.directory, {})
-                return dataclasses.replace(restored, skipped_damaged=skipped), agreement.persistent
-            if error is not None and not damage.is_damage(error):
-                raise error
-            why, passed_over = f"the local step {chosen.step} could not be read ({failed})", True
-        if persistent_step is None and (newest is not None or passed_over):  # else both empty: nothing to say
-            tiers.say("restoring from the persistent tier %s: %s.", persistent, why, warn=passed_over)
-        return None, agreement.persistent
+        if read.local is None or read.stored is None:
+            return None, read.persistent
+        self._local_restored = read.local
+        restored = self._checkpoint_file(read.stored, state, with_optimizer, read.local.store.directory, {})
+        return dataclasses.replace(restored, skipped_damaged=skipped), read.persistent
 
     def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
         """The candidates not yet found damaged, preferred first (only `step` when it was given)."""
@@ -366,26 +346,6 @@ def _check_ema(paths: Iterable[str], stored: Container[str], step: int, director
             f"({missing[0]} and {len(missing) - 1} more are missing): it was trained without "
             "TrainTask(ema_decay=...); restore without use_ema."
         )
-
-
-def _newest_readable(store: CheckpointStore) -> tuple[int | None, str | None]:
-    """The newest step whose meta reads (a damaged newest step must not hide a newer local one), and its run.
-
-    The run is `None` where no step's meta reads (the tiers then ask the
-    directory's ledger).
-    """
-    for step in sorted(store.steps(), reverse=True):
-        try:
-            meta = store.read_meta(step)
-        except VanishedStepError:
-            continue
-        except Exception as error:
-            damage.reraise_interrupt(error)
-            if damage.is_damage(error):
-                continue
-            return step, None  # an error that the persistent tier's read reports
-        return step, meta.get("run_id", LEGACY_RUN_ID)
-    return None, None
 
 
 def _plain_tree(tree: Any) -> Any:

@@ -1,9 +1,10 @@
 """Which tier a restart restores from: the newest local step that every process holds, or the persistent tier.
 
-`CheckpointFileReader([local_dir, persistent_dir])` asks `agreed_local_step`
-first. Each process lists its own local steps (`flaxstate.checkpoint.local`)
-that are whole and fit the template on its devices; one small collective
-gathers them, and the newest step that every process holds, of the
+`CheckpointFileReader([local_dir, persistent_dir])` asks `read_local` first:
+the tiers own the two-tier read (they agree on the step, read it together or
+fall back together, and say why); the reader only asks them. Each process
+lists its own local steps (`flaxstate.checkpoint.local`) that are whole and
+fit the template on its devices; one small collective gathers them, and the newest step that every process holds, of the
 persistent directory's run, is taken when it is newer than the persistent
 tier's newest. The persistent directory's run is its newest step's, or, before
 its first save, its goodput ledger's; a new directory has none, so another
@@ -26,9 +27,11 @@ from typing import Any
 import jax
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import damage, ledger
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.layout import StoredCheckpoint
 from flaxstate.checkpoint.local import LocalStore, process_directory
+from flaxstate.checkpoint.storage import LEGACY_RUN_ID, CheckpointStore, VanishedStepError, is_empty_or_missing
 
 logger = logging.getLogger("flaxstate")
 
@@ -193,6 +196,100 @@ def _another_run(newest: tuple[int, str | None], run: str | None) -> str:
         "run's steps: give that CheckpointFileWriter overwrite=True (they are removed) or a directory of its "
         f"own; to resume run {its_run} instead, point the reader's persistent tier at that run's directory"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRead:
+    """What the two-tier read gave: the local step read (or none), and the persistent tier's newest step.
+
+    Attributes:
+        local: the local step restored, or `None`: the persistent tier restores.
+        stored: its state dict and meta (`None` with `local`).
+        persistent: the persistent tier's newest step as the processes agreed on it.
+    """
+
+    local: LocalStep | None
+    stored: StoredCheckpoint | None
+    persistent: int | None
+
+
+def read_local(
+    local_dir: Path,
+    persistent_dir: Path,
+    template: Mapping[str, Any] | None,
+    with_optimizer: bool,
+    *,
+    step: int | None = None,
+    persistent_step: int | None = None,
+    persistent_run: str | None = None,
+) -> LocalRead:
+    """The two-tier read's local half: the processes agree on a local step, read it together, or fall back together.
+
+    Every process reads its own part of the agreed step; if any cannot (a
+    damaged file), all fall back to the persistent tier. Process 0 says
+    which tier restores and why, in one line (a WARNING where a newer local
+    step is passed over).
+
+    Args:
+        local_dir: the local tier's directory.
+        persistent_dir: the persistent tier's.
+        template: the state dict to restore into (`None`: no local step can restore).
+        with_optimizer: whether the optimizer's arrays are read.
+        step: only this step (a reader made with `step=`).
+        persistent_step: the step that a persistent read restored after
+            skipping damaged newer ones (of `persistent_run`): the tiers agree
+            again against it; `None`: against the persistent tier's newest
+            readable step.
+        persistent_run: that step's run.
+
+    Raises:
+        Exception: a local read's failure that is not damage (out of memory, a bug).
+    """
+    newest, run = persistent_step, persistent_run
+    if persistent_step is None and not is_empty_or_missing(persistent_dir):
+        with CheckpointStore(persistent_dir, read_only=True) as store:
+            newest, run = _newest_readable(store)
+    agreement = agreed_local_step(
+        local_dir, template, with_optimizer, newest, run or ledger.run_of(persistent_dir), step
+    )
+    chosen, why, passed_over = agreement.local, agreement.why, agreement.passed_over
+    if chosen is not None:
+        error: Exception | None = None
+        try:
+            stored = chosen.store.read(chosen.step, chosen.meta, template or {}, with_optimizer)
+        except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
+            damage.reraise_interrupt(caught)
+            error = caught
+        failed = all_read(error)
+        if failed is None:
+            say("restored step %d from the local tier %s: %s.", chosen.step, local_dir, why)
+            return LocalRead(chosen, stored, agreement.persistent)
+        if error is not None and not damage.is_damage(error):
+            raise error
+        why, passed_over = f"the local step {chosen.step} could not be read ({failed})", True
+    if persistent_step is None and (newest is not None or passed_over):  # else both empty: nothing to say
+        say("restoring from the persistent tier %s: %s.", persistent_dir, why, warn=passed_over)
+    return LocalRead(None, None, agreement.persistent)
+
+
+def _newest_readable(store: CheckpointStore) -> tuple[int | None, str | None]:
+    """The newest step whose meta reads (a damaged newest step must not hide a newer local one), and its run.
+
+    The run is `None` where no step's meta reads (the tiers then ask the
+    directory's ledger).
+    """
+    for step in sorted(store.steps(), reverse=True):
+        try:
+            meta = store.read_meta(step)
+        except VanishedStepError:
+            continue
+        except Exception as error:
+            damage.reraise_interrupt(error)
+            if damage.is_damage(error):
+                continue
+            return step, None  # an error that the persistent tier's read reports
+        return step, meta.get("run_id", LEGACY_RUN_ID)
+    return None, None
 
 
 def all_read(error: BaseException | None) -> str | None:

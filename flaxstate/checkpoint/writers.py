@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,15 +41,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxstate import collectives, environment
-from flaxstate.checkpoint import stores, tiers
+from flaxstate import environment
+from flaxstate.checkpoint import claims, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.ledger import Ledger
 from flaxstate.checkpoint.storage import (
-    LEGACY_RUN_ID,
     CheckpointError,
-    VanishedStepError,
     encode_rng,
     to_json,
 )
@@ -58,14 +55,6 @@ from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
 
 logger = logging.getLogger("flaxstate")
-
-SUPERSEDED = ".superseded"
-"""The suffix a local writer gives this run's steps that a restart from an older persistent step passed over."""
-
-_OPEN: weakref.WeakValueDictionary[Path, _Writer] = weakref.WeakValueDictionary()
-"""The open writer of each directory (by resolved path): a registry of this process, because two writers made
-by unrelated code (two chains, a notebook cell run twice) must still find each other to refuse a shared
-directory; entries go with their writer (weak references)."""
 
 
 def record_meta(
@@ -119,22 +108,7 @@ class _Writer:
         (per process) this process's part of the local tier."""
         self._clock = clock
         self._description = description
-        key = directory.absolute().resolve()
-        first = _OPEN.get(key)
-        if first is not None:
-            raise CheckpointError(
-                f"{directory} is already written by {first!r}; two writers on one directory would save the "
-                "same steps twice. Give each writer its own directory, or close() the first one."
-            )
-        for other in list(_OPEN.values()):
-            if other._store.shared == per_process:  # one writer a local tier, the other persistent
-                local, persistent = (self, other) if per_process else (other, self)
-                overlap = tiers.overlap(local.output_dir, persistent.output_dir)
-                if overlap is not None:
-                    raise CheckpointError(
-                        f"{description} and the open {other!r}: the local and persistent tiers {overlap}; "
-                        + tiers.tiers_apart_advice()
-                    )
+        key = claims.check_free(directory, description=description, output_dir=output_dir, per_process=per_process)
         self._metadata = to_json(metadata)
         self._best = best
         self._overwrite = overwrite
@@ -146,8 +120,13 @@ class _Writer:
         self._saved_step: int | None = None
         self._store: stores.Store = stores.open_store(directory, per_process=per_process, keep=keep, best=best)
         self._ledger = Ledger(directory) if ledger and self._store.shared else None
-        _OPEN[key] = self
+        claims.register(key, self)
         self._key = key
+
+    @property
+    def per_process(self) -> bool:
+        """Whether this writer is a local tier (each process writes its own directory)."""
+        return not self._store.shared
 
     def __repr__(self) -> str:
         return self._description
@@ -233,139 +212,35 @@ class _Writer:
                 return None
             raise
 
-    def _stored(self, checkpoint: Checkpoint) -> tuple[dict[int, dict[str, Any] | None], list[int]]:
-        """Each step's meta (`None`: not flaxstate's), read once, and the damaged steps apart.
-
-        Damaged: the steps the run's reader skipped, and those whose meta is damage.
-        """
-        skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
-        metas: dict[int, dict[str, Any] | None] = {}
-        damaged = []
-        for step in self._store.steps():
-            if (self.directory / str(step)).resolve() in skipped:
-                damaged.append(step)
-                continue
-            try:
-                metas[step] = self._store.read_meta(step)
-            except VanishedStepError:
-                continue
-            except Exception as error:
-                if is_damage(error):
-                    damaged.append(step)
-                elif isinstance(error, CheckpointError):
-                    metas[step] = None  # not flaxstate's: the claim refuses it
-                else:
-                    raise
-        return metas, damaged
-
-    def _set_aside(self, damaged: list[int]) -> None:
-        """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
-        if jax.process_index() == 0 or not self._store.shared:
-            for step in damaged:
-                target = self._store.set_aside(step)
-                logger.warning("%r: the damaged checkpoint of step %d is set aside as %s.", self, step, target)
-            removed = self._store.remove_unfinished()
-            if removed:
-                names = ", ".join(path.name for path in removed)
-                logger.warning("%r: removed the folders of saves that did not finish: %s.", self, names)
-        if jax.process_count() > 1 and damaged and self._store.shared:
-            multihost_utils.sync_global_devices("flaxstate: damaged steps set aside")
-
     def _claim(self, checkpoint: Checkpoint) -> None:
-        """Checks (or, with `overwrite`, clears) the directory before the first save.
+        """Claims the directory before the first save (`claims.claim`), then warns of what a resume changed.
 
-        Damaged steps (those the run's reader skipped, or whose meta does not
-        validate) are set aside first: they are no other run's, and no reason
-        to refuse this one.
+        A resumed run whose metadata or environment differs from the step it
+        resumed from says which keys, in one warning each.
         """
         self._environment = environment.describe(checkpoint.session)
-        metas, damaged = self._stored(checkpoint)
-        self._set_aside(damaged)
-        run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
-        others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
-        ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
-        if not self._store.shared:
-            self._claim_local(checkpoint, others, ahead, run_of)
+        found = claims.claim(self._store, checkpoint, overwrite=self._overwrite, keep=self._keep, writer=self)
+        resumed = found.newest_own(checkpoint)
+        if resumed is None or self._best is not None or jax.process_index() != 0 or not self._store.shared:
             return
-        if others or ahead:
-            if not self._overwrite:
-                raise CheckpointError(self._refusal(checkpoint, others, ahead, run_of))
-            if jax.process_index() == 0:
-                logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others + ahead, self.directory)
-            self._store.delete(others + ahead)
-        own = sorted(step for step in metas if step not in others and step < checkpoint.step)
-        if own and self._best is None and jax.process_index() == 0:
-            stored = metas[own[-1]] or {}
-            changes = metadata_changes(stored.get("metadata"), self._metadata)
-            if changes:
-                logger.warning(
-                    "the resumed run's metadata differs from the checkpoint at step %d in %s:\n  %s",
-                    own[-1],
-                    self.directory,
-                    "\n  ".join(changes),
-                )
-            if stored.get("environment") is not None:
-                moved = environment.changes(stored["environment"], self._environment, root="environment")
-                if moved:
-                    logger.warning(
-                        "the resumed run's environment differs from the checkpoint at step %d in %s:\n  %s",
-                        own[-1],
-                        self.directory,
-                        "\n  ".join(moved),
-                    )
-
-    def _claim_local(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> None:
-        """The claim of a local tier: every process checks its own part, and all refuse if one must.
-
-        This run's steps at or after the record's (left by a run that
-        restored an older persistent step) are set aside, not refused: the
-        restart that fell back to the persistent tier goes on.
-        """
-        refusal = self._refusal(checkpoint, others, [], run_of) if others and not self._overwrite else None
-        refusals = collectives.allgather_json(refusal)
-        if any(refusals):
-            raise CheckpointError(
-                "\n".join(f"process {i}: {text}" for i, text in enumerate(refusals) if text)
-                if jax.process_count() > 1
-                else str(refusal)
-            )
-        if others:
-            logger.warning("%r: overwrite=True, removing steps %s of %s.", self, others, self.directory)
-            self._store.delete(others)
-        if ahead:
-            moved = [self._store.set_aside(step, SUPERSEDED) for step in ahead]
+        stored = found.metas[resumed] or {}
+        changes = metadata_changes(stored.get("metadata"), self._metadata)
+        if changes:
             logger.warning(
-                "%r: steps %s of this run are at or after this record's step %d (the restart resumed from an "
-                "earlier step, of another tier); they are set aside as %s.",
-                self,
-                ahead,
-                checkpoint.step,
-                ", ".join(path.name for path in moved),
+                "the resumed run's metadata differs from the checkpoint at step %d in %s:\n  %s",
+                resumed,
+                self.directory,
+                "\n  ".join(changes),
             )
-            pruned = self._store.prune_aside(SUPERSEDED, self._keep)
-            if pruned:
+        if stored.get("environment") is not None:
+            moved = environment.changes(stored["environment"], self._environment, root="environment")
+            if moved:
                 logger.warning(
-                    "%r: removed the oldest steps set aside (%s kept at most): %s.",
-                    self,
-                    self._keep,
-                    ", ".join(path.name for path in pruned),
+                    "the resumed run's environment differs from the checkpoint at step %d in %s:\n  %s",
+                    resumed,
+                    self.directory,
+                    "\n  ".join(moved),
                 )
-
-    def _refusal(self, checkpoint: Checkpoint, others: list[int], ahead: list[int], run_of: dict[int, str]) -> str:
-        if others:
-            runs = sorted({run_of[step] for step in others})
-            return (
-                f"{self.directory} holds checkpoints of another run (steps {others}, run {', '.join(runs)}); "
-                f"this run ({checkpoint.run_id}) would mix with them and its checkpoints would not be the "
-                f"newest. To resume that run, give TrainLoop init=CheckpointFileReader({str(self.directory)!r}, "
-                "target=model.init); to replace it, make the writer with overwrite=True (its checkpoints are "
-                "removed first); or write to another directory."
-            )
-        return (
-            f"{self.directory} already holds steps {ahead} of this run, at or after the record's step "
-            f"{checkpoint.step} (was it resumed from an earlier checkpoint?); saving would mix two histories. "
-            "Make the writer with overwrite=True to remove those steps first, or write to another directory."
-        )
 
     def wait(self) -> None:
         """Waits until the pending save is on disk.
@@ -397,8 +272,7 @@ class _Writer:
     def _release(self) -> None:
         if self._ledger is not None:
             self._ledger.close()
-        if _OPEN.get(self._key) is self:
-            del _OPEN[self._key]
+        claims.release(self._key, self)
 
 
 class CheckpointFileWriter(_Writer):

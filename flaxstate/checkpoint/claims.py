@@ -1,0 +1,251 @@
+"""A writer's claims on its directory: one open writer a directory, and one run's history in it.
+
+Before a writer opens its store, `check_free` refuses a directory that
+another open writer of this process writes, and a local tier that overlaps
+an open persistent one. At its first record, `claim` surveys the directory
+(`survey`: each step's meta, read once) and applies the rules that both
+tiers share:
+
+- damaged steps (those the run's reader skipped, or whose meta is damage)
+  are set aside (`<step>.damaged`, files kept): they are no other run's;
+- steps of another run are refused, naming how to resume that run or
+  where else to write, unless the writer has `overwrite=True` (they are
+  removed);
+- this run's steps at or after the record's step (a run resumed from an
+  earlier step) are refused in a shared directory (two histories would
+  mix); in a per-process store they were left by a restart that fell back
+  to the persistent tier, and are set aside (`<step>.superseded`, at most
+  `keep` kept).
+
+A shared store (one directory of every process) is changed by the primary
+process only; in a per-process store every process claims its own part, and
+all refuse if one must (one small collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+
+from flaxstate import collectives
+from flaxstate.checkpoint import tiers
+from flaxstate.checkpoint.damage import is_damage
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.storage import LEGACY_RUN_ID, VanishedStepError
+from flaxstate.checkpoint.stores import Store
+from flaxstate.records import Checkpoint
+
+logger = logging.getLogger("flaxstate")
+
+SUPERSEDED = ".superseded"
+"""The suffix a local writer gives this run's steps that a restart from an older persistent step passed over."""
+
+_OPEN: weakref.WeakValueDictionary[Path, Any] = weakref.WeakValueDictionary()
+"""The open writer of each directory (by resolved path): a registry of this process, because two writers made
+by unrelated code (two chains, a notebook cell run twice) must still find each other to refuse a shared
+directory; entries go with their writer (weak references)."""
+
+
+def check_free(directory: Path, *, description: str, output_dir: Path, per_process: bool) -> Path:
+    """Refuses a directory that an open writer writes, or tiers that overlap an open writer's.
+
+    Returns:
+        the directory's key in the registry (its resolved path), for `register`.
+
+    Raises:
+        CheckpointError: naming the open writer, or both tiers' paths.
+    """
+    key = directory.absolute().resolve()
+    first = _OPEN.get(key)
+    if first is not None:
+        raise CheckpointError(
+            f"{directory} is already written by {first!r}; two writers on one directory would save the "
+            "same steps twice. Give each writer its own directory, or close() the first one."
+        )
+    for other in list(_OPEN.values()):
+        if other.per_process != per_process:  # one writer a local tier, the other persistent
+            local, persistent = (output_dir, other.output_dir) if per_process else (other.output_dir, output_dir)
+            overlap = tiers.overlap(local, persistent)
+            if overlap is not None:
+                raise CheckpointError(
+                    f"{description} and the open {other!r}: the local and persistent tiers {overlap}; "
+                    + tiers.tiers_apart_advice()
+                )
+    return key
+
+
+def register(key: Path, writer: Any) -> None:
+    """Marks `key` as written by `writer` (until `release`, or until the writer is gone)."""
+    _OPEN[key] = writer
+
+
+def release(key: Path, writer: Any) -> None:
+    """Frees `key` if `writer` holds it."""
+    if _OPEN.get(key) is writer:
+        del _OPEN[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What a directory holds, as a writer's first record sees it.
+
+    Attributes:
+        metas: each readable step's meta (`None`: a step that is not flaxstate's).
+        damaged: the steps to set aside.
+        others: the steps of another run.
+        ahead: this run's steps at or after the record's step.
+        run_of: each step's run (`"(unreadable)"` for one that is not flaxstate's).
+    """
+
+    metas: dict[int, dict[str, Any] | None]
+    damaged: list[int]
+    others: list[int]
+    ahead: list[int]
+    run_of: dict[int, str]
+
+    def newest_own(self, checkpoint: Checkpoint) -> int | None:
+        """This run's newest step before the record's (the one it resumed from), or `None`."""
+        own = [step for step in self.metas if step not in self.others and step < checkpoint.step]
+        return max(own, default=None)
+
+
+def survey(store: Store, checkpoint: Checkpoint) -> Survey:
+    """Reads each step's meta once and sorts the steps (see `Survey`)."""
+    skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
+    metas: dict[int, dict[str, Any] | None] = {}
+    damaged = []
+    for step in store.steps():
+        if (store.directory / str(step)).resolve() in skipped:
+            damaged.append(step)
+            continue
+        try:
+            metas[step] = store.read_meta(step)
+        except VanishedStepError:
+            continue
+        except Exception as error:
+            if is_damage(error):
+                damaged.append(step)
+            elif isinstance(error, CheckpointError):
+                metas[step] = None  # not flaxstate's: the claim refuses it
+            else:
+                raise
+    run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
+    others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
+    ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
+    return Survey(metas, damaged, others, ahead, run_of)
+
+
+def claim(store: Store, checkpoint: Checkpoint, *, overwrite: bool, keep: int, writer: Any) -> Survey:
+    """Checks (or, with `overwrite`, clears) a writer's directory before its first save (see the module's rules).
+
+    Args:
+        store: the writer's store.
+        checkpoint: its first record.
+        overwrite: remove what would be refused.
+        keep: at most this many superseded steps are kept (per-process stores).
+        writer: named in the log lines (its repr).
+
+    Returns:
+        what the directory held.
+
+    Raises:
+        CheckpointError: another run's steps, or (shared) this run's at or
+            after the record's step, without `overwrite`.
+    """
+    found = survey(store, checkpoint)
+    _set_aside_damaged(store, found.damaged, writer)
+    if store.shared:
+        _claim_shared(store, checkpoint, found, overwrite, writer)
+    else:
+        _claim_per_process(store, checkpoint, found, overwrite, keep, writer)
+    return found
+
+
+def _set_aside_damaged(store: Store, damaged: list[int], writer: Any) -> None:
+    """Moves damaged steps aside (`<step>.damaged`, files kept) and removes unfinished saves' folders."""
+    if jax.process_index() == 0 or not store.shared:
+        for step in damaged:
+            target = store.set_aside(step)
+            logger.warning("%r: the damaged checkpoint of step %d is set aside as %s.", writer, step, target)
+        removed = store.remove_unfinished()
+        if removed:
+            names = ", ".join(path.name for path in removed)
+            logger.warning("%r: removed the folders of saves that did not finish: %s.", writer, names)
+    if jax.process_count() > 1 and damaged and store.shared:
+        multihost_utils.sync_global_devices("flaxstate: damaged steps set aside")
+
+
+def _claim_shared(store: Store, checkpoint: Checkpoint, found: Survey, overwrite: bool, writer: Any) -> None:
+    """One directory of every process: another run's steps, and this run's ahead of the record, are refused."""
+    refused = found.others + found.ahead
+    if not refused:
+        return
+    if not overwrite:
+        raise CheckpointError(_refusal(store.directory, checkpoint, found, found.ahead))
+    if jax.process_index() == 0:
+        logger.warning("%r: overwrite=True, removing steps %s of %s.", writer, refused, store.directory)
+    store.delete(refused)
+
+
+def _claim_per_process(
+    store: Store, checkpoint: Checkpoint, found: Survey, overwrite: bool, keep: int, writer: Any
+) -> None:
+    """A local tier: every process checks its own part, and all refuse if one must.
+
+    This run's steps at or after the record's (left by a run that restored
+    an older persistent step) are set aside, not refused: the restart that
+    fell back to the persistent tier goes on.
+    """
+    refusal = _refusal(store.directory, checkpoint, found, []) if found.others and not overwrite else None
+    refusals = collectives.allgather_json(refusal)
+    if any(refusals):
+        raise CheckpointError(
+            "\n".join(f"process {i}: {text}" for i, text in enumerate(refusals) if text)
+            if jax.process_count() > 1
+            else str(refusal)
+        )
+    if found.others:
+        logger.warning("%r: overwrite=True, removing steps %s of %s.", writer, found.others, store.directory)
+        store.delete(found.others)
+    if found.ahead:
+        moved = [store.set_aside(step, SUPERSEDED) for step in found.ahead]
+        logger.warning(
+            "%r: steps %s of this run are at or after this record's step %d (the restart resumed from an "
+            "earlier step, of another tier); they are set aside as %s.",
+            writer,
+            found.ahead,
+            checkpoint.step,
+            ", ".join(path.name for path in moved),
+        )
+        pruned = store.prune_aside(SUPERSEDED, keep)
+        if pruned:
+            logger.warning(
+                "%r: removed the oldest steps set aside (%s kept at most): %s.",
+                writer,
+                keep,
+                ", ".join(path.name for path in pruned),
+            )
+
+
+def _refusal(directory: Path, checkpoint: Checkpoint, found: Survey, ahead: list[int]) -> str:
+    """Why a writer refuses its directory, and what to do (another run's steps first, else this run's `ahead`)."""
+    if found.others:
+        runs = sorted({found.run_of[step] for step in found.others})
+        return (
+            f"{directory} holds checkpoints of another run (steps {found.others}, run {', '.join(runs)}); "
+            f"this run ({checkpoint.run_id}) would mix with them and its checkpoints would not be the "
+            f"newest. To resume that run, give TrainLoop init=CheckpointFileReader({str(directory)!r}, "
+            "target=model.init); to replace it, make the writer with overwrite=True (its checkpoints are "
+            "removed first); or write to another directory."
+        )
+    return (
+        f"{directory} already holds steps {ahead} of this run, at or after the record's step "
+        f"{checkpoint.step} (was it resumed from an earlier checkpoint?); saving would mix two histories. "
+        "Make the writer with overwrite=True to remove those steps first, or write to another directory."
+    )
