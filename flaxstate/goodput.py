@@ -81,7 +81,9 @@ def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
             session.saves.append(event)
         elif kind == "end":
             session.ended = True
-    sessions.sort(key=lambda session: float(session.start["time"]))
+    # In the ledger's order: a session's line is written at its first record, after the previous session's
+    # events. Two sessions of one process (two loops in a notebook) share a start that /proc gives with
+    # microseconds of jitter, so sorting by it could swap them.
     return sessions
 
 

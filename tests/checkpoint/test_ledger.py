@@ -169,3 +169,20 @@ def test_a_ledger_cut_after_its_session_line_gives_no_negative_bucket(tmp_path):
     first, second = goodput.report(ledger.read_events(path))["sessions"]
     assert first["wall_time"] >= first["startup"] > 0 and second["down_time"] >= 0
     assert all(account[name] >= 0 for account in (first, second) for name in goodput.BUCKETS)
+
+
+def test_two_sessions_of_one_process_keep_the_ledger_s_order_whatever_the_jitter_of_their_start():
+    def session(started, restored):
+        return {"event": "session", "time": started, "pid": 1, "startup": 0.1, "restored_step": restored, "run_id": "r"}
+
+    def step(at, step):
+        return {
+            **{"event": "record", "time": at, "step": step, "steps": 4, "elapsed": 0.5},
+            **{"compile": 0.0, "data_wait": 0.0, "idle": 0.0, "outside": 0.0, "run_id": "r"},
+        }
+
+    # One process's start, read from /proc twice: the second reading came out a microsecond earlier.
+    events = [session(100.000001, None), step(101.0, 4), step(102.0, 8), session(100.0, 8), step(103.0, 12)]
+    report = goodput.report(events)
+    assert [account["restored_step"] for account in report["sessions"]] == [None, 8]
+    assert [account["steps"] for account in report["sessions"]] == [8, 4] and report["total"]["lost_steps"] == 0
