@@ -11,20 +11,16 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 from flaxstate import environment, tree_paths
-from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import steps
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.storage import (
-    LISTING_ATTEMPTS,
-    CheckpointError,
-    CheckpointStore,
-    VanishedStepError,
-    is_empty_or_missing,
-)
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.layout import is_empty_or_missing
+from flaxstate.checkpoint.steps import StepKind
+from flaxstate.checkpoint.stores import Store, open_store
 
 logger = logging.getLogger("flaxstate")
 
@@ -86,21 +82,21 @@ def _size(path: Path) -> int:
     return total
 
 
-def _writer_checkpoints(writer: str, store: CheckpointStore) -> list[CheckpointInfo]:
+def _writer_checkpoints(writer: str, store: Store) -> list[CheckpointInfo]:
     """One writer's checkpoints by step: steps deleted meanwhile left out, damaged ones marked."""
     entries, metas = [], {}
     for step in store.steps():
-        try:
-            meta = metas[step] = store.read_meta(step)
-        except VanishedStepError:
+        found = steps.classify(store, step)
+        if found.kind is StepKind.VANISHING:
             continue
-        except Exception as error:
-            if not damage.is_damage(error):
-                raise
-            entries.append(
-                CheckpointInfo(writer, step, None, {}, _size(store.directory / str(step)), False, damage.summary(error))
-            )
+        if found.kind is StepKind.DAMAGED:
+            size = _size(store.directory / str(step))
+            entries.append(CheckpointInfo(writer, step, None, {}, size, False, found.why))
             continue
+        if found.meta is None:
+            assert found.error is not None
+            raise found.error  # not flaxstate's, or a newer flaxstate's
+        meta = metas[step] = found.meta
         info = CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics") or {}, 0)
         entries.append(dataclasses.replace(info, bytes=_size(store.directory / str(step))))
     # The policy the writer stored (checkpoints of format 2 and older have none: nothing is marked).
@@ -120,7 +116,7 @@ def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
     """
     infos = []
     for writer, directory in _check_run_dir(Path(run_dir)):
-        with CheckpointStore(directory, read_only=True) as store:
+        with _open(directory) as store:
             infos.extend(_writer_checkpoints(writer, store))
     return infos
 
@@ -135,52 +131,49 @@ def describe_state(run_dir: str | Path, step: int | None = None) -> tuple[int, l
     Raises:
         CheckpointError: no such directory, not a run, or no such step.
     """
+    with _open(_newest_writer(run_dir)) as store:
+        return steps.read_first(
+            store.directory,
+            lambda: _pick(store, step),
+            lambda chosen: _describe(store, chosen),
+            {},
+            warning="passed over",
+        )
+
+
+def _open(directory: Path) -> Store:
+    return open_store(directory, per_process=False, read_only=True)
+
+
+def _newest_writer(run_dir: str | Path) -> Path:
+    """The directory of the run's newest-checkpoint writer (else of its first best writer)."""
     writers = dict(_check_run_dir(Path(run_dir)))
-    directory = writers.get(NEWEST) or next(iter(writers.values()))
-    with CheckpointStore(directory, read_only=True) as store:
-        for _ in range(LISTING_ATTEMPTS):
-            steps = store.steps()
-            if not steps:
-                time.sleep(0.05)  # a step being deleted, and the next one not yet renamed into place
-                continue
-            if step is not None and step not in steps:
-                raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
-            try:
-                return _describe_newest(store, [step] if step is not None else steps[::-1])
-            except VanishedStepError:
-                continue  # a live writer deleted it: list again
-        raise CheckpointError(f"{directory}: its steps kept vanishing while they were read; is a writer rotating them?")
+    return writers.get(NEWEST) or next(iter(writers.values()))
 
 
-def _describe_newest(store: CheckpointStore, steps: list[int]) -> tuple[int, list[LeafInfo], dict[str, Any]]:
-    """The first of `steps` that is intact, described; a damaged one is named in one warning and passed over.
+def _pick(store: Store, step: int | None) -> list[int]:
+    """`step`, or the store's steps newest first.
 
     Raises:
-        CheckpointError: every one of `steps` is damaged (naming what is wrong with the last).
-        VanishedStepError: one was deleted while it was read.
+        CheckpointError: the store has no step `step`.
     """
-    error: Exception | None = None
-    for step in steps:
-        try:
-            meta = store.read_meta(step)
-            stored = store.stored_tree(step)  # a step deleted meanwhile raises VanishedStepError
-        except VanishedStepError:
-            raise
-        except Exception as caught:
-            if not damage.is_damage(caught):
-                raise
-            error = caught
-            logger.warning("the checkpoint %s is damaged (%s).", store.directory / str(step), damage.summary(caught))
-            continue
-        axes = meta.get("logical_axes") or {}
-        leaves = []
-        for path, leaf in tree_paths.flatten(stored).items():
-            shape, dtype = tree_paths.shape_and_dtype(leaf)
-            named = tuple(axes[path]) if path in axes else None
-            leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize, named))
-        return step, leaves, meta
-    assert error is not None
-    raise CheckpointError(f"{store.directory}: {damage.summary(error)}") from error
+    listed = store.steps()
+    if step is not None and step not in listed:
+        raise CheckpointError(f"{store.directory} has no checkpoint at step {step}; it has steps {listed}.")
+    return [step] if step is not None else listed[::-1]
+
+
+def _describe(store: Store, step: int) -> tuple[int, list[LeafInfo], dict[str, Any]]:
+    """A step's arrays (their paths, shapes, dtypes, bytes and logical axes) and meta."""
+    meta = store.read_meta(step)
+    stored = store.stored_tree(step)
+    axes = meta.get("logical_axes") or {}
+    leaves = []
+    for path, leaf in tree_paths.flatten(stored).items():
+        shape, dtype = tree_paths.shape_and_dtype(leaf)
+        named = tuple(axes[path]) if path in axes else None
+        leaves.append(LeafInfo(path, shape, str(dtype), int(math.prod(shape)) * dtype.itemsize, named))
+    return step, leaves, meta
 
 
 TOP_CHANGED = 20
@@ -218,20 +211,6 @@ class CheckpointDiff:
         return any(parts)
 
 
-def _open_step(run_dir: str | Path, step: int | None) -> tuple[CheckpointStore, int]:
-    writers = dict(_check_run_dir(Path(run_dir)))
-    directory = writers.get(NEWEST) or next(iter(writers.values()))
-    store = CheckpointStore(directory, read_only=True)
-    steps = store.steps()
-    if step is not None and step not in steps:
-        store.close()
-        raise CheckpointError(f"{directory} has no checkpoint at step {step}; it has steps {steps}.")
-    if not steps:
-        store.close()
-        raise CheckpointError(f"{directory} holds no complete checkpoint.")
-    return store, steps[-1] if step is None else step
-
-
 def _relative_change(a: Any, b: Any) -> float:
     a64, b64 = a.astype("float64", copy=False), b.astype("float64", copy=False)
     difference = float(math.sqrt(float(((a64 - b64) ** 2).sum())))
@@ -253,33 +232,41 @@ def diff_checkpoints(
     Raises:
         CheckpointError: a directory that is not a run, or no such step.
     """
-    store_a, step_a = _open_step(a, step_a)
-    store_b, step_b = _open_step(b, step_b)
-    with store_a, store_b:
-        meta_a, meta_b = store_a.read_meta(step_a), store_b.read_meta(step_b)
-        flat_a = tree_paths.flatten(store_a.stored_tree(step_a))
-        flat_b = tree_paths.flatten(store_b.stored_tree(step_b))
-        mismatched, changed, compared = [], [], 0
-        for path in sorted(flat_a.keys() & flat_b.keys()):
-            (shape_a, dtype_a), (shape_b, dtype_b) = (
-                tree_paths.shape_and_dtype(flat[path]) for flat in (flat_a, flat_b)
-            )
-            if shape_a != shape_b or dtype_a != dtype_b:
-                mismatched.append(f"{path}: {list(shape_a)} {dtype_a} -> {list(shape_b)} {dtype_b}")
-                continue
-            change = _relative_change(store_a.read_leaf(step_a, path), store_b.read_leaf(step_b, path))
-            compared += 1
-            if change:
-                changed.append((path, change))
-        changed.sort(key=lambda item: -item[1])
-        return CheckpointDiff(
-            a=store_a.directory / str(step_a),
-            b=store_b.directory / str(step_b),
-            metadata=environment.changes(meta_a.get("metadata"), meta_b.get("metadata"), root="metadata"),
-            environment=environment.changes(meta_a.get("environment"), meta_b.get("environment"), root="environment"),
-            only_a=sorted(flat_a.keys() - flat_b.keys()),
-            only_b=sorted(flat_b.keys() - flat_a.keys()),
-            mismatched=mismatched,
-            changed=changed,
-            n_compared=compared,
-        )
+    with _open(_newest_writer(a)) as store_a, _open(_newest_writer(b)) as store_b:
+
+        def compare() -> CheckpointDiff:  # again from the listing when a step vanished meanwhile
+            return _diff(store_a, _pick(store_a, step_a), store_b, _pick(store_b, step_b))
+
+        return steps.retrying(store_a.directory, compare)
+
+
+def _diff(store_a: Store, steps_a: list[int], store_b: Store, steps_b: list[int]) -> CheckpointDiff:
+    if not steps_a or not steps_b:
+        empty = store_a if not steps_a else store_b
+        raise CheckpointError(f"{empty.directory} holds no complete checkpoint.")
+    step_a, step_b = steps_a[0], steps_b[0]
+    meta_a, meta_b = store_a.read_meta(step_a), store_b.read_meta(step_b)
+    flat_a = tree_paths.flatten(store_a.stored_tree(step_a))
+    flat_b = tree_paths.flatten(store_b.stored_tree(step_b))
+    mismatched, changed, compared = [], [], 0
+    for path in sorted(flat_a.keys() & flat_b.keys()):
+        (shape_a, dtype_a), (shape_b, dtype_b) = (tree_paths.shape_and_dtype(flat[path]) for flat in (flat_a, flat_b))
+        if shape_a != shape_b or dtype_a != dtype_b:
+            mismatched.append(f"{path}: {list(shape_a)} {dtype_a} -> {list(shape_b)} {dtype_b}")
+            continue
+        change = _relative_change(store_a.read_paths(step_a, [path])[path], store_b.read_paths(step_b, [path])[path])
+        compared += 1
+        if change:
+            changed.append((path, change))
+    changed.sort(key=lambda item: -item[1])
+    return CheckpointDiff(
+        a=store_a.directory / str(step_a),
+        b=store_b.directory / str(step_b),
+        metadata=environment.changes(meta_a.get("metadata"), meta_b.get("metadata"), root="metadata"),
+        environment=environment.changes(meta_a.get("environment"), meta_b.get("environment"), root="environment"),
+        only_a=sorted(flat_a.keys() - flat_b.keys()),
+        only_b=sorted(flat_b.keys() - flat_a.keys()),
+        mismatched=mismatched,
+        changed=changed,
+        n_compared=compared,
+    )

@@ -34,10 +34,9 @@ import jax
 from jax.experimental import multihost_utils
 
 from flaxstate import collectives
-from flaxstate.checkpoint import tiers
-from flaxstate.checkpoint.damage import is_damage
+from flaxstate.checkpoint import steps, tiers
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.storage import LEGACY_RUN_ID, VanishedStepError
+from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
 from flaxstate.records import Checkpoint
 
@@ -120,22 +119,17 @@ def survey(store: Store, checkpoint: Checkpoint) -> Survey:
     skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
     metas: dict[int, dict[str, Any] | None] = {}
     damaged = []
+    run_of: dict[int, str] = {}
     for step in store.steps():
         if (store.directory / str(step)).resolve() in skipped:
             damaged.append(step)
             continue
-        try:
-            metas[step] = store.read_meta(step)
-        except VanishedStepError:
-            continue
-        except Exception as error:
-            if is_damage(error):
-                damaged.append(step)
-            elif isinstance(error, CheckpointError):
-                metas[step] = None  # not flaxstate's: the claim refuses it
-            else:
-                raise
-    run_of = {step: (meta.get("run_id", LEGACY_RUN_ID) if meta else "(unreadable)") for step, meta in metas.items()}
+        found = steps.classify(store, step)
+        if found.kind is StepKind.DAMAGED:
+            damaged.append(step)
+        elif found.kind is not StepKind.VANISHING:
+            metas[step] = found.meta  # None: not flaxstate's (FOREIGN), which the claim refuses
+            run_of[step] = found.run_id or "(unreadable)"
     others = sorted(step for step, run_id in run_of.items() if run_id != checkpoint.run_id)
     ahead = sorted(step for step in metas if step not in others and step >= checkpoint.step)
     return Survey(metas, damaged, others, ahead, run_of)

@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from flaxstate import tree_paths
 from flaxstate.checkpoint.errors import CheckpointError
 
 
@@ -139,3 +145,35 @@ def quiet_orbax() -> None:
     logging.getLogger("absl").addFilter(_OrbaxErrorsToDebug())
     if not getattr(sys.unraisablehook, "flaxstate_quiet_orbax", False):
         sys.unraisablehook = _late_completion_hook(sys.unraisablehook)
+
+
+def check_claimed_sizes(step_dir: Path, stored_flat: Mapping[str, Any]) -> None:
+    """Checks that the arrays a step claims fit in its files, before a read with no template allocates them.
+
+    orbax stores arrays uncompressed (values equal to the fill value too),
+    so the step's files hold at least the bytes of its arrays; a shape
+    claimed beyond that is damaged metadata, and allocating it could end
+    the process (`std::bad_alloc`).
+
+    Raises:
+        DamagedCheckpointError: naming the largest array, its claimed shape and the bound.
+    """
+    sizes = {}
+    for path, leaf in stored_flat.items():
+        shape, dtype = tree_paths.shape_and_dtype(leaf)
+        if any(not isinstance(dim, int) or dim < 0 for dim in shape):
+            raise DamagedCheckpointError(f"{step_dir}: {path} claims an invalid shape {shape}.")
+        sizes[path] = (math.prod(shape) * np.dtype(dtype).itemsize, shape)
+    claimed = sum(size for size, _ in sizes.values())
+    on_disk = _size_on_disk(step_dir)
+    if claimed > on_disk:
+        path, (size, shape) = max(sizes.items(), key=lambda item: item[1][0])
+        raise DamagedCheckpointError(
+            f"{step_dir}: {path} claims shape {list(shape)} ({size:,} bytes), and its arrays "
+            f"{claimed:,} bytes in all, but the step's files hold {on_disk:,} bytes (orbax stores arrays "
+            "uncompressed): its array metadata is damaged. Nothing was allocated."
+        )
+
+
+def _size_on_disk(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())

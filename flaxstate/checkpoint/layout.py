@@ -8,17 +8,18 @@ with three items that plain orbax reads:
 - `meta`: JSON: format version, step, rng, data position, metrics, metadata
   (checked on read by `flaxstate.checkpoint.meta`).
 
-Format 1 stored the whole state dict as one item, `state`; formats 1 and 2
-are upgraded on read. Names orbax never lists: a save in progress (or one
-that failed or was killed), `<step>.orbax-checkpoint-tmp`, and a damaged
-step a writer set aside, `<step>.damaged`.
+Format 1 stored the whole state dict as one item, `state`; each format's
+items, and how an older one is read, are `flaxstate.checkpoint.formats`'.
+Names orbax never lists: a save in progress (or one that failed or was
+killed), `<step>.orbax-checkpoint-tmp`, and a damaged step a writer set
+aside, `<step>.damaged`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ import orbax.checkpoint as ocp
 from flaxstate.checkpoint.errors import CheckpointError
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
+
+Rename = Mapping[str, str] | Callable[[str], str] | None
+"""Regex rules from stored '/'-joined paths to a template's: `{old: new}`, or a function of a path."""
 LEGACY_STATE = "state"
 """Format 1 stored the whole state dict as one item, `state`; it is upgraded on read."""
 
@@ -88,27 +92,6 @@ def to_json(value: Any) -> Any:
         raise CheckpointError(
             f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
         ) from error
-
-
-def state_dict_layout(meta: Mapping[str, Any], trees: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
-    """The stored items' trees in the state-dict layout (format 1's single item as it is).
-
-    Raises:
-        FileNotFoundError: an item the layout needs is missing (damage).
-    """
-    needed = [LEGACY_STATE] if meta["format_version"] < 2 else [MODEL, OPTIMIZER] if with_optimizer else [MODEL]
-    missing = [name for name in needed if name not in trees]
-    if missing:
-        raise FileNotFoundError(f"the checkpoint of step {meta['step']} has no item {', '.join(missing)}")
-    if meta["format_version"] < 2:
-        tree = dict(trees[LEGACY_STATE])
-    else:
-        model = trees[MODEL]
-        tree = {"target": model["target"], "flax_mutables": model["flax_mutables"]}
-        tree["state"] = dict(trees[OPTIMIZER]) if with_optimizer else {}
-    if not with_optimizer:
-        tree["state"] = {}
-    return tree
 
 
 def is_empty_or_missing(directory: Path) -> bool:

@@ -48,7 +48,8 @@ from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.layout import SET_ASIDE, StoredCheckpoint, to_json
+from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, to_json
+from flaxstate.checkpoint.steps import VanishedStepError
 from flaxstate.records import FORMAT_VERSION
 
 logger = logging.getLogger("flaxstate")
@@ -196,15 +197,15 @@ class LocalStore(saving.SaveSlot):
             return
         shutil.rmtree(going, ignore_errors=True)
 
-    def remove_unfinished(self, step: int | None = None) -> list[Path]:
-        """Removes the directories of saves that did not finish (killed, or failed); returns them."""
+    def unfinished(self) -> list[Path]:
+        """The directories of saves that did not finish (killed, failed, or running): `<step>.partial-<pid>`."""
         if not self.directory.is_dir():
             return []
-        removed = [
-            path
-            for path in self.directory.iterdir()
-            if PARTIAL in path.name and (step is None or path.name.split(".")[0] == str(step))
-        ]
+        return [path for path in self.directory.iterdir() if PARTIAL in path.name and path.name[0].isdigit()]
+
+    def remove_unfinished(self, step: int | None = None) -> list[Path]:
+        """Removes the directories of saves that did not finish (killed, or failed); returns them."""
+        removed = [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
         return removed
@@ -238,12 +239,15 @@ class LocalStore(saving.SaveSlot):
             DamagedCheckpointError: its meta is missing, not JSON or not valid,
                 or `arrays.bin` is not the size the meta names (truncated).
             CheckpointError: written by a newer flaxstate.
+            VanishedStepError: the step was deleted meanwhile.
         """
         step_dir = self.directory / str(step)
         where = step_dir / META_FILE
         try:
             meta: Any = json.loads(where.read_text())
         except (OSError, ValueError) as error:
+            if not step_dir.is_dir():  # renamed out of the listing by a writer's rotation: gone, not damaged
+                raise VanishedStepError(f"{step_dir} was deleted while it was read.") from error
             raise DamagedCheckpointError(f"{where} cannot be read as JSON ({error}): the step is damaged") from error
         meta = meta_format.validate(meta, step_dir, where)
         if not isinstance(meta.get("arrays"), Mapping) or not isinstance(meta.get("bytes"), int):
@@ -283,14 +287,71 @@ class LocalStore(saving.SaveSlot):
                     return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
         return None
 
+    def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
+        """Returns a step's state-dict layout with `jax.ShapeDtypeStruct`s (global shapes) as leaves."""
+        arrays: Mapping[str, Any] = self.read_meta(step)["arrays"]
+        flat = {
+            path: jax.ShapeDtypeStruct(tuple(entry["shape"]), jnp.dtype(entry["dtype"]))
+            for path, entry in arrays.items()
+            if with_optimizer or not path.startswith("state/")
+        }
+        tree = tree_paths.unflatten(flat)
+        tree.setdefault("flax_mutables", {})
+        tree.setdefault("state", {})
+        return tree
+
+    def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
+        """Reads some whole arrays of a step by their state-dict paths, as numpy, and no other.
+
+        Raises:
+            CheckpointError: a path the step does not hold.
+            DamagedCheckpointError: the file cannot be read whole.
+        """
+        meta = self.read_meta(step)
+        missing = sorted(set(paths) - set(meta["arrays"]))
+        if missing:
+            raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
+        where = self.directory / str(step) / ARRAYS
+        try:
+            with _Parts(where, meta["bytes"]) as parts:
+                return {
+                    path: np.array(parts.values(entry, [[0, size] for size in entry["shape"]]))
+                    for path, entry in ((path, meta["arrays"][path]) for path in paths)
+                }
+        except OSError as error:
+            raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
+
     def read(
-        self, step: int, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool
+        self,
+        step: int,
+        template: Mapping[str, Any] | None,
+        *,
+        with_optimizer: bool = True,
+        rename: Rename = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> StoredCheckpoint:
         """Restores a step that `covers` the template: its state dict (the template's tree, on its shardings) and meta.
 
+        Args:
+            step: the step.
+            template: the state dict to restore into (its shardings); `None`
+                restores numpy arrays of the stored tree.
+            with_optimizer: read the optimizer's arrays (`state/...`).
+            rename: refused: a local step restores only into the model it was saved from.
+            meta: the step's meta, when the caller read it already.
+
         Raises:
+            CheckpointError: `rename` given.
             DamagedCheckpointError: the file cannot be read whole.
         """
+        if rename is not None:
+            raise CheckpointError(
+                f"{self.directory}: a local step restores only into the model it was saved from; read renamed "
+                "paths from the persistent tier."
+            )
+        meta = self.read_meta(step) if meta is None else meta
+        if template is None:
+            template = self.stored_tree(step, with_optimizer)
         where = self.directory / str(step) / ARRAYS
         stored: Mapping[str, Any] = meta["arrays"]
         flat: dict[str, Any] = {}

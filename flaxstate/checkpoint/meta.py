@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from flaxstate.checkpoint import formats
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.records import FORMAT_VERSION
 
 FILE = "metadata"
 """The file that orbax's JSON handler writes inside a step's `meta` item."""
@@ -138,17 +138,17 @@ def validate(meta: Any, step_dir: Path, where: Path | None = None) -> dict[str, 
     version: Any = meta.get("format_version")
     if not (_is_int(version) and version >= 1):
         raise damaged(f"format_version is {version!r}, expected a positive int")
-    if version > FORMAT_VERSION:
+    if version not in formats.FORMATS:
         raise CheckpointError(
             f"{step_dir} was written by a newer flaxstate (checkpoint format {version}); "
-            f"this flaxstate reads formats 1 to {FORMAT_VERSION}. Upgrade flaxstate to read it."
+            f"this flaxstate reads formats 1 to {formats.CURRENT.version}. Upgrade flaxstate to read it."
         )
     if "step" not in meta:
         raise damaged("it has no step")
     for field, check in _FIELDS.items():
         if field in meta and (problem := check(meta[field])) is not None:
             raise damaged(f"{field} is {_short(meta[field])}: {problem}")
-    return dict(meta)
+    return formats.FORMATS[version].upgrade(meta)
 
 
 def _short(value: Any) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,27 +20,26 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint import damage, tiers
+from flaxstate.checkpoint import damage, steps, stores, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
-from flaxstate.checkpoint.storage import (
-    LEGACY_RUN_ID,
-    LISTING_ATTEMPTS,
-    CheckpointError,
-    CheckpointStore,
-    Rename,
-    VanishedStepError,
-    decode_rng,
-    is_empty_or_missing,
-)
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
+from flaxstate.checkpoint.steps import StepKind
+from flaxstate.checkpoint.stores import Store
 from flaxstate.records import CheckpointFile
 
 logger = logging.getLogger("flaxstate")
 
 
-def _report_damage(damaged: dict[int, str], directory: Path, step: int, error: BaseException) -> None:
-    """Notes a damaged step (what is wrong with it) and says so in one warning."""
-    damaged[step] = damage.summary(error)
-    logger.warning("the checkpoint %s is damaged (%s); trying another one.", directory / str(step), damaged[step])
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where a read's step came from: a store's directory, and whether it is a per-process (local) one."""
+
+    directory: Path
+    per_process: bool
+
+    def open(self) -> Store:
+        return stores.open_store(self.directory, per_process=self.per_process, read_only=True)
 
 
 class CheckpointFileReader:
@@ -104,8 +102,6 @@ class CheckpointFileReader:
         self.target = target
         self.step = step
         self.rename = rename
-        self._local_restored: tiers.LocalStep | None = None
-        """The local tier's step that the last read restored (`None`: the persistent tier's, or none)."""
 
     def __repr__(self) -> str:
         where = repr(str(self.output_dir))
@@ -119,7 +115,7 @@ class CheckpointFileReader:
     def _directory(self) -> Path:
         return self.output_dir
 
-    def _candidates(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+    def _candidates(self, store: Store, damaged: dict[int, str]) -> list[int]:
         """Steps to try, preferred first (a reader that reads metas to rank them adds damaged ones to `damaged`)."""
         return sorted(store.steps(), reverse=True)
 
@@ -152,17 +148,20 @@ class CheckpointFileReader:
             KeyboardInterrupt: Ctrl-C, wherever it landed in the read (never
                 taken for damage); reading again starts over.
         """
+        return self._restored(template)[0]
+
+    def _restored(self, template: CheckpointFile | None) -> tuple[CheckpointFile | None, _Source | None]:
+        """`read`, and the store its step came from (`None` with no checkpoint)."""
         directory = self._directory()
-        self._local_restored = None
         try:
             agreed_persistent = None
             if self.local_dir is not None:
-                restored, agreed_persistent = self._read_local(template)
+                restored, agreed_persistent, source = self._read_local(template)
                 if restored is not None:
-                    return restored
+                    return restored, source
             if is_empty_or_missing(directory):
                 if self.target is not None and self.step is None:
-                    return None
+                    return None, None
                 what = "does not exist" if not directory.exists() else "holds no checkpoint"
                 fix = (
                     "drop step= to start fresh from target"
@@ -170,15 +169,18 @@ class CheckpointFileReader:
                     else "give the reader target=model.init to start fresh"
                 )
                 raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
-            with CheckpointStore(directory, read_only=True) as store:
+            persistent_source = _Source(directory, per_process=False)
+            with persistent_source.open() as store:
                 persistent = self._read(store, template)
             if agreed_persistent is not None and persistent.step < agreed_persistent:
                 # The persistent tier's newest step read as a step but its arrays were damaged: the tiers agree
                 # again against the step restored, so a local step newer than that one is not lost.
-                local, _ = self._read_local(template, persistent.step, persistent.run_id, persistent.skipped_damaged)
+                local, _, source = self._read_local(
+                    template, persistent.step, persistent.run_id, persistent.skipped_damaged
+                )
                 if local is not None:
-                    return local
-            return persistent
+                    return local, source
+            return persistent, persistent_source
         except Exception as error:
             damage.reraise_interrupt(error)
             raise
@@ -189,12 +191,13 @@ class CheckpointFileReader:
         persistent_step: int | None = None,
         persistent_run: str | None = None,
         skipped: tuple[str, ...] = (),
-    ) -> tuple[CheckpointFile | None, int | None]:
+    ) -> tuple[CheckpointFile | None, int | None, _Source | None]:
         """The local tier's step when the tiers agree on one (`tiers.read_local`), else `None`.
 
         Also returns the persistent tier's newest step as the processes agreed
         on it (see `tiers.read_local` for `persistent_step` and
-        `persistent_run`); `skipped`: the persistent steps found damaged.
+        `persistent_run`), and the local store read; `skipped`: the persistent
+        steps found damaged.
         """
         assert self.local_dir is not None
         state = template.state if template is not None else None
@@ -210,56 +213,38 @@ class CheckpointFileReader:
             persistent_run=persistent_run,
         )
         if read.local is None or read.stored is None:
-            return None, read.persistent
-        self._local_restored = read.local
+            return None, read.persistent, None
         restored = self._checkpoint_file(read.stored, state, with_optimizer, read.local.store.directory, {})
-        return dataclasses.replace(restored, skipped_damaged=skipped), read.persistent
+        source = _Source(read.local.store.directory, per_process=True)
+        return dataclasses.replace(restored, skipped_damaged=skipped), read.persistent, source
 
-    def _steps_to_try(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+    def _steps_to_try(self, store: Store, damaged: dict[int, str]) -> list[int]:
         """The candidates not yet found damaged, preferred first (only `step` when it was given)."""
-        steps = [step for step in self._candidates(store, damaged) if step not in damaged]
+        listed = [step for step in self._candidates(store, damaged) if step not in damaged]
         if self.step is None:
-            return steps
-        if self.step not in steps and self.step not in damaged:
+            return listed
+        if self.step not in listed and self.step not in damaged:
             raise CheckpointError(
                 f"{store.directory} has no checkpoint at step {self.step}; it has steps {sorted(store.steps())}."
             )
-        return [self.step] if self.step in steps else []
+        return [self.step] if self.step in listed else []
 
-    def _read(self, store: CheckpointStore, template: CheckpointFile | None) -> CheckpointFile:
-        directory = store.directory
+    def _read(self, store: Store, template: CheckpointFile | None) -> CheckpointFile:
+        """The first candidate that reads whole (`steps.read_first`: damaged ones passed over, vanished relisted)."""
         state = template.state if template is not None else None
         state_dict = state.state_dict() if state is not None else None
         with_optimizer = state_dict is None or "param_states" in state_dict["state"]
         damaged: dict[int, str] = {}
-        for _ in range(LISTING_ATTEMPTS):
-            steps = self._steps_to_try(store, damaged)
-            if not steps and not damaged and not is_empty_or_missing(directory):
-                time.sleep(0.05)  # a step directory being deleted, and the next one not yet renamed into place
-                continue
-            for step in steps:
-                try:
-                    stored = store.read(step, state_dict, self.rename, with_optimizer=with_optimizer)
-                except VanishedStepError:
-                    break  # a live writer deleted it: list again
-                except Exception as error:
-                    if not damage.is_damage(error):
-                        raise  # out of memory, a wrong template, a bug: never a reason to go back in time
-                    _report_damage(damaged, directory, step, error)
-                    continue
-                return self._checkpoint_file(stored, state, with_optimizer, directory, damaged)
-            else:
-                break  # every candidate was tried, and none vanished
-        if not damaged:
-            raise CheckpointError(f"{directory} holds no complete flaxstate checkpoint.")
-        raise CheckpointError(
-            f"every checkpoint in {directory} is damaged and none could be restored:\n  "
-            + "\n  ".join(f"step {step}: {summary}" for step, summary in damaged.items())
-        )
+
+        def read(step: int) -> CheckpointFile:
+            stored = store.read(step, state_dict, with_optimizer=with_optimizer, rename=self.rename)
+            return self._checkpoint_file(stored, state, with_optimizer, store.directory, damaged)
+
+        return steps.read_first(store.directory, lambda: self._steps_to_try(store, damaged), read, damaged)
 
     @staticmethod
     def _checkpoint_file(
-        stored: Any, state: Any, with_optimizer: bool, directory: Path, damaged: dict[int, str]
+        stored: StoredCheckpoint, state: Any, with_optimizer: bool, directory: Path, damaged: dict[int, str]
     ) -> CheckpointFile:
         restored = stored.state_dict
         if not with_optimizer:
@@ -296,14 +281,14 @@ class CheckpointFileReader:
                 "restore(use_ema=True) takes an InferenceState (the EMA becomes its parameters); a training "
                 "state restores its EMA as state.ema without it."
             )
-        restored = self.read(CheckpointFile(state=state, step=0))
-        if restored is None:
+        restored, source = self._restored(CheckpointFile(state=state, step=0))
+        if restored is None or source is None:
             raise CheckpointError(f"{self._directory()} holds no checkpoint to restore.")
         if not use_ema:
             return restored.state
         targets = tree_paths.flatten({"target": _plain_tree(restored.state.params)})
         paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}  # the EMA's, as restored
-        ema = self._stored_ema(restored.step, paths, targets)
+        ema = self._stored_ema(source, restored.step, paths)
 
         def placed(template: Any, value: Any) -> Any:
             value = value.astype(template.dtype)
@@ -317,18 +302,13 @@ class CheckpointFileReader:
         )
         return restored.state.replace(params=params)
 
-    def _stored_ema(self, step: int, paths: Mapping[str, str], targets: Mapping[str, Any]) -> dict[str, Any]:
-        """The EMA's arrays at `paths` (as restored, by '/'-joined path), read from the tier that gave `step`."""
-        local = self._local_restored
-        if local is not None:  # the local tier's step: the EMA's parts of the same file, and no other
-            _check_ema(paths, local.meta["arrays"], step, local.store.directory)
-            template = tree_paths.unflatten({path: targets[target] for path, target in paths.items()})
-            flat = tree_paths.flatten(local.store.read(local.step, local.meta, template, True).state_dict)
-            return {path: flat[path] for path in paths}
-        with CheckpointStore(self._directory(), read_only=True) as store:
+    def _stored_ema(self, source: _Source, step: int, paths: Mapping[str, str]) -> dict[str, Any]:
+        """The EMA's arrays at `paths` (as restored, by '/'-joined path), read from the store that gave `step`."""
+        with source.open() as store:  # a local tier's step: the EMA's parts of the same file, and no other
             stored = tree_paths.flatten(store.stored_tree(step))
-            names = dict(zip(tree_paths.rename(stored, self.rename), stored, strict=True))  # as restored -> stored
-            _check_ema(paths, names, step, self._directory())
+            rename = None if source.per_process else self.rename  # a local step restores only without renames
+            names = dict(zip(tree_paths.rename(stored, rename), stored, strict=True))  # as restored -> stored
+            _check_ema(paths, names, step, source.directory)
             read = store.read_paths(step, [names[path] for path in paths])
         return {path: read[names[path]] for path in paths}
 
@@ -376,20 +356,19 @@ class _BestReader(CheckpointFileReader):
     def _directory(self) -> Path:
         return self.output_dir / self.policy.subdir
 
-    def _candidates(self, store: CheckpointStore, damaged: dict[int, str]) -> list[int]:
+    def _candidates(self, store: Store, damaged: dict[int, str]) -> list[int]:
         """The best first; nan, infinite and missing metrics last. A step whose meta is damaged is not ranked."""
         ranks = {}
         for step in store.steps():
             if step in damaged:
                 continue
-            try:
-                ranks[step] = self.policy.rank(store.read_meta(step).get("metrics") or {})
-            except VanishedStepError:
-                continue
-            except Exception as error:
-                if not damage.is_damage(error):
-                    raise
-                _report_damage(damaged, store.directory, step, error)
+            found = steps.classify(store, step)
+            if found.kind is StepKind.DAMAGED:
+                steps.note_damaged(damaged, store.directory, step, found.why or "", "trying another one")
+            elif found.error is not None:
+                raise found.error  # not flaxstate's, or a newer flaxstate's: never passed over
+            elif found.meta is not None:
+                ranks[step] = self.policy.rank(found.meta.get("metrics") or {})
         return sorted(ranks, key=ranks.__getitem__)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -30,57 +29,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flaxstate import background, tree_paths
-from flaxstate.checkpoint import damage, layout, saving
+from flaxstate.checkpoint import damage, formats, layout, saving, steps
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.damage import DamagedCheckpointError, is_damage
+from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
-from flaxstate.checkpoint.layout import (
-    LEGACY_RUN_ID,
-    LEGACY_STATE,
-    META,
-    MODEL,
-    OPTIMIZER,
-    SET_ASIDE,
-    TMP_MARK,
-    StoredCheckpoint,
-    decode_rng,
-    encode_rng,
-    is_empty_or_missing,
-    to_json,
-)
-from flaxstate.records import FORMAT_VERSION
+from flaxstate.checkpoint.layout import META, SET_ASIDE, TMP_MARK, Rename, StoredCheckpoint, to_json
+from flaxstate.checkpoint.steps import LISTING_ATTEMPTS, VANISHING_SECONDS
 from flaxstate.train_state import StateMismatchError
 
-__all__ = [
-    "LEGACY_RUN_ID",
-    "CheckpointError",
-    "CheckpointSaveError",
-    "CheckpointStore",
-    "StoredCheckpoint",
-    "VanishedStepError",
-    "decode_rng",
-    "encode_rng",
-    "is_damage",
-    "is_empty_or_missing",
-    "to_json",
-]
-
 logger = logging.getLogger("flaxstate")
-
-Rename = Mapping[str, str] | Callable[[str], str] | None
-"""Regex rules from stored '/'-joined paths to a template's: `{old: new}`, or a function of a path."""
-
-VANISHING_SECONDS = 1.0
-"""How long a step whose read failed is watched for disappearing (a writer's rotation deletes it file by file)
-before the failure is taken for damage."""
-
-LISTING_ATTEMPTS = 20
-"""How often a listing that met a step deleted under it is tried again."""
-
-
-class VanishedStepError(CheckpointError):
-    """A step that was listed and is gone: a live writer deleted it meanwhile (never damage)."""
 
 
 class CheckpointStore(saving.SaveSlot):
@@ -155,9 +113,8 @@ class CheckpointStore(saving.SaveSlot):
         if step in self._manager.all_steps():
             raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
         items = {
-            MODEL: ocp.args.PyTreeSave({"target": state_dict["target"], "flax_mutables": state_dict["flax_mutables"]}),
-            OPTIMIZER: ocp.args.PyTreeSave(dict(state_dict["state"])),
-            META: ocp.args.JsonSave(to_json({**meta, "format_version": FORMAT_VERSION, "time": time.time()})),
+            **formats.CURRENT.save_items(state_dict, ocp.args.PyTreeSave),
+            META: ocp.args.JsonSave(to_json({**meta, "format_version": formats.CURRENT.version, "time": time.time()})),
         }
         args, metrics = ocp.args.Composite(**items), dict(metrics or {}) or None
         if self._own_thread:
@@ -177,28 +134,9 @@ class CheckpointStore(saving.SaveSlot):
         """The steps of the complete checkpoints, oldest first."""
         return _listing(lambda: (self._manager.reload(), sorted(self._manager.all_steps()))[1], self.directory)
 
-    def vanished(self, step: int) -> bool:
-        """Whether a step is gone or going: its directory disappears within `VANISHING_SECONDS`."""
-        step_dir = self.directory / str(step)
-        deadline = time.monotonic() + VANISHING_SECONDS
-        while step_dir.is_dir():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     def _reading(self, step: int, read: Callable[[], Any]) -> Any:
-        """Runs a read of one step: a Ctrl-C comes out as `KeyboardInterrupt`, a step deleted meanwhile as
-        `VanishedStepError`, anything else as it was raised."""
-        try:
-            return read()
-        except Exception as error:
-            damage.reraise_interrupt(error)
-            # Files that read but do not validate are no deletion in progress: only a gone step is watched for.
-            gone = not (self.directory / str(step)).is_dir() if isinstance(error, DamagedCheckpointError) else None
-            if gone or (gone is None and self.vanished(step)):
-                raise VanishedStepError(f"{self.directory / str(step)} was deleted while it was read.") from error
-            raise
+        """Runs a read of one step (`steps.reading`: a step deleted meanwhile comes out as `VanishedStepError`)."""
+        return steps.reading(self.directory / str(step), read)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Returns the JSON meta of one checkpoint, checked against the format.
@@ -256,13 +194,7 @@ class CheckpointStore(saving.SaveSlot):
             return []
 
         def unfinished() -> list[Path]:
-            return [
-                path
-                for path in self.directory.iterdir()
-                if TMP_MARK in path.name
-                and path.name.split(".")[0].isdigit()
-                and (step is None or path.name.split(".")[0] == str(step))
-            ]
+            return [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
 
         removed = {path: None for path in unfinished()}
         deadline = time.monotonic() + VANISHING_SECONDS
@@ -274,6 +206,14 @@ class CheckpointStore(saving.SaveSlot):
                 break
             time.sleep(0.1)
         return list(removed)
+
+    def unfinished(self) -> list[Path]:
+        """The temporary directories of saves that did not finish (or are running): `<step>.orbax-checkpoint-tmp-*`."""
+        if not self.directory.is_dir():
+            return []
+        return [
+            path for path in self.directory.iterdir() if TMP_MARK in path.name and path.name.split(".")[0].isdigit()
+        ]
 
     def delete(self, steps: list[int]) -> None:
         """Removes whole checkpoints (orbax deletes them on the primary process)."""
@@ -302,20 +242,9 @@ class CheckpointStore(saving.SaveSlot):
 
         def read() -> tuple[dict[str, Any], dict[str, Any]]:
             trees = self.item_trees(step)
-            return trees, layout.state_dict_layout({**meta, "step": step}, trees, with_optimizer)
+            return trees, formats.of(meta).layout(trees, with_optimizer, step)
 
         return (meta, *self._reading(step, read))
-
-    def read_leaf(self, step: int, path: str) -> np.ndarray:
-        """Reads one array of a checkpoint, by its state-dict path ('target/Dense_0/kernel'), as numpy.
-
-        Only that array's bytes are read (orbax's partial restore), so two
-        checkpoints larger than host memory can be compared leaf by leaf.
-
-        Raises:
-            CheckpointError: a checkpoint of format 1 (one item: read it whole), or no such path.
-        """
-        return self.read_paths(step, [path])[path]
 
     def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
         """Reads some arrays of a checkpoint by their state-dict paths, as numpy, and no other (partial restores).
@@ -326,15 +255,15 @@ class CheckpointStore(saving.SaveSlot):
         if step not in self._layouts:  # read once a step: a diff reads a step's arrays one call each
             self._layouts = {step: self._stored(step, True)}
         meta, trees, stored = self._layouts[step]
-        if meta["format_version"] < 2:
-            raise CheckpointError(f"{self.directory / str(step)} has format 1: read it whole (read()).")
+        stored_format = formats.of(meta)
+        if not stored_format.partial_reads:
+            raise CheckpointError(
+                f"{self.directory / str(step)} has format {stored_format.version}: read it whole (read())."
+            )
         missing = sorted(set(paths) - set(tree_paths.flatten(stored)))
         if missing:
             raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
-        by_item: dict[str, dict[str, str]] = {}
-        for path in paths:
-            item, inner = (OPTIMIZER, path.removeprefix("state/")) if path.startswith("state/") else (MODEL, path)
-            by_item.setdefault(item, {})[inner] = path
+        by_item = stored_format.split({path: path for path in paths})
         items = {}
         for item, inner_paths in by_item.items():
             flat = tree_paths.flatten(trees[item])
@@ -349,7 +278,12 @@ class CheckpointStore(saving.SaveSlot):
         return out
 
     def read(
-        self, step: int, template: Mapping[str, Any] | None, rename: Rename = None, with_optimizer: bool = True
+        self,
+        step: int,
+        template: Mapping[str, Any] | None,
+        *,
+        with_optimizer: bool = True,
+        rename: Rename = None,
     ) -> StoredCheckpoint:
         """Restores one checkpoint, checked against a template state dict.
 
@@ -358,8 +292,8 @@ class CheckpointStore(saving.SaveSlot):
             template: the state dict to restore into: its leaves' shapes,
                 dtypes and shardings are the restored arrays' (numpy leaves
                 restore as numpy); `None` restores numpy arrays of the stored tree.
-            rename: regex rules from stored '/'-joined paths to the template's.
             with_optimizer: read the optimizer item; `False` never opens it.
+            rename: regex rules from stored '/'-joined paths to the template's.
 
         Returns:
             the state dict (template layout) and the meta.
@@ -370,7 +304,7 @@ class CheckpointStore(saving.SaveSlot):
             CheckpointError: the step is not a flaxstate checkpoint.
         """
         meta, trees, stored = self._stored(step, with_optimizer)
-        legacy = meta["format_version"] < 2
+        stored_format = formats.of(meta)
         stored_flat = tree_paths.flatten(stored)
         renamed = tree_paths.rename(stored_flat, rename)
         new_path = dict(zip(stored_flat, renamed, strict=True))
@@ -386,7 +320,7 @@ class CheckpointStore(saving.SaveSlot):
                     + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
                 )
         else:
-            self._check_claimed_sizes(step, stored_flat)
+            damage.check_claimed_sizes(self.directory / str(step), stored_flat)
 
         def restore_args(path: str, leaf: Any) -> Any:
             target: Any = expected[new_path[path]] if template is not None and path in new_path else None
@@ -400,55 +334,17 @@ class CheckpointStore(saving.SaveSlot):
             )
             return ocp.args.PyTreeRestore(restore_args=args)
 
-        if legacy:
-            items = {LEGACY_STATE: item_args("", trees[LEGACY_STATE])}
-        else:
-            items = {MODEL: item_args("", trees[MODEL])}
-            if with_optimizer:
-                items[OPTIMIZER] = item_args("state/", trees[OPTIMIZER])
+        read_items = stored_format.read_items(with_optimizer)
+        items = {item.name: item_args(item.prefix, trees[item.name]) for item in read_items}
         restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
-        if legacy:
-            flat = tree_paths.flatten(restored[LEGACY_STATE])
-        else:
-            flat = tree_paths.flatten(restored[MODEL])
-            if with_optimizer:
-                flat.update({"state/" + k: v for k, v in tree_paths.flatten(restored[OPTIMIZER]).items()})
+        flat = stored_format.join(
+            {item.name: tree_paths.flatten(restored[item.name]) for item in read_items}, with_optimizer
+        )
         flat = {new_path[path]: value for path, value in flat.items() if path in new_path}
         state_dict = tree_paths.unflatten(flat)
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=meta)
-
-    def _check_claimed_sizes(self, step: int, stored_flat: Mapping[str, Any]) -> None:
-        """Checks that the arrays a step claims fit in its files, before a read with no template allocates them.
-
-        orbax stores arrays uncompressed (values equal to the fill value too),
-        so the step's files hold at least the bytes of its arrays; a shape
-        claimed beyond that is damaged metadata, and allocating it could end
-        the process (`std::bad_alloc`).
-
-        Raises:
-            DamagedCheckpointError: naming the largest array, its claimed shape and the bound.
-        """
-        sizes = {}
-        for path, leaf in stored_flat.items():
-            shape, dtype = tree_paths.shape_and_dtype(leaf)
-            if any(not isinstance(dim, int) or dim < 0 for dim in shape):
-                raise DamagedCheckpointError(f"{self.directory / str(step)}: {path} claims an invalid shape {shape}.")
-            sizes[path] = (math.prod(shape) * np.dtype(dtype).itemsize, shape)
-        claimed = sum(size for size, _ in sizes.values())
-        on_disk = _size_on_disk(self.directory / str(step))
-        if claimed > on_disk:
-            path, (size, shape) = max(sizes.items(), key=lambda item: item[1][0])
-            raise DamagedCheckpointError(
-                f"{self.directory / str(step)}: {path} claims shape {list(shape)} ({size:,} bytes), and its arrays "
-                f"{claimed:,} bytes in all, but the step's files hold {on_disk:,} bytes (orbax stores arrays "
-                "uncompressed): its array metadata is damaged. Nothing was allocated."
-            )
-
-
-def _size_on_disk(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
 def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:

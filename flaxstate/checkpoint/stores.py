@@ -19,14 +19,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.layout import SET_ASIDE
+from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.storage import CheckpointStore
 
 
 class Store(Protocol):
-    """A directory of steps: list, read a step's meta, save, set aside, remove, and wait for the save in flight.
+    """A directory of steps: list, read, save, set aside, remove, and wait for the save in flight.
 
     Attributes:
         directory: where its steps are (this process's part, for a per-process store).
@@ -45,6 +47,28 @@ class Store(Protocol):
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """A step's meta, checked (damage raises `DamagedCheckpointError`)."""
+        ...
+
+    def read(
+        self, step: int, template: Mapping[str, Any] | None, *, with_optimizer: bool = True, rename: Rename = None
+    ) -> StoredCheckpoint:
+        """Restores a step into a template state dict's tree and shardings (`None`: numpy arrays of the stored tree).
+
+        `rename` maps stored paths to the template's (a store that cannot
+        rename refuses it).
+        """
+        ...
+
+    def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
+        """A step's state-dict layout, with its arrays' shapes and dtypes as leaves (no array read)."""
+        ...
+
+    def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
+        """Some of a step's arrays, by state-dict path, as numpy, and no other."""
+        ...
+
+    def unfinished(self) -> list[Path]:
+        """The folders of saves that did not finish (or are running), which no reader takes."""
         ...
 
     def save(
@@ -81,6 +105,10 @@ class Store(Protocol):
         """Waits for the save in flight, then releases the store."""
         ...
 
+    def __enter__(self) -> Store: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
 
 def store_directory(output_dir: Path, *, per_process: bool, subdir: str | None = None) -> Path:
     """Where a writer's steps go: the run directory, a best writer's `subdir` of it, or this process's local part."""
@@ -89,8 +117,23 @@ def store_directory(output_dir: Path, *, per_process: bool, subdir: str | None =
     return output_dir / subdir if subdir is not None else output_dir
 
 
-def open_store(directory: Path, *, per_process: bool, keep: int, best: BestPolicy | None = None) -> Store:
-    """The store of `directory` (from `store_directory`): per-process files, or an orbax directory."""
+def open_store(
+    directory: Path,
+    *,
+    per_process: bool,
+    keep: int | None = None,
+    best: BestPolicy | None = None,
+    read_only: bool = False,
+) -> Store:
+    """The store of `directory` (from `store_directory`): per-process files, or an orbax directory.
+
+    Args:
+        directory: the store's directory.
+        per_process: this process's own files (the local tier), or a directory of every process.
+        keep: how many steps a writer keeps.
+        best: keep the best by a metric instead of the newest (an orbax directory).
+        read_only: open for reading: nothing is created.
+    """
     if per_process:
-        return LocalStore(directory, keep=keep)
-    return CheckpointStore(directory, keep=keep, best=best)
+        return LocalStore(directory, keep=keep, read_only=read_only)
+    return CheckpointStore(directory, keep=keep, best=best, read_only=read_only)

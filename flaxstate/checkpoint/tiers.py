@@ -27,11 +27,11 @@ from typing import Any
 import jax
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger
-from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.layout import StoredCheckpoint
+from flaxstate.checkpoint import damage, ledger, steps
+from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
-from flaxstate.checkpoint.storage import LEGACY_RUN_ID, CheckpointStore, VanishedStepError, is_empty_or_missing
+from flaxstate.checkpoint.steps import StepKind
+from flaxstate.checkpoint.storage import CheckpointStore
 
 logger = logging.getLogger("flaxstate")
 
@@ -74,21 +74,22 @@ def _offer(
 ) -> tuple[dict[int, dict[str, Any]], str | None]:
     """This process's steps of `listed` that fit `template`, newest first, and why its newest does not."""
     held: dict[int, dict[str, Any]] = {}
-    steps = [s for s in reversed(listed) if step is None or s == step]
-    if not steps:
+    wanted = [s for s in reversed(listed) if step is None or s == step]
+    if not wanted:
         return held, "it holds no local step (a new or replaced host?)" if step is None else f"no local step {step}"
     if template is None:
         return held, "the read has no template to place the arrays on, or renames paths (the persistent tier's)"
     note = None
-    for candidate in steps:
-        try:
-            meta = store.read_meta(candidate)
-        except CheckpointError as error:  # damage, or a newer flaxstate's format
-            summary = damage.summary(error)
-            where = store.directory / str(candidate)
-            logger.warning("the local checkpoint %s cannot be restored (%s).", where, summary)
-            note = note or f"step {candidate}: {summary}"
+    for candidate in wanted:
+        found = steps.classify(store, candidate)
+        if found.kind is StepKind.VANISHING:
             continue
+        if found.meta is None:  # damage, or a newer flaxstate's format
+            where = store.directory / str(candidate)
+            logger.warning("the local checkpoint %s cannot be restored (%s).", where, found.why)
+            note = note or f"step {candidate}: {found.why}"
+            continue
+        meta = found.meta
         why = store.covers(meta, template, with_optimizer)
         if why is not None:
             note = note or f"step {candidate}: {why}"
@@ -256,7 +257,7 @@ def read_local(
     if chosen is not None:
         error: Exception | None = None
         try:
-            stored = chosen.store.read(chosen.step, chosen.meta, template or {}, with_optimizer)
+            stored = chosen.store.read(chosen.step, template or {}, with_optimizer=with_optimizer, meta=chosen.meta)
         except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
             damage.reraise_interrupt(caught)
             error = caught
@@ -279,16 +280,10 @@ def _newest_readable(store: CheckpointStore) -> tuple[int | None, str | None]:
     directory's ledger).
     """
     for step in sorted(store.steps(), reverse=True):
-        try:
-            meta = store.read_meta(step)
-        except VanishedStepError:
+        found = steps.classify(store, step)
+        if found.kind in (StepKind.VANISHING, StepKind.DAMAGED):
             continue
-        except Exception as error:
-            damage.reraise_interrupt(error)
-            if damage.is_damage(error):
-                continue
-            return step, None  # an error that the persistent tier's read reports
-        return step, meta.get("run_id", LEGACY_RUN_ID)
+        return step, found.run_id  # a foreign step's run is None: the persistent tier's read reports it
     return None, None
 
 

@@ -45,12 +45,9 @@ from flaxstate import environment
 from flaxstate.checkpoint import claims, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
+from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
-from flaxstate.checkpoint.storage import (
-    CheckpointError,
-    encode_rng,
-    to_json,
-)
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
 

@@ -51,7 +51,7 @@ def test_a_local_step_holds_this_process_s_arrays_and_names_its_run_step_and_lay
     assert meta["bytes"] == (part / "12" / "arrays.bin").stat().st_size
     stored = LocalStore(part, read_only=True)
     template = jax.device_put(loop.state).state_dict()
-    tree = stored.read(12, stored.read_meta(12), template, with_optimizer=True).state_dict
+    tree = stored.read(12, template, with_optimizer=True).state_dict
     for path, value in flat_state(loop.state).items():
         np.testing.assert_array_equal(np.asarray(tree_paths.flatten(tree)[path]), value, err_msg=path)
 
