@@ -27,11 +27,10 @@ from typing import Any
 import jax
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger, steps
+from flaxstate.checkpoint import damage, ledger, steps, stores
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.steps import StepKind
-from flaxstate.checkpoint.storage import CheckpointStore
 
 logger = logging.getLogger("flaxstate")
 
@@ -248,7 +247,7 @@ def read_local(
     """
     newest, run = persistent_step, persistent_run
     if persistent_step is None and not is_empty_or_missing(persistent_dir):
-        with CheckpointStore(persistent_dir, read_only=True) as store:
+        with stores.open_store(persistent_dir, per_process=False, read_only=True) as store:
             newest, run = _newest_readable(store)
     agreement = agreed_local_step(
         local_dir, template, with_optimizer, newest, run or ledger.run_of(persistent_dir), step
@@ -273,7 +272,7 @@ def read_local(
     return LocalRead(None, None, agreement.persistent)
 
 
-def _newest_readable(store: CheckpointStore) -> tuple[int | None, str | None]:
+def _newest_readable(store: stores.Store) -> tuple[int | None, str | None]:
     """The newest step whose meta reads (a damaged newest step must not hide a newer local one), and its run.
 
     The run is `None` where no step's meta reads (the tiers then ask the
