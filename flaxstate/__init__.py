@@ -18,7 +18,7 @@ from flaxstate.checkpoint import (
 )
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions
-from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary
+from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
 from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
@@ -50,6 +50,7 @@ __all__ = [
     "Summary",
     "SummaryLogger",
     "SummaryWriter",
+    "Timing",
     "TraceWriter",
     "TrainLoop",
     "TrainState",

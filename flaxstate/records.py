@@ -7,12 +7,14 @@ them. Neither side imports the other: this module is what they share.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
 PyTree = Any
+_Record = TypeVar("_Record")
 Metrics = Mapping[str, Mapping[str, float]]
 
 FORMAT_VERSION = 3
@@ -105,6 +107,77 @@ class Session:
 
 
 @dataclasses.dataclass(frozen=True)
+class Timing:
+    """Where a record's time went, and what its steps achieved: a `Checkpoint`'s `timing`.
+
+    Attributes:
+        data_time: seconds of `elapsed_time` that the devices waited for the
+            training data, on this process: the time in the data iterator's
+            `next` of each batch by whose end the devices had finished all
+            the work given to them (seen with `jax.Array.is_ready`, not a
+            sync). A batch drawn while the devices still compute earlier
+            steps costs nothing and is not counted. More than half of
+            `elapsed_time` means the run is input-bound.
+        idle_time: seconds of `elapsed_time` that the devices had finished
+            all the work given to them and waited for the host: for the data
+            (`data_time` is part of it), Python between dispatches, threads
+            of this process that hold the CPU or the GIL (a data pipeline's
+            read threads, a save). Seen at draw and dispatch boundaries
+            (`flaxstate.training.waiting`); compilation is not counted. More
+            than half of `elapsed_time` with little `data_time` means the run
+            is host-bound.
+        flops_per_step: the FLOPs of one global training step (all devices),
+            from XLA's cost analysis of the compiled update
+            (`flaxstate.training.throughput`); `None` where unknown.
+        batch_size: the global batch's examples a step (all processes).
+        n_devices: the devices the step runs on (all processes').
+        peak_flops: the devices' dense peak FLOP/s, all of them together;
+            `None` where unknown (a CPU), so `mfu` is `None` there.
+        compile_time: seconds of `elapsed_time` spent compiling (tracing,
+            lowering and XLA's compilation, on this process): the first
+            record's, and a record's after a new batch shape. The speeds
+            (`steps_per_second`, `examples_per_second`, `mfu`) leave it out.
+        outside_time: seconds between the previous record's return and this
+            record's training (evaluation, writers and the caller's code; for
+            a session's first record, from the state's start to training).
+        process_waits: each process's `(data_time, idle_time,
+            elapsed_time)` for this record, in process order (one entry in a
+            one-process run): a slow host shows data wait where the others
+            show idle time (`slow_process_note`).
+    """
+
+    data_time: float = 0.0
+    idle_time: float = 0.0
+    compile_time: float = 0.0
+    outside_time: float = 0.0
+    process_waits: tuple[tuple[float, float, float], ...] = ()
+    flops_per_step: float | None = None
+    batch_size: int | None = None
+    n_devices: int | None = None
+    peak_flops: float | None = None
+
+
+TIMING_FIELDS = tuple(field.name for field in dataclasses.fields(Timing))
+"""The names a record takes for its `timing`'s fields (they were the record's own before `timing` grouped them)."""
+
+
+def _timing_by_name(cls: type[_Record]) -> type[_Record]:
+    """Lets a record class take `timing`'s fields by name, as it did before they were grouped."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = {name: kwargs.pop(name) for name in TIMING_FIELDS if name in kwargs}
+        if given:
+            kwargs["timing"] = dataclasses.replace(kwargs.get("timing") or Timing(), **given)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_timing_by_name
+@dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """The training state at one step, as `TrainLoop` yields it.
 
@@ -140,48 +213,19 @@ class Checkpoint:
             training, up to the devices finishing the record's step (not the
             time the caller held the previous record), compilation included
             (`compile_time`).
-        data_time: seconds of `elapsed_time` that the devices waited for the
-            training data, on this process: the time in the data iterator's
-            `next` of each batch by whose end the devices had finished all
-            the work given to them (seen with `jax.Array.is_ready`, not a
-            sync). A batch drawn while the devices still compute earlier
-            steps costs nothing and is not counted. More than half of
-            `elapsed_time` means the run is input-bound.
-        idle_time: seconds of `elapsed_time` that the devices had finished
-            all the work given to them and waited for the host: for the data
-            (`data_time` is part of it), Python between dispatches, threads
-            of this process that hold the CPU or the GIL (a data pipeline's
-            read threads, a save). Seen at draw and dispatch boundaries
-            (`flaxstate.training.waiting`); compilation is not counted. More
-            than half of `elapsed_time` with little `data_time` means the run
-            is host-bound.
         skipped_damaged: the step directories that the reader this run
             resumed from skipped as damaged (absolute paths): the run's
             writer sets those of its directory aside (`<step>.damaged`)
             instead of taking them for another history.
-        flops_per_step: the FLOPs of one global training step (all devices),
-            from XLA's cost analysis of the compiled update
-            (`flaxstate.training.throughput`); `None` where unknown.
-        batch_size: the global batch's examples a step (all processes).
-        n_devices: the devices the step runs on (all processes').
-        peak_flops: the devices' dense peak FLOP/s, all of them together;
-            `None` where unknown (a CPU), so `mfu` is `None` there.
-        compile_time: seconds of `elapsed_time` spent compiling (tracing,
-            lowering and XLA's compilation, on this process): the first
-            record's, and a record's after a new batch shape. The speeds
-            (`steps_per_second`, `examples_per_second`, `mfu`) leave it out.
-        outside_time: seconds between the previous record's return and this
-            record's training (evaluation, writers and the caller's code; for
-            a session's first record, from the state's start to training).
         session: this process's start of the run (for the goodput ledger);
             `None` for records made by hand.
         requested: whether a checkpoint was asked for (SIGUSR1 to any of
             the run's processes) since the previous record: every
             `CheckpointFileWriter` saves it, whatever its `every_seconds`.
-        process_waits: each process's `(data_time, idle_time,
-            elapsed_time)` for this record, in process order (one entry in a
-            one-process run): a slow host shows data wait where the others
-            show idle time (`slow_process_note`).
+        timing: where `elapsed_time` went and what the steps achieved
+            (`Timing`); each of its fields reads as an attribute of the record
+            too (`record.data_time` is `record.timing.data_time`), and
+            `Checkpoint(...)` and `dataclasses.replace` take them by name.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -206,19 +250,56 @@ class Checkpoint:
     metrics: Metrics = dataclasses.field(default_factory=dict)
     run_id: str | None = None
     preempted: bool = False
-    data_time: float = 0.0
-    idle_time: float = 0.0
     skipped_damaged: tuple[str, ...] = ()
-    flops_per_step: float | None = None
-    batch_size: int | None = None
-    n_devices: int | None = None
-    peak_flops: float | None = None
-    compile_time: float = 0.0
-    outside_time: float = 0.0
     session: Session | None = None
     requested: bool = False
-    process_waits: tuple[tuple[float, float, float], ...] = ()
+    timing: Timing = dataclasses.field(default_factory=lambda: Timing())
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def data_time(self) -> float:
+        """`timing.data_time`."""
+        return self.timing.data_time
+
+    @property
+    def idle_time(self) -> float:
+        """`timing.idle_time`."""
+        return self.timing.idle_time
+
+    @property
+    def compile_time(self) -> float:
+        """`timing.compile_time`."""
+        return self.timing.compile_time
+
+    @property
+    def outside_time(self) -> float:
+        """`timing.outside_time`."""
+        return self.timing.outside_time
+
+    @property
+    def process_waits(self) -> tuple[tuple[float, float, float], ...]:
+        """`timing.process_waits`."""
+        return self.timing.process_waits
+
+    @property
+    def flops_per_step(self) -> float | None:
+        """`timing.flops_per_step`."""
+        return self.timing.flops_per_step
+
+    @property
+    def batch_size(self) -> int | None:
+        """`timing.batch_size`."""
+        return self.timing.batch_size
+
+    @property
+    def n_devices(self) -> int | None:
+        """`timing.n_devices`."""
+        return self.timing.n_devices
+
+    @property
+    def peak_flops(self) -> float | None:
+        """`timing.peak_flops`."""
+        return self.timing.peak_flops
 
     @property
     def training_time(self) -> float:
@@ -296,6 +377,7 @@ class Checkpoint:
         return Summary(**{**fields, "metrics": merged})
 
 
+@_timing_by_name
 @dataclasses.dataclass(frozen=True)
 class Summary(Checkpoint):
     """A record that an evaluation added metrics to (the same fields as `Checkpoint`)."""

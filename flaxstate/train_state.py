@@ -76,6 +76,15 @@ class TrainState(Protocol):
     def as_logical_axes(self) -> TrainState: ...
 
 
+TRAINING_ONLY = ("param_states", "loss_scale", "ema")
+"""The entries of a state dict's `state` that only a training state holds (an `InferenceState` has none)."""
+
+
+def is_training(state_dict: Mapping[str, Any]) -> bool:
+    """Whether a state dict is a training state's (it holds the optimizer's state), not an inference state's."""
+    return "param_states" in state_dict["state"]
+
+
 def _plain(tree: PyTree) -> PyTree:
     """Nested plain dicts: FrozenDicts thawed, optax NamedTuples as dicts."""
     return serialization.to_state_dict(flax.core.unfreeze(tree))
@@ -500,8 +509,7 @@ class InferenceState(_ReplaceMethods, struct.PyTreeNode):
         """
         state_dict = dict(state_dict)
         if "state" in state_dict:
-            training_only = ("param_states", "loss_scale", "ema")
-            state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in training_only}
+            state_dict["state"] = {k: v for k, v in state_dict["state"].items() if k not in TRAINING_ONLY}
         current = self.state_dict()
         merged = _check_and_merge(current, state_dict, strict, type(self).__name__)
         restored = _restore_leaves(current, merged)

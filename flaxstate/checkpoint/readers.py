@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import tree_paths
+from flaxstate import train_state, tree_paths
 from flaxstate.checkpoint import damage, steps, stores, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.errors import CheckpointError
@@ -200,9 +200,7 @@ class CheckpointFileReader:
         steps found damaged.
         """
         assert self.local_dir is not None
-        state = template.state if template is not None else None
-        state_dict = state.state_dict() if state is not None else None
-        with_optimizer = state_dict is None or "param_states" in state_dict["state"]
+        state, state_dict, with_optimizer = _template(template)
         read = tiers.read_local(
             self.local_dir,
             self._directory(),
@@ -231,9 +229,7 @@ class CheckpointFileReader:
 
     def _read(self, store: Store, template: CheckpointFile | None) -> CheckpointFile:
         """The first candidate that reads whole (`steps.read_first`: damaged ones passed over, vanished relisted)."""
-        state = template.state if template is not None else None
-        state_dict = state.state_dict() if state is not None else None
-        with_optimizer = state_dict is None or "param_states" in state_dict["state"]
+        state, state_dict, with_optimizer = _template(template)
         damaged: dict[int, str] = {}
 
         def read(step: int) -> CheckpointFile:
@@ -311,6 +307,13 @@ class CheckpointFileReader:
             _check_ema(paths, names, step, source.directory)
             read = store.read_paths(step, [names[path] for path in paths])
         return {path: read[names[path]] for path in paths}
+
+
+def _template(template: CheckpointFile | None) -> tuple[Any, dict[str, Any] | None, bool]:
+    """A read's template state, its state dict, and whether the optimizer's arrays are read (all, without one)."""
+    state = template.state if template is not None else None
+    state_dict = state.state_dict() if state is not None else None
+    return state, state_dict, state_dict is None or train_state.is_training(state_dict)
 
 
 def _check_ema(paths: Iterable[str], stored: Container[str], step: int, directory: Path) -> None:

@@ -106,10 +106,8 @@ class EvalLoop:
         self._use_ema = use_ema
         self._placement = placement.create("EvalLoop", devices, mesh, axis_rules)
         self._iterator = iter(task.data)
-        self._rng_data = jax.random.key_data(self._rng)
-        self._rng_impl = jax.random.key_impl(self._rng)
         self._eval_step = make_eval_step(
-            task.apply, task.metrics, self._rng_collections, self._placement.across, self._rng_impl
+            task.apply, task.metrics, self._rng_collections, self._placement.across, jax.random.key_impl(self._rng)
         )
         self._compiled: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         """The state's shardings and compiled evaluation by its structure and shapes (one, unless several models
@@ -192,7 +190,5 @@ class EvalLoop:
 
     def _batch_rng_data(self, step: int, index: int) -> jax.Array:
         """The raw key of one evaluation batch (unused without rng collections)."""
-        if not self._rng_collections:
-            return self._rng_data
-        key = jax.random.wrap_key_data(self._rng_data, impl=self._rng_impl)
-        return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, step), index))
+        key = self._rng if not self._rng_collections else jax.random.fold_in(jax.random.fold_in(self._rng, step), index)
+        return jax.random.key_data(key)

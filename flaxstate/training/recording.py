@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
-from flaxstate.records import Checkpoint, Session
+from flaxstate.records import Checkpoint, Session, Timing
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import copies, multihost, startup, throughput
 from flaxstate.training.data import DataStream
@@ -156,19 +156,21 @@ class Recorder:
             final=final,
             run_id=self.run_id,
             preempted=preempted,
-            data_time=waits.data,
-            idle_time=waits.idle,
             metrics=scaling_metrics(host_state),
             skipped_damaged=self.skipped_damaged,
-            flops_per_step=flops_per_step,
-            batch_size=self.batch_size,
-            n_devices=self.n_devices,
-            peak_flops=self.peak_flops,
-            compile_time=trained.compile,
-            outside_time=outside,
             session=self.session,
             requested=requested,
-            process_waits=process_waits,
+            timing=Timing(
+                data_time=waits.data,
+                idle_time=waits.idle,
+                compile_time=trained.compile,
+                outside_time=outside,
+                process_waits=process_waits,
+                flops_per_step=flops_per_step,
+                batch_size=self.batch_size,
+                n_devices=self.n_devices,
+                peak_flops=self.peak_flops,
+            ),
             device_state=functools.partial(self.views.lookup, host_state),
         )
         self.progress.record(record)
