@@ -19,7 +19,7 @@ from flaxstate.checkpoint import (
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions
 from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
-from flaxstate.sharding import AxisRules, BatchLayout, logical_shardings, sharded_like
+from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
@@ -45,6 +45,7 @@ __all__ = [
     "InferenceState",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
+    "Partitioning",
     "Session",
     "StateMismatchError",
     "Summary",

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from flaxstate.sharding import AxisRules, BatchLayout
+from flaxstate import sharding
+from flaxstate.sharding import AxisRules, Partitioning
 
 PyTree = Any
 _N_STEPS = 2**40
@@ -189,6 +190,7 @@ def global_batches(
     axis_rules: AxisRules | None = None,
     read_threads: int = 1,
     workers: int = 0,
+    partitioning: Partitioning | None = None,
 ) -> GlobalBatches:
     """Data for `TrainTask(data=...)` whose global batch at step s is fixed whatever the process count.
 
@@ -216,6 +218,7 @@ def global_batches(
             `ReadOptions`), for sources that wait on I/O.
         workers: processes running `transform` (grain's `mp_prefetch`), for
             Python-heavy transforms.
+        partitioning: `fs.Partitioning`, the loop's (instead of `mesh=` and `axis_rules=`).
 
     Returns:
         a re-iterable of this process's parts of the global batches, from step 0.
@@ -250,14 +253,9 @@ def global_batches(
             f"global_batches source has {n_examples} examples, fewer than one global batch of {batch_size}: a "
             f"batch would hold some examples twice. Give a batch_size of at most {n_examples}, or more examples."
         )
-    if (mesh is None) != (axis_rules is None):
-        raise ValueError("global_batches takes mesh and axis_rules together (the sharded loop's), or neither.")
-    if mesh is not None and axis_rules is not None:
-        part = BatchLayout.create(mesh, axis_rules).process_part()
-        where = f"the mesh's {part[1]} batch parts"
-    else:
-        part = (jax.process_index(), jax.process_count())
-        where = f"the {part[1]} processes"
+    where_to = sharding.resolve("global_batches", partitioning, None, mesh, axis_rules)
+    part = where_to.process_part()
+    where = f"the mesh's {part[1]} batch parts" if where_to.sharded else f"the {part[1]} processes"
     if batch_size % part[1]:
         raise ValueError(
             f"global_batches batch_size {batch_size} does not divide among {where}: give a batch size that "

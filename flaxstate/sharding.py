@@ -19,10 +19,11 @@ batch that its devices hold (`BatchLayout.process_part`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -43,7 +44,11 @@ _warned: set[tuple[str, ...]] = set()
 state many times, and a user should hear of an unruled axis or a model without axes once)."""
 
 
-def check_rules(mesh: Mesh, rules: AxisRules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+CheckedRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+"""Axis rules as `check_rules` returns them: pairs, each mesh axis a name, a tuple of names, or `None`."""
+
+
+def check_rules(mesh: Mesh, rules: AxisRules) -> CheckedRules:
     """Returns the rules as tuples, checked against the mesh.
 
     Raises:
@@ -184,7 +189,11 @@ class BatchLayout:
     @classmethod
     def create(cls, mesh: Mesh, rules: AxisRules) -> BatchLayout:
         """The batch's layout under the rules (a missing `batch` rule: replicated, with one warning)."""
-        rules = check_rules(mesh, rules)
+        return cls.of_checked(mesh, check_rules(mesh, rules))
+
+    @classmethod
+    def of_checked(cls, mesh: Mesh, rules: CheckedRules) -> BatchLayout:
+        """`create` for rules that `check_rules` already checked against the mesh (a `Partitioning`'s)."""
         if BATCH not in {name for name, _ in rules}:
             _warn_once(
                 ("no rule", BATCH),
@@ -234,6 +243,109 @@ class BatchLayout:
         """
         parts = self.local_parts()
         return parts[0] // len(parts), self.n_parts // len(parts)
+
+
+def _check_arguments(owner: str, devices: Any, mesh: Mesh | None, axis_rules: AxisRules | None) -> None:
+    """Refuses a mesh without rules (or rules without a mesh), and a mesh with devices, naming `owner`.
+
+    Raises:
+        ValueError: naming the owner and what to pass.
+    """
+    if (mesh is None) != (axis_rules is None):
+        raise ValueError(
+            f"{owner} shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
+            f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
+            "work."
+        )
+    if mesh is not None and devices is not None:
+        raise ValueError(f"{owner} takes devices= or mesh=, not both: a sharded loop runs on the mesh's devices.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """Where a run's work goes, stated once for `TrainLoop`, `EvalLoop` and `global_batches`.
+
+    Data-parallel over `devices` (every device of every process by
+    default), or sharded over `mesh` by flax-style `axis_rules`. The rules
+    are checked against the mesh once, here; the three that take it use the
+    same checked rules and the same batch layout.
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import Mesh
+        >>> mesh = Mesh(jax.devices()[:1], ("data",))
+        >>> where = Partitioning(mesh=mesh, axis_rules=[("batch", "data")])
+        >>> where.sharded, where.process_part()
+        (True, (0, 1))
+
+    Args:
+        devices: the devices of data-parallel work (`None`: all of them).
+        mesh: a `jax.sharding.Mesh` with named axes (with `axis_rules`).
+        axis_rules: `(logical name, mesh axis or axes or None)` pairs, first
+            match wins (with `mesh`).
+
+    Raises:
+        ValueError: only one of `mesh` and `axis_rules`, `mesh` with
+            `devices`, or rules that are not pairs or name an axis the mesh
+            does not have.
+    """
+
+    devices: Sequence[jax.Device] | None = None
+    mesh: Mesh | None = None
+    axis_rules: AxisRules | None = None
+
+    def __post_init__(self) -> None:
+        _check_arguments(type(self).__name__, self.devices, self.mesh, self.axis_rules)
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if self.mesh is not None and self.axis_rules is not None:
+            object.__setattr__(self, "axis_rules", check_rules(self.mesh, self.axis_rules))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the state is sharded over a mesh (else every device holds it whole)."""
+        return self.mesh is not None
+
+    @functools.cached_property
+    def batch_layout(self) -> BatchLayout | None:
+        """How a sharded run's batch lies on the mesh (`None`: data-parallel)."""
+        if self.mesh is None or self.axis_rules is None:
+            return None
+        return BatchLayout.of_checked(self.mesh, cast(CheckedRules, self.axis_rules))  # checked when made
+
+    def process_part(self) -> tuple[int, int]:
+        """This process's part of a global batch, and how many parts there are (see `BatchLayout.process_part`)."""
+        if self.batch_layout is None:
+            return jax.process_index(), jax.process_count()
+        return self.batch_layout.process_part()
+
+
+def resolve(
+    owner: str,
+    partitioning: Partitioning | None,
+    devices: Sequence[jax.Device] | None = None,
+    mesh: Mesh | None = None,
+    axis_rules: AxisRules | None = None,
+) -> Partitioning:
+    """`partitioning`, or one made from the keywords that came before it (`devices=`, `mesh=`, `axis_rules=`).
+
+    Raises:
+        ValueError: `partitioning` with any of the keywords, or keywords that
+            `Partitioning` refuses, naming `owner`.
+    """
+    if partitioning is not None:
+        keywords = (("devices", devices), ("mesh", mesh), ("axis_rules", axis_rules))
+        given = [name for name, value in keywords if value is not None]
+        if given:
+            raise ValueError(
+                f"{owner} takes partitioning= or {'/'.join(f'{name}=' for name in given)}, not both: "
+                "the partitioning already says where the work goes."
+            )
+        if not isinstance(partitioning, Partitioning):
+            raise TypeError(f"{owner} partitioning= takes an fs.Partitioning, got {type(partitioning).__name__}.")
+        return partitioning
+    _check_arguments(owner, devices, mesh, axis_rules)
+    return Partitioning(devices=devices, mesh=mesh, axis_rules=axis_rules)
 
 
 def logical_axes_by_path(state: PyTree) -> dict[str, list[str | None]]:

@@ -212,3 +212,70 @@ def test_a_factored_optimizer_trains_under_a_mesh_as_without_one(optimizer):
     np.testing.assert_allclose([r.loss for r in sharded], [r.loss for r in data_parallel], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(sharded.state), jax.tree.leaves(data_parallel.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_one_partitioning_serves_the_loop_the_evaluation_and_the_data_as_the_old_keywords_did():
+    where = fs.Partitioning(mesh=one_device_mesh(), axis_rules=[list(rule) for rule in lm.RULES])
+    assert where.sharded and where.axis_rules == sharding.check_rules(one_device_mesh(), lm.RULES)  # checked once
+    assert where.batch_layout is where.batch_layout and where.process_part() == (0, 1)
+    model = lm.Transformer(SMALL)
+    by_keywords = fs.TrainLoop(
+        init=model.init,
+        task=fs.TrainTask(
+            apply=model.apply, optimizer=lm.optimizer(SMALL), loss=lm.loss, data=lm.batches(lm.text(), SMALL)
+        ),
+        rng=jax.random.key(SMALL.seed),
+        n_steps=2,
+        stdout=False,
+        mesh=one_device_mesh(),
+        axis_rules=lm.RULES,
+    )
+    by_partitioning = fs.TrainLoop(
+        init=model.init,
+        task=fs.TrainTask(
+            apply=model.apply, optimizer=lm.optimizer(SMALL), loss=lm.loss, data=lm.batches(lm.text(), SMALL)
+        ),
+        rng=jax.random.key(SMALL.seed),
+        n_steps=2,
+        stdout=False,
+        partitioning=where,
+    )
+    records = [next(iter(trained)) for trained in (by_keywords, by_partitioning)]
+    assert records[0].loss == records[1].loss
+    for a, b in zip(jax.tree.leaves(records[0].state), jax.tree.leaves(records[1].state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[lm.batches(lm.text(), SMALL).batch(0)])
+    evaluations = [
+        fs.EvalLoop(task, jax.random.key(1), partitioning=where)(records[1]),
+        fs.EvalLoop(task, jax.random.key(1), mesh=one_device_mesh(), axis_rules=lm.RULES)(records[1]),
+    ]
+    assert evaluations[0].metrics == evaluations[1].metrics
+    x = np.arange(32.0).reshape(16, 2)
+    batches = [
+        fs.global_batches(x, 8, partitioning=where),
+        fs.global_batches(x, 8, mesh=where.mesh, axis_rules=lm.RULES),
+    ]
+    np.testing.assert_array_equal(next(iter(batches[0])), next(iter(batches[1])))
+
+
+def test_a_partitioning_refuses_what_the_keywords_refuse_and_is_not_given_twice():
+    with pytest.raises(
+        ValueError, match=re.escape("Partitioning shards the state when given both mesh= and axis_rules=")
+    ):
+        fs.Partitioning(mesh=one_device_mesh())
+    with pytest.raises(ValueError, match="Partitioning takes devices= or mesh=, not both"):
+        fs.Partitioning(devices=jax.devices(), mesh=one_device_mesh(), axis_rules=lm.RULES)
+    with pytest.raises(ValueError, match="mesh axis 'nope', which the mesh does not have"):
+        fs.Partitioning(mesh=one_device_mesh(), axis_rules=[("batch", "nope")])
+    data_parallel = fs.Partitioning(devices=jax.devices()[:1])
+    assert not data_parallel.sharded and data_parallel.devices == tuple(jax.devices()[:1])
+    assert data_parallel.batch_layout is None and data_parallel.process_part() == (0, 1)
+    with pytest.raises(ValueError, match=r"TrainLoop takes partitioning= or mesh=/axis_rules=, not both"):
+        fs.TrainLoop(
+            init=lambda *_: {}, task=None, rng=0, partitioning=data_parallel, mesh=one_device_mesh(), axis_rules=[]
+        )
+    with pytest.raises(ValueError, match=r"global_batches takes partitioning= or mesh=, not both"):
+        fs.global_batches(np.ones((4, 2)), 2, partitioning=data_parallel, mesh=one_device_mesh())
+    with pytest.raises(TypeError, match="EvalLoop partitioning= takes an fs.Partitioning, got Mesh"):
+        task = fs.EvalTask(apply=None, metrics={"loss": lm.loss}, data=[])
+        fs.EvalLoop(task, jax.random.key(0), partitioning=one_device_mesh())

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from flaxstate import sharding
 from flaxstate.records import Checkpoint, Summary
-from flaxstate.sharding import AxisRules
+from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import InferenceState
 from flaxstate.training import batching, placement
 from flaxstate.training.startup import as_key
@@ -65,6 +66,7 @@ class EvalLoop:
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
         use_ema: bool = False,
+        partitioning: Partitioning | None = None,
     ) -> None:
         """Prepares the compiled evaluation.
 
@@ -87,6 +89,8 @@ class EvalLoop:
             use_ema: evaluate the record's EMA of the parameters
                 (`Checkpoint.ema_params`, `TrainTask(ema_decay=...)`) instead
                 of the parameters.
+            partitioning: `fs.Partitioning`, the `TrainLoop`'s (instead of
+                `devices=`, `mesh=` and `axis_rules=`).
 
         Raises:
             ValueError: `n_steps` below 1, or no metrics; only one of `mesh`
@@ -104,7 +108,7 @@ class EvalLoop:
         self._n_steps = n_steps
         self._group = group
         self._use_ema = use_ema
-        self._placement = placement.create("EvalLoop", devices, mesh, axis_rules)
+        self._placement = placement.create(sharding.resolve("EvalLoop", partitioning, devices, mesh, axis_rules))
         self._iterator = iter(task.data)
         self._eval_step = make_eval_step(
             task.apply, task.metrics, self._rng_collections, self._placement.across, jax.random.key_impl(self._rng)

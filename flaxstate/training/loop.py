@@ -23,9 +23,9 @@ import jax
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
-from flaxstate import background
+from flaxstate import background, sharding
 from flaxstate.records import Checkpoint
-from flaxstate.sharding import AxisRules
+from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, startup
 from flaxstate.training.interrupts import Signals
@@ -82,6 +82,7 @@ class TrainLoop:
         devices: Sequence[jax.Device] | None = None,
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
+        partitioning: Partitioning | None = None,
         record_memory: str = "host",
         peak_flops_per_device: float | str | None = None,
         handle_preemption: bool = True,
@@ -112,6 +113,9 @@ class TrainLoop:
                 logical axis rules (e.g. `[("batch", ("data", "fsdp")), ("embed",
                 "fsdp")]`): each leaf sharded by its logical axes, each process
                 feeding its part of the global batch (see `flaxstate.training.placement`).
+            partitioning: `fs.Partitioning`, the devices or the mesh and rules
+                stated once for this loop, an `EvalLoop` and `global_batches`
+                (instead of `devices=`, `mesh=` and `axis_rules=`).
             record_memory: where records (and `state`) hold their copy: `"host"`
                 or `"device"` (faster, room for the state twice; see `flaxstate.training.copies`).
             peak_flops_per_device: one device's peak FLOP/s, for records' MFU (a
@@ -139,7 +143,7 @@ class TrainLoop:
         record_memory = check_record_memory(record_memory)
         peak_flops_per_device = check_peak_flops(peak_flops_per_device)
         init_names, apply_names = startup.rng_names(collections)
-        where = placement.create("TrainLoop", devices, mesh, axis_rules)
+        where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
         self._progress = ProgressDisplay(stdout)
         self._signals = Signals(handle_preemption)
         look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)

@@ -1,8 +1,8 @@
 """Where a loop runs: the one module that knows data-parallel from sharded.
 
-`TrainLoop` and `EvalLoop` take the same `devices=` or `mesh=` with
-`axis_rules=`, and `create` turns them into one of two strategies behind one
-interface (`Placement`):
+`TrainLoop` and `EvalLoop` take the same `fs.Partitioning` (or the
+`devices=` or `mesh=` with `axis_rules=` it is made from), and `create` turns
+it into one of two strategies behind one interface (`Placement`):
 
 - `DataParallel`: every device holds the whole state and computes on its part
   of the batch, split over the local devices; the step functions are per
@@ -29,7 +29,7 @@ rules) is a third class here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxstate.sharding import AxisRules, BatchLayout, check_rules, logical_shardings
+from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings
 from flaxstate.training import batching
 
 PyTree = Any
@@ -119,28 +119,11 @@ class Placement(Protocol):
     def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
 
 
-def create(
-    owner: str, devices: Sequence[jax.Device] | None, mesh: Mesh | None, axis_rules: AxisRules | None
-) -> DataParallel | Sharded:
-    """A data-parallel placement on `devices`, or a sharded one on `mesh` by `axis_rules` (checked here, once).
-
-    Raises:
-        ValueError: only one of `mesh` and `axis_rules`, or `mesh` with
-            `devices`; rules that are not pairs or name a mesh axis the mesh does not have.
-    """
-    if (mesh is None) != (axis_rules is None):
-        raise ValueError(
-            f"{owner} shards the state when given both mesh= and axis_rules= (flax-style logical axis rules); "
-            f"got only {'mesh' if mesh is not None else 'axis_rules'}. Pass both, or neither for data-parallel "
-            "work."
-        )
-    if mesh is None:
-        return DataParallel(batching.mesh_of(devices))
-    if devices is not None:
-        raise ValueError(f"{owner} takes devices= or mesh=, not both: a sharded loop runs on the mesh's devices.")
-    assert axis_rules is not None  # both or neither, checked above  # noqa: S101
-    rules = check_rules(mesh, axis_rules)
-    return Sharded(mesh, rules, BatchLayout.create(mesh, rules))
+def create(partitioning: Partitioning) -> DataParallel | Sharded:
+    """The data-parallel or sharded placement of a partitioning (its rules were checked when it was made)."""
+    if partitioning.mesh is None or partitioning.axis_rules is None or partitioning.batch_layout is None:
+        return DataParallel(batching.mesh_of(partitioning.devices))
+    return Sharded(partitioning.mesh, tuple(partitioning.axis_rules), partitioning.batch_layout)
 
 
 @dataclasses.dataclass(frozen=True)
