@@ -1,10 +1,48 @@
-"""What the tests read of a checkpoint directory without flaxstate: its step subdirectories."""
+"""What checkpoint tests share: a toy run's records and state, and what they read of a directory without flaxstate."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import flaxstate as fs
+from flaxstate_testing import toy
 
 
 def saved_steps(directory: Path) -> list[int]:
     """The steps saved in `directory` (its numeric subdirectories), in order."""
     return sorted(int(path.name) for path in Path(directory).iterdir() if path.name.isdigit())
+
+
+MODEL = toy.BatchNormNet()
+TX = optax.adam(1e-2)
+
+
+def records(n_steps: int = 6, every: int = 2, model: Any = MODEL, data: Any = None) -> list[fs.Checkpoint]:
+    """The records of a toy run of `n_steps`, one every `every`."""
+    data = toy.batches(n_steps, 8) if data is None else data
+    task = fs.TrainTask(apply=model.apply, optimizer=TX, loss=toy.mse, data=data)
+    loop = fs.TrainLoop(
+        model.init, task, jax.random.key(0), n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False
+    )
+    return list(loop)
+
+
+def summary(record: fs.Checkpoint, loss: float) -> fs.Summary:
+    """`record` with eval metrics `loss` and `acc = -loss`."""
+    return fs.Summary.of(record, {"eval": {"loss": loss, "acc": -loss}})
+
+
+def fresh_state(model: Any = MODEL) -> fs.FlaxOptimTrainState:
+    """A new training state of `model`."""
+    return fs.FlaxOptimTrainState.create(TX, model.init(jax.random.key(3), np.ones((8, 4), np.float32)))
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    """Asserts two trees' leaves equal, bit for bit."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,0 +1,298 @@
+"""Writers: when they save (in the background, below the loop's priority), what they keep, how failures surface."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flaxstate_testing import processes
+from flaxstate_testing.checkpoints import fresh_state, records, saved_steps, summary
+
+import flaxstate as fs
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def patch_async_save(monkeypatch, before_write):
+    """Runs `before_write()` in each orbax array write (in the save's thread), then writes."""
+    original = ocp.PyTreeCheckpointHandler.async_save
+
+    async def patched(self, directory, *args, **kwargs):
+        before_write()
+        return await original(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", patched)
+
+
+SCRIPT_START = """
+import time, jax, optax, orbax.checkpoint as ocp, flaxstate as fs
+from flaxstate_testing import processes, toy
+from flaxstate_testing.checkpoints import saved_steps
+model = toy.BatchNormNet()
+task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(6, 8))
+loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=2, stdout=False)
+original = ocp.PyTreeCheckpointHandler.async_save
+async def slow(self, *args, **kwargs):  # every array write starts 1 s late, so a save outlives a short script
+    time.sleep(1.0)
+    return await original(self, *args, **kwargs)
+"""
+
+
+def run_script(body, timeout=240):
+    env = processes.worker_env()
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT_START + body], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_writer_uses_orbax_standard_layout_and_keeps_the_newest(tmp_path):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=2)
+    recs = records()
+    for record in recs:
+        assert writer(record) is record
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [4, 6]
+    assert {p.name for p in (tmp_path / "6").iterdir()} >= {"model", "optimizer", "meta"}
+
+    # Plain orbax, without flaxstate, lists and restores it.
+    manager = ocp.CheckpointManager(tmp_path, item_names=("model", "optimizer", "meta"))
+    assert list(manager.all_steps()) == [4, 6]
+    restored = manager.restore(6, args=ocp.args.Composite(model=ocp.args.PyTreeRestore(), meta=ocp.args.JsonRestore()))
+    np.testing.assert_array_equal(
+        restored.model["target"]["Dense_0"]["kernel"], recs[-1].state.params["Dense_0"]["kernel"]
+    )
+    assert restored.meta["step"] == 6
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority (nice) exists on Linux only")
+def test_a_save_runs_in_the_background_below_the_loops_priority(tmp_path, monkeypatch):
+    from flaxstate.checkpoint import saving
+
+    seen = []
+    save = ocp.CheckpointManager.save
+
+    def observed_save(self, *args, **kwargs):
+        seen.append((threading.current_thread() is threading.main_thread(), os.getpriority(os.PRIO_PROCESS, 0)))
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", observed_save)
+    loop_priority = os.getpriority(os.PRIO_PROCESS, 0)
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        writer(records(n_steps=2)[-1])
+    assert seen == [(False, min(19, loop_priority + saving.SAVE_NICENESS))]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == loop_priority  # the loop's own thread is untouched
+    assert saved_steps(tmp_path) == [2]
+
+
+def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path):
+    clock = Clock()
+    recs = records(n_steps=12, every=2)  # steps 2, 4, ..., 12 (final)
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every_seconds=60, clock=clock.monotonic)
+    writer(recs[0])  # 0 s since the writer was made
+    clock.now += 59
+    writer(recs[1])  # 59 s
+    assert saved_steps(tmp_path) == []
+    clock.now += 1
+    writer(recs[2])  # 60 s: saved, and the clock starts again
+    clock.now += 30
+    writer(recs[3])
+    writer.wait()
+    assert saved_steps(tmp_path) == [6]
+    preempted = dataclasses.replace(recs[4], preempted=True)
+    writer(preempted)  # 30 s after the last save, but preempted: saved, and on disk when the call returns
+    assert saved_steps(tmp_path) == [6, 10]
+    writer(recs[5])  # final
+    assert saved_steps(tmp_path) == [6, 10, 12]
+    writer.close()
+
+
+def test_a_preempted_record_at_a_step_already_saved_is_not_saved_twice(tmp_path):
+    recs = records(n_steps=4, every=2)
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        writer(recs[0])
+        writer(dataclasses.replace(recs[0], preempted=True, n_completed_steps=0))
+    assert saved_steps(tmp_path) == [2]
+
+
+def test_every_seconds_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="every_seconds must be a positive number of seconds or None, got 0"):
+        fs.CheckpointFileWriter(tmp_path, every_seconds=0)
+
+
+def test_best_writers_keep_their_own_subdirectories(tmp_path):
+    lowest = fs.LowestCheckpointFileWriter(tmp_path, metric="loss", keep=1)
+    highest = fs.HighestCheckpointFileWriter(tmp_path, metric="acc", keep=1)
+    newest = fs.CheckpointFileWriter(tmp_path, keep=1)
+    losses = {2: 0.5, 4: 0.2, 6: 0.9}
+    for record in records():
+        s = summary(record, losses[record.step])
+        newest(lowest(highest(s)))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "6",
+        "highest-eval-acc",
+        "lowest-eval-loss",
+    ]
+    assert [p.name for p in (tmp_path / "lowest-eval-loss").iterdir() if p.name.isdigit()] == ["4"]
+    assert [p.name for p in (tmp_path / "highest-eval-acc").iterdir() if p.name.isdigit()] == ["4"]
+    # Resume takes the newest checkpoint of the run, never the best.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
+    best = fs.LowestCheckpointFileReader(tmp_path, metric="loss").read(fs.CheckpointFile(fresh_state(), 0))
+    assert best.step == 4 and best.metrics["eval"]["loss"] == 0.2
+    assert int(fs.HighestCheckpointFileReader(tmp_path, metric="acc").restore(fresh_state()).step) == 4
+
+
+def test_best_writer_names_a_missing_metric(tmp_path):
+    writer = fs.LowestCheckpointFileWriter(tmp_path, metric="los", group="eval")
+    with pytest.raises(ValueError, match=r"'los' in group 'eval', but the record has \{'eval': \['acc', 'loss'\]\}"):
+        writer(summary(records(2, 2)[0], 0.1))
+    with pytest.raises(ValueError, match="has no metrics"):
+        writer(records(2, 2)[0])
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp_path, monkeypatch):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+    recs = records()
+    writer(recs[0])
+    writer.wait()
+    failures = iter([OSError("No space left on device (injected)")])
+
+    def fail_once():
+        if (error := next(failures, None)) is not None:
+            raise error
+
+    patch_async_save(monkeypatch, fail_once)
+    writer(recs[1])  # returns at once: the bytes are written in the background, and fail there
+    with pytest.raises(fs.CheckpointSaveError, match=f"step 4 to {tmp_path} failed in the background.*No space left"):
+        writer(recs[2])
+    # What was saved before is intact, and the failed step is never restored.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+    # The writer goes on: the next save works.
+    writer(recs[2])
+    writer.wait()
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
+
+
+def test_a_save_returns_before_its_bytes_are_written(tmp_path, monkeypatch):
+    recs = records()
+    release = threading.Event()
+    patch_async_save(monkeypatch, lambda: release.wait(timeout=60))
+    writer = fs.CheckpointFileWriter(tmp_path)
+    assert writer(recs[0]) is recs[0]  # returns while the write is held back
+    assert not (tmp_path / "2").exists()
+    release.set()
+    writer.wait()
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_writer_used_as_a_context_manager_finishes_its_save(tmp_path):
+    code, output = run_script(f"""
+ocp.PyTreeCheckpointHandler.async_save = slow
+with fs.CheckpointFileWriter({str(tmp_path)!r}) as writer:
+    writer(loop.next_checkpoint())  # not the final record: only the with block waits for it
+""")
+    assert code == 0, output
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_leaving_the_loop_early_finishes_the_pending_save(tmp_path):
+    code, output = run_script(f"""
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer = fs.CheckpointFileWriter({str(tmp_path)!r})
+for checkpoint in loop:
+    writer(checkpoint)
+    break
+""")
+    assert code == 0, output
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_save_still_running_when_the_script_ends_exits_1_and_names_it(tmp_path):
+    code, output = run_script(f"""
+writer = fs.CheckpointFileWriter({str(tmp_path)!r}, keep=3)
+writer(loop.next_checkpoint())
+writer.wait()
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer(loop.next_checkpoint())  # step 4: nothing waits for it before the script ends
+""")
+    assert code == 1, output
+    assert f"step 4 to {tmp_path}" in output and "writer.wait()" in output, output
+    # What was saved before is intact, and the unfinished step is never restored.
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 2
+
+
+def test_a_save_that_fails_at_the_last_record_exits_non_zero(tmp_path):
+    code, output = run_script(f"""
+async def failing(self, *args, **kwargs):
+    raise OSError("No space left on device (injected)")
+writer = fs.CheckpointFileWriter({str(tmp_path)!r}, keep=3)
+for checkpoint in loop:
+    if checkpoint.final:
+        writer.wait()  # step 4 is on disk; the final save fails
+        ocp.PyTreeCheckpointHandler.async_save = failing
+    writer(checkpoint)
+""")
+    assert code != 0, output
+    assert "step 6" in output and "No space left on device" in output, output
+    assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 4
+
+
+def test_an_interrupted_wait_leaves_the_save_pending_and_the_next_wait_reports_it(tmp_path):
+    code, output = run_script(f"""
+import os, signal, threading
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
+def ctrl_c_soon():
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+ocp.PyTreeCheckpointHandler.async_save = slow
+writer = fs.CheckpointFileWriter({str(tmp_path)!r})
+writer(loop.next_checkpoint())
+ctrl_c_soon()
+try:
+    writer.wait()
+    print("NOT INTERRUPTED")
+except KeyboardInterrupt:
+    print("INTERRUPTED", saved_steps(Path({str(tmp_path)!r})))
+writer.wait()
+print("WAITED", saved_steps(Path({str(tmp_path)!r})))
+async def failing(self, *args, **kwargs):
+    time.sleep(1.0)
+    raise OSError("No space left on device (injected)")
+ocp.PyTreeCheckpointHandler.async_save = failing
+writer(loop.next_checkpoint())
+ctrl_c_soon()
+try:
+    writer.close()
+    print("CLOSED")
+except KeyboardInterrupt:
+    print("INTERRUPTED CLOSE")
+try:
+    fs.CheckpointFileWriter({str(tmp_path)!r})
+    print("A SECOND WRITER WHILE THE SAVE RUNS")
+except fs.CheckpointError as error:
+    print("SECOND WRITER REFUSED", "already written by" in str(error))
+try:
+    writer.close()
+    print("CLOSED WITHOUT AN ERROR")
+except fs.CheckpointSaveError as error:
+    print("REPORTED", error)
+fs.CheckpointFileWriter({str(tmp_path)!r}).close()
+print("REOPENED")
+""")
+    assert code == 0, output
+    lines = output.splitlines()
+    assert "INTERRUPTED []" in lines and "WAITED [2]" in lines, output
+    assert "INTERRUPTED CLOSE" in lines, output
+    assert "SECOND WRITER REFUSED True" in lines and "REOPENED" in lines, output  # released once the save ended
+    assert any(line.startswith("REPORTED saving the checkpoint of step 4") for line in lines), output
