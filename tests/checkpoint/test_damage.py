@@ -13,7 +13,7 @@ import jax
 import pytest
 import tensorstore as ts
 from flaxstate_testing import processes
-from test_writers_readers import assert_trees_equal, damage, fresh_state, records
+from flaxstate_testing.checkpoints import assert_trees_equal, damage_arrays, fresh_state, records
 
 import flaxstate as fs
 from flaxstate import cli
@@ -201,7 +201,7 @@ def test_a_run_resumed_past_a_damaged_checkpoint_sets_it_aside_and_saves(tmp_pat
     for record in loop(model.init, 6):
         writer(record)
     writer.close()
-    damage(tmp_path / "6", "truncate")
+    damage_arrays(tmp_path / "6", "truncate")
     if what == "meta and arrays":
         (tmp_path / "6" / "meta" / "metadata").write_text("{")
     with caplog.at_level(logging.WARNING, logger="flaxstate"):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import logging
-import os
 import shutil
 
 import flax.linen as nn
@@ -13,7 +12,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flaxstate_testing import processes, toy
-from flaxstate_testing.checkpoints import MODEL, assert_trees_equal, fresh_state, records
+from flaxstate_testing.checkpoints import MODEL, assert_trees_equal, damage_arrays, fresh_state, records
 
 import flaxstate as fs
 
@@ -25,16 +24,6 @@ class Wider(nn.Module):
         x = nn.Dense(16)(x)
         x = nn.BatchNorm(use_running_average=not train)(x)
         return nn.Dense(1, name="Head")(x)[:, 0]
-
-
-def damage(step_dir, how):
-    files = sorted(p for p in (step_dir / "model").rglob("*") if p.is_file() and p.parent.name == "d")
-    assert files, list((step_dir / "model").rglob("*"))
-    if how == "truncate":
-        with open(files[0], "r+b") as handle:
-            handle.truncate(os.path.getsize(files[0]) // 2)
-    else:
-        files[0].unlink()
 
 
 def test_reader_restores_the_newest_state_rng_and_metadata(tmp_path):
@@ -126,7 +115,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, how, c
     writer = fs.CheckpointFileWriter(tmp_path, keep=3)
     for record in recs:
         writer(record)
-    damage(tmp_path / "6", how)
+    damage_arrays(tmp_path / "6", how)
     with caplog.at_level(logging.WARNING, logger="flaxstate"):
         restored = fs.CheckpointFileReader(tmp_path).restore(fresh_state())
     assert int(restored.step) == 4
@@ -136,7 +125,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, how, c
 
 def test_when_every_checkpoint_is_damaged_the_error_says_so(tmp_path):
     fs.CheckpointFileWriter(tmp_path)(records(2, 2)[-1])
-    damage(tmp_path / "2", "delete")
+    damage_arrays(tmp_path / "2", "delete")
     with pytest.raises(fs.CheckpointError, match=f"every checkpoint in {tmp_path} is damaged"):
         fs.CheckpointFileReader(tmp_path).restore(fresh_state())
 

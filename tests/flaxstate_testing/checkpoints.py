@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,14 @@ def assert_trees_equal(a: Any, b: Any) -> None:
     """Asserts two trees' leaves equal, bit for bit."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def damage_arrays(step_dir: Path, how: str) -> None:
+    """Damages a step's first array file of its model item: `"truncate"` it to half, or delete it."""
+    files = sorted(p for p in (step_dir / "model").rglob("*") if p.is_file() and p.parent.name == "d")
+    assert files, list((step_dir / "model").rglob("*"))
+    if how == "truncate":
+        with open(files[0], "r+b") as handle:
+            handle.truncate(os.path.getsize(files[0]) // 2)
+    else:
+        files[0].unlink()
