@@ -1,0 +1,65 @@
+"""The compiled programs of one state: K steps a call equal K single steps, gradients, and FLOPs counted once."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from flax.core import DenyList
+
+from flaxstate.sharding import Partitioning
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import placement
+from flaxstate.training.program import Program
+from flaxstate.training.task import TrainTask
+
+MODEL = nn.Dense(2)
+X = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
+Y = np.ones((8, 2), np.float32)
+
+
+def mse(outputs, targets):
+    return ((outputs - targets) ** 2).mean()
+
+
+def build(n_microbatches=1):
+    where = placement.create(Partitioning(devices=jax.devices()[:1]))
+    task = TrainTask(apply=MODEL.apply, optimizer=optax.sgd(0.1), loss=mse, data=[])
+    state = FlaxOptimTrainState.create(optax.sgd(0.1), MODEL.init(jax.random.key(0), X))
+    state = jax.device_put(state, where.state_shardings(state))
+    program = Program.build(
+        placement=where,
+        task=task,
+        rng_names=(),
+        mutable=DenyList("intermediates"),
+        n_microbatches=n_microbatches,
+        state=state,
+        rng=jax.random.key(1),
+    )
+    return program, state
+
+
+def test_k_steps_in_one_call_equal_k_single_steps():
+    program, state = build()
+    rng_data = jax.random.key_data(jax.random.key(1))
+    batch = ((X,), (Y,))
+    leaves = jax.tree.leaves(jax.tree.map(np.array, state))
+    for _ in range(3):
+        leaves, _ = program.update(1)(leaves, batch, rng_data)
+    stacked = ((np.stack([X] * 3),), (np.stack([Y] * 3),))
+    once, losses = program.update(3)(jax.tree.leaves(jax.tree.map(np.array, state)), stacked, rng_data)
+    assert np.shape(losses) == (3,)
+    for a, b in zip(leaves, once, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert program.update(3) is program.update(3)  # compiled once
+
+
+def test_the_gradients_and_the_flops_of_a_step_with_microbatches_count_every_microbatch():
+    program, state = build()
+    rng_data = jax.random.key_data(jax.random.key(1))
+    grads = program.gradients()(jax.tree.leaves(state), ((X,), (Y,)), rng_data)
+    assert jax.tree.structure(grads) == jax.tree.structure(state.params)
+    flops = program.flops_per_step(((X,), (Y,)), rng_data)
+    micro, _ = build(n_microbatches=4)
+    micro_flops = micro.flops_per_step(((X,), (Y,)), rng_data)
+    assert flops is not None and flops > 0
+    assert micro_flops is not None and 0.8 * flops <= micro_flops <= 1.5 * flops  # the same work, not a quarter
