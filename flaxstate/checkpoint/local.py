@@ -19,7 +19,7 @@ size its meta names is damaged, and never restored.
 
 A local step restores only where it was saved: the same process index and
 count, and for every device of this process the part of each array that the
-template's sharding gives it (`LocalStore.covers`). Restoring it is one read
+template's sharding gives it (`covers`). Restoring it is one read
 of a file (from memory, on a tmpfs) and one transfer a device. orbax's
 per-process checkpointing (its emergency checkpoint manager) does this too,
 but is marked experimental ("do not use without specific approval"); what a
@@ -154,48 +154,10 @@ class LocalStore(saving.SaveSlot):
             "processes": jax.process_count(),
             "devices": [device.id for device in jax.local_devices()],
         }
-        self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header))
-
-    def _write(self, step: int, flat: Mapping[str, Any], header: dict[str, Any]) -> None:
-        partial = self.directory / f"{step}{PARTIAL}{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        arrays: dict[str, Any] = {}
-        offset = 0
-        with open(partial / ARRAYS, "wb") as file:
-            for path, value in flat.items():
-                shape, dtype, parts = host_parts(value)
-                entries = []
-                for index, data in parts:
-                    padding = -offset % ALIGN
-                    file.write(b"\0" * padding)
-                    offset += padding
-                    data = np.ascontiguousarray(data)
-                    file.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
-                    entries.append({"index": index, "offset": offset})
-                    offset += data.nbytes
-                arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
-            file.flush()
-            os.fsync(file.fileno())
-        with open(partial / META_FILE, "w") as file:
-            json.dump({**header, "arrays": arrays, "bytes": offset}, file)
-            file.flush()
-            os.fsync(file.fileno())
-        _fsync_directory(partial)
-        os.rename(partial, self.directory / str(step))
-        _fsync_directory(self.directory)
-        if self._keep is not None:
-            for old in self.steps()[: -self._keep]:
-                self._remove(old)
+        self._pending = saving.BackgroundSave(step, lambda: _write_step(self.directory, step, flat, header, self._keep))
 
     def _remove(self, step: int) -> None:
-        """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""
-        going = self.directory / f"{step}{PARTIAL}{os.getpid()}-removed"
-        try:
-            os.rename(self.directory / str(step), going)
-        except FileNotFoundError:
-            return
-        shutil.rmtree(going, ignore_errors=True)
+        _remove(self.directory, step)
 
     def unfinished(self) -> list[Path]:
         """The directories of saves that did not finish (killed, failed, or running): `<step>.partial-<pid>`."""
@@ -228,9 +190,7 @@ class LocalStore(saving.SaveSlot):
 
     def steps(self) -> list[int]:
         """The steps saved whole (renamed into place), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(path.name) for path in self.directory.iterdir() if path.name.isdigit())
+        return _steps(self.directory)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Returns a step's meta, checked against the format and against the size of its arrays' file.
@@ -261,31 +221,6 @@ class LocalStore(saving.SaveSlot):
                 f"{step_dir / ARRAYS} holds {size:,} bytes where its meta names {meta['bytes']:,}: the step is damaged"
             )
         return meta
-
-    def covers(self, meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> str | None:
-        """Why a step cannot restore into `template` on this process (`None`: it can).
-
-        It can when it holds the template's paths, shapes and dtypes, and
-        for every device of this process the part of each array that the
-        template's sharding places there.
-        """
-        if meta.get("processes") != jax.process_count() or meta.get("process_index") != jax.process_index():
-            return (
-                f"it was saved by process {meta.get('process_index')} of {meta.get('processes')}, "
-                f"this is process {jax.process_index()} of {jax.process_count()}"
-            )
-        stored: Mapping[str, Any] = meta["arrays"]
-        for path, target in _wanted(template, with_optimizer).items():
-            entry = stored.get(path)
-            if entry is None:
-                return f"it holds no array at {path}"
-            shape, dtype = tuple(target.shape), np.dtype(target.dtype)
-            if tuple(entry["shape"]) != shape or jnp.dtype(entry["dtype"]) != dtype:
-                return f"{path} is {entry['dtype']}{entry['shape']} there, the model has {dtype.name}{list(shape)}"
-            for index in _needed(target):
-                if not any(_contains(part["index"], index) for part in entry["parts"]):
-                    return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
-        return None
 
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
         """Returns a step's state-dict layout with `jax.ShapeDtypeStruct`s (global shapes) as leaves."""
@@ -376,6 +311,82 @@ class LocalStore(saving.SaveSlot):
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=dict(meta))
+
+
+def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> str | None:
+    """Why a step cannot restore into `template` on this process (`None`: it can).
+
+    It can when it holds the template's paths, shapes and dtypes, and
+    for every device of this process the part of each array that the
+    template's sharding places there.
+    """
+    if meta.get("processes") != jax.process_count() or meta.get("process_index") != jax.process_index():
+        return (
+            f"it was saved by process {meta.get('process_index')} of {meta.get('processes')}, "
+            f"this is process {jax.process_index()} of {jax.process_count()}"
+        )
+    stored: Mapping[str, Any] = meta["arrays"]
+    for path, target in _wanted(template, with_optimizer).items():
+        entry = stored.get(path)
+        if entry is None:
+            return f"it holds no array at {path}"
+        shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+        if tuple(entry["shape"]) != shape or jnp.dtype(entry["dtype"]) != dtype:
+            return f"{path} is {entry['dtype']}{entry['shape']} there, the model has {dtype.name}{list(shape)}"
+        for index in _needed(target):
+            if not any(_contains(part["index"], index) for part in entry["parts"]):
+                return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
+    return None
+
+
+def _write_step(directory: Path, step: int, flat: Mapping[str, Any], header: dict[str, Any], keep: int | None) -> None:
+    """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`."""
+    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    arrays: dict[str, Any] = {}
+    offset = 0
+    with open(partial / ARRAYS, "wb") as file:
+        for path, value in flat.items():
+            shape, dtype, parts = host_parts(value)
+            entries = []
+            for index, data in parts:
+                padding = -offset % ALIGN
+                file.write(b"\0" * padding)
+                offset += padding
+                data = np.ascontiguousarray(data)
+                file.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
+                entries.append({"index": index, "offset": offset})
+                offset += data.nbytes
+            arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
+        file.flush()
+        os.fsync(file.fileno())
+    with open(partial / META_FILE, "w") as file:
+        json.dump({**header, "arrays": arrays, "bytes": offset}, file)
+        file.flush()
+        os.fsync(file.fileno())
+    _fsync_directory(partial)
+    os.rename(partial, directory / str(step))
+    _fsync_directory(directory)
+    if keep is not None:
+        for old in _steps(directory)[:-keep]:
+            _remove(directory, old)
+
+
+def _remove(directory: Path, step: int) -> None:
+    """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""
+    going = directory / f"{step}{PARTIAL}{os.getpid()}-removed"
+    try:
+        os.rename(directory / str(step), going)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(going, ignore_errors=True)
+
+
+def _steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(path.name) for path in directory.iterdir() if path.name.isdigit())
 
 
 class _Parts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,31 +282,33 @@ class CheckpointFileReader:
             raise CheckpointError(f"{self._directory()} holds no checkpoint to restore.")
         if not use_ema:
             return restored.state
-        targets = tree_paths.flatten({"target": _plain_tree(restored.state.params)})
-        paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}  # the EMA's, as restored
-        ema = self._stored_ema(source, restored.step, paths)
+        rename = None if source.per_process else self.rename  # a local step restores only without renames
+        return restored.state.replace(params=_ema_params(restored.state.params, source, restored.step, rename))
 
-        def placed(template: Any, value: Any) -> Any:
-            value = value.astype(template.dtype)
-            sharding = getattr(template, "sharding", None)
-            return jax.device_put(value, sharding) if isinstance(template, jax.Array) else np.asarray(value)
 
-        flat_params = {paths_by_target: ema[ema_path] for ema_path, paths_by_target in paths.items()}
-        new_params = tree_paths.unflatten({path.removeprefix("target/"): value for path, value in flat_params.items()})
-        params = jax.tree.map(
-            placed, restored.state.params, serialization.from_state_dict(restored.state.params, new_params)
-        )
-        return restored.state.replace(params=params)
+def _ema_params(params: Any, source: _Source, step: int, rename: Rename) -> Any:
+    """A step's EMA of the parameters (`state/ema/...`), as `params`' tree, dtypes and shardings.
 
-    def _stored_ema(self, source: _Source, step: int, paths: Mapping[str, str]) -> dict[str, Any]:
-        """The EMA's arrays at `paths` (as restored, by '/'-joined path), read from the store that gave `step`."""
-        with source.open() as store:  # a local tier's step: the EMA's parts of the same file, and no other
-            stored = tree_paths.flatten(store.stored_tree(step))
-            rename = None if source.per_process else self.rename  # a local step restores only without renames
-            names = dict(zip(tree_paths.rename(stored, rename), stored, strict=True))  # as restored -> stored
-            _check_ema(paths, names, step, source.directory)
-            read = store.read_paths(step, [names[path] for path in paths])
-        return {path: read[names[path]] for path in paths}
+    Only the EMA's arrays are read, from the store that gave `step`.
+
+    Raises:
+        CheckpointError: the step holds no EMA (naming the first missing path).
+    """
+    targets = tree_paths.flatten({"target": _plain_tree(params)})
+    paths = {"state/ema/" + path.removeprefix("target/"): path for path in targets}  # the EMA's, as restored
+    with source.open() as store:  # a local tier's step: the EMA's parts of the same file, and no other
+        stored = tree_paths.flatten(store.stored_tree(step))
+        names = dict(zip(tree_paths.rename(stored, rename), stored, strict=True))  # as restored -> stored
+        _check_ema(paths, names, step, source.directory)
+        read = store.read_paths(step, [names[path] for path in paths])
+
+    def placed(template: Any, value: Any) -> Any:
+        value = value.astype(template.dtype)
+        sharding = getattr(template, "sharding", None)
+        return jax.device_put(value, sharding) if isinstance(template, jax.Array) else np.asarray(value)
+
+    by_target = {target.removeprefix("target/"): read[names[ema_path]] for ema_path, target in paths.items()}
+    return jax.tree.map(placed, params, serialization.from_state_dict(params, tree_paths.unflatten(by_target)))
 
 
 def _template(template: CheckpointFile | None) -> tuple[Any, dict[str, Any] | None, bool]:

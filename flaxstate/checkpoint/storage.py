@@ -148,25 +148,7 @@ class CheckpointStore(saving.SaveSlot):
                 validate (naming the file and the field).
             VanishedStepError: the step was deleted meanwhile.
         """
-        step_dir = self.directory / str(step)
-
-        def read() -> dict[str, Any]:
-            if not (step_dir / META).is_dir():
-                if not step_dir.is_dir():
-                    raise FileNotFoundError(f"{step_dir} does not exist")
-                raise CheckpointError(
-                    f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
-                    "point the reader at a directory that flaxstate's writers wrote."
-                )
-            try:
-                stored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-            except json.JSONDecodeError as error:
-                raise DamagedCheckpointError(
-                    f"{step_dir / META / meta_format.FILE} is not valid JSON ({error}): the checkpoint is damaged"
-                ) from error
-            return meta_format.validate(stored[META], step_dir)
-
-        return self._reading(step, read)
+        return self._reading(step, lambda: _read_meta(self._manager, step, self.directory / str(step)))
 
     def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
         """Moves a step out of orbax's sight (`<step><suffix>`, `.damaged` by default), keeping its files.
@@ -193,19 +175,9 @@ class CheckpointStore(saving.SaveSlot):
         if jax.process_index() != 0 or not self.directory.is_dir():
             return []
 
-        def unfinished() -> list[Path]:
-            return [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
-
-        removed = {path: None for path in unfinished()}
-        deadline = time.monotonic() + VANISHING_SECONDS
-        while removed:
-            for path in unfinished():
-                shutil.rmtree(path, ignore_errors=True)
-                removed[path] = None
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.1)
-        return list(removed)
+        return _remove_until_quiet(
+            lambda: [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
+        )
 
     def unfinished(self) -> list[Path]:
         """The temporary directories of saves that did not finish (or are running): `<step>.orbax-checkpoint-tmp-*`."""
@@ -222,15 +194,6 @@ class CheckpointStore(saving.SaveSlot):
             self._manager.delete(step)
         self._manager.reload()
 
-    def item_trees(self, step: int) -> dict[str, Any]:
-        """Returns each item's tree of array metadata (shapes, dtypes), read once."""
-        metadata = self._manager.item_metadata(step)
-        return {
-            name: item.tree if hasattr(item, "tree") else item
-            for name, item in metadata.items()
-            if item is not None and name != META
-        }
-
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
         """Returns the stored state-dict layout with array metadata as leaves."""
         return self._stored(step, with_optimizer)[2]
@@ -241,7 +204,7 @@ class CheckpointStore(saving.SaveSlot):
         meta = self.read_meta(step)  # a read of its own (vanishing judged once, there)
 
         def read() -> tuple[dict[str, Any], dict[str, Any]]:
-            trees = self.item_trees(step)
+            trees = _item_trees(self._manager, step)
             return trees, formats.of(meta).layout(trees, with_optimizer, step)
 
         return (meta, *self._reading(step, read))
@@ -264,12 +227,7 @@ class CheckpointStore(saving.SaveSlot):
         if missing:
             raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
         by_item = stored_format.split({path: path for path in paths})
-        items = {}
-        for item, inner_paths in by_item.items():
-            flat = tree_paths.flatten(trees[item])
-            wanted = tree_paths.unflatten({inner: flat[inner] for inner in inner_paths})
-            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
-            items[item] = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args, partial_restore=True)
+        items = _partial_items(trees, by_item)
         restored = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
         out = {}
         for item, inner_paths in by_item.items():
@@ -306,31 +264,15 @@ class CheckpointStore(saving.SaveSlot):
         meta, trees, stored = self._stored(step, with_optimizer)
         stored_format = formats.of(meta)
         stored_flat = tree_paths.flatten(stored)
-        renamed = tree_paths.rename(stored_flat, rename)
-        new_path = dict(zip(stored_flat, renamed, strict=True))
-        if template is not None:
-            expected = tree_paths.flatten(template)
-            if not with_optimizer:
-                expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
-            difference = tree_paths.diff(expected, renamed)
-            if difference:
-                raise StateMismatchError(
-                    f"the checkpoint of step {step} in {self.directory} does not match the model:\n"
-                    + difference.describe()
-                    + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
-                )
-        else:
+        new_path, restore_args = _restore_plan(
+            stored_flat, template, rename, with_optimizer, f"the checkpoint of step {step} in {self.directory}"
+        )
+        if template is None:
             damage.check_claimed_sizes(self.directory / str(step), stored_flat)
-
-        def restore_args(path: str, leaf: Any) -> Any:
-            target: Any = expected[new_path[path]] if template is not None and path in new_path else None
-            if getattr(target, "sharding", None) is None:  # no template, or a host (numpy) leaf
-                return ocp.RestoreArgs(restore_type=np.ndarray)
-            return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
 
         def item_args(prefix: str, tree: Any) -> ocp.args.PyTreeRestore:
             args = jax.tree_util.tree_map_with_path(
-                lambda key_path, leaf: restore_args(prefix + tree_paths.path_name(key_path), leaf), tree
+                lambda key_path, leaf: restore_args(prefix + tree_paths.path_name(key_path)), tree
             )
             return ocp.args.PyTreeRestore(restore_args=args)
 
@@ -345,6 +287,91 @@ class CheckpointStore(saving.SaveSlot):
         state_dict.setdefault("flax_mutables", {})
         state_dict.setdefault("state", {})
         return StoredCheckpoint(state_dict=state_dict, meta=meta)
+
+
+def _read_meta(manager: ocp.CheckpointManager, step: int, step_dir: Path) -> dict[str, Any]:
+    """A step's meta item, read by orbax and checked (`CheckpointStore.read_meta`)."""
+    if not (step_dir / META).is_dir():
+        if not step_dir.is_dir():
+            raise FileNotFoundError(f"{step_dir} does not exist")
+        raise CheckpointError(
+            f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
+            "point the reader at a directory that flaxstate's writers wrote."
+        )
+    try:
+        stored = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+    except json.JSONDecodeError as error:
+        raise DamagedCheckpointError(
+            f"{step_dir / META / meta_format.FILE} is not valid JSON ({error}): the checkpoint is damaged"
+        ) from error
+    return meta_format.validate(stored[META], step_dir)
+
+
+def _item_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """Each item's tree of array metadata (shapes, dtypes) of a step, read once."""
+    metadata = manager.item_metadata(step)
+    return {
+        name: item.tree if hasattr(item, "tree") else item
+        for name, item in metadata.items()
+        if item is not None and name != META
+    }
+
+
+def _partial_items(trees: Mapping[str, Any], by_item: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
+    """orbax's partial restores of some arrays of each item (`{item: {inner path: path}}`), as numpy."""
+    items = {}
+    for item, inner_paths in by_item.items():
+        flat = tree_paths.flatten(trees[item])
+        wanted = tree_paths.unflatten({inner: flat[inner] for inner in inner_paths})
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+        items[item] = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args, partial_restore=True)
+    return items
+
+
+def _restore_plan(
+    stored_flat: Mapping[str, Any], template: Mapping[str, Any] | None, rename: Rename, with_optimizer: bool, what: str
+) -> tuple[dict[str, str], Callable[[str], Any]]:
+    """How a step's stored arrays restore into a template: each stored path's new path, and its restore arguments.
+
+    Raises:
+        StateMismatchError: the renamed stored tree differs from the template's, naming every differing path.
+    """
+    renamed = tree_paths.rename(stored_flat, rename)
+    new_path = dict(zip(stored_flat, renamed, strict=True))
+    expected: dict[str, Any] = {}
+    if template is not None:
+        expected = tree_paths.flatten(template)
+        if not with_optimizer:
+            expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
+        difference = tree_paths.diff(expected, renamed)
+        if difference:
+            raise StateMismatchError(
+                f"{what} does not match the model:\n"
+                + difference.describe()
+                + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
+            )
+
+    def restore_args(path: str) -> Any:
+        target: Any = expected.get(new_path.get(path, ""))
+        if getattr(target, "sharding", None) is None:  # no template, or a host (numpy) leaf
+            return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
+
+    return new_path, restore_args
+
+
+def _remove_until_quiet(unfinished: Callable[[], list[Path]]) -> list[Path]:
+    """Removes what `unfinished` lists until it stays empty (at most `VANISHING_SECONDS`); returns what it removed."""
+    removed = {path: None for path in unfinished()}
+    deadline = time.monotonic() + VANISHING_SECONDS
+    while removed:
+        for path in unfinished():
+            shutil.rmtree(path, ignore_errors=True)
+            removed[path] = None
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return list(removed)
 
 
 def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:

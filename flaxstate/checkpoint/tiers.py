@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger, steps, stores
+from flaxstate.checkpoint import damage, ledger, local, steps, stores
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.steps import StepKind
@@ -89,7 +89,7 @@ def _offer(
             note = note or f"step {candidate}: {found.why}"
             continue
         meta = found.meta
-        why = store.covers(meta, template, with_optimizer)
+        why = local.covers(meta, template, with_optimizer)
         if why is not None:
             note = note or f"step {candidate}: {why}"
             continue
