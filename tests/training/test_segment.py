@@ -1,0 +1,80 @@
+"""The steps from record to record, run by the segment runner over its real collaborators on one device."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.core import DenyList
+
+from flaxstate.sharding import Partitioning
+from flaxstate.train_state import FlaxOptimTrainState
+from flaxstate.training import batching, placement
+from flaxstate.training.data import DataStream
+from flaxstate.training.interrupts import Signals
+from flaxstate.training.program import Program
+from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.segment import SegmentRunner
+from flaxstate.training.task import TrainTask
+from flaxstate.training.watchdog import Watchdog
+
+MODEL = nn.Dense(2)
+X = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
+Y = np.ones((8, 2), np.float32)
+
+
+def mse(outputs, targets):
+    return ((outputs - targets) ** 2).mean()
+
+
+def runner(data, n_microbatches=1):
+    where = placement.create(Partitioning(devices=jax.devices()[:1]))
+    task = TrainTask(apply=MODEL.apply, optimizer=optax.sgd(0.1), loss=mse, data=data)
+    state = FlaxOptimTrainState.create(optax.sgd(0.1), MODEL.init(jax.random.key(0), X))
+    state = jax.device_put(state, where.state_shardings(state))
+    rng = jax.random.key(1)
+    program = Program.build(
+        placement=where,
+        task=task,
+        rng_names=(),
+        mutable=DenyList("intermediates"),
+        n_microbatches=n_microbatches,
+        state=state,
+        rng=rng,
+    )
+    watchdog = Watchdog(None)
+    return SegmentRunner(
+        program=program,
+        placement=where,
+        data=DataStream(data, "TrainTask"),
+        signals=Signals(handle_preemption=False),
+        progress=ProgressDisplay(False),
+        n_microbatches=n_microbatches,
+        state=state,
+        rng=rng,
+        watchdog=watchdog,
+        global_batch=batching.global_spec(((X,), (Y,)), 8),
+        loss_scaling=False,
+    )
+
+
+def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs():
+    trainer = runner([(X, Y)] * 10)
+    trained = trainer.train([2, 2, 1], total=10)  # K = 2 twice, then one step
+    assert trainer.step == 5 and trained.n_steps == 5
+    assert trained.loss is not None and np.isfinite(trained.loss)
+    assert jax.tree.structure(trained.grads) == jax.tree.structure(MODEL.init(jax.random.key(0), X)["params"])
+    assert 0 <= trained.compile <= trained.elapsed and trained.waits.idle >= 0
+    assert trainer.flops_per_step is not None and trainer.flops_per_step > 0
+    again = trainer.train([1], total=10)
+    assert trainer.step == 6 and again.n_steps == 1 and again.loss < trained.loss
+
+
+def test_a_non_finite_loss_is_raised_naming_its_step_and_a_batch_that_does_not_split_is_named():
+    bad = X.copy()
+    bad[0, 0] = np.nan
+    trainer = runner([(X, Y), (X, Y), (bad, Y)])
+    with pytest.raises(FloatingPointError, match="step 3"):
+        trainer.train([1, 1, 1], total=3)
+    with pytest.raises(ValueError, match="n_microbatches=3"):
+        runner([(X, Y)], n_microbatches=3).check_batch(((X,), (Y,)))
