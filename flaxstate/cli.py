@@ -27,6 +27,7 @@ from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_check
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.locations import local_path
 from flaxstate.training.progress import format_bytes
 
 
@@ -182,29 +183,38 @@ def command_goodput(args: argparse.Namespace) -> None:
         print(goodput.format_report(summary))
 
 
+def _run_dir(value: str) -> str:
+    """A run directory argument: a local or mounted path (a bucket's URL is refused, naming what to give)."""
+    try:
+        local_path(value, "flaxstate")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of the `flaxstate` command."""
     parser = argparse.ArgumentParser(prog="flaxstate", description="Inspect flaxstate runs and checkpoints.")
     commands = parser.add_subparsers(dest="command")
     ls = commands.add_parser("ls", help="a table of the checkpoints: step, time, metrics, bytes")
-    ls.add_argument("dir")
+    ls.add_argument("dir", type=_run_dir)
     ls.set_defaults(run=command_ls)
     show = commands.add_parser("show", help="the state tree of a checkpoint and its metadata")
-    show.add_argument("dir")
+    show.add_argument("dir", type=_run_dir)
     show.add_argument("--step", type=int, default=None)
     show.set_defaults(run=command_show)
     plot = commands.add_parser("plot", help="metric curves from the run's TensorBoard event files")
-    plot.add_argument("dir")
+    plot.add_argument("dir", type=_run_dir)
     plot.add_argument("-o", "--output", required=True, help="the PNG file to write")
     plot.set_defaults(run=command_plot)
     diff = commands.add_parser("diff", help="what differs between two checkpoints (exit 0 same, 1 different)")
-    diff.add_argument("a", help="a run directory (its newest checkpoint, or --step-a)")
-    diff.add_argument("b", help="another (or the same, with --step-b)")
+    diff.add_argument("a", type=_run_dir, help="a run directory (its newest checkpoint, or --step-a)")
+    diff.add_argument("b", type=_run_dir, help="another (or the same, with --step-b)")
     diff.add_argument("--step-a", type=int, default=None)
     diff.add_argument("--step-b", type=int, default=None)
     diff.set_defaults(run=command_diff)
     time_spent = commands.add_parser("goodput", help="where the run's time went: its goodput ledger, added up")
-    time_spent.add_argument("dir")
+    time_spent.add_argument("dir", type=_run_dir)
     time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
     time_spent.set_defaults(run=command_goodput)
     return parser

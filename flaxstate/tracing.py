@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 
+from flaxstate.locations import local_path
 from flaxstate.records import Checkpoint
 
 
@@ -41,7 +42,7 @@ class TraceWriter:
     def __init__(self, output_dir: str | Path, at_step: int) -> None:
         if int(at_step) != at_step or at_step < 0:
             raise ValueError(f"TraceWriter at_step must be a step (an int, 0 or more), got {at_step!r}.")
-        self.output_dir = Path(output_dir)
+        self.output_dir = local_path(output_dir, "TraceWriter")
         self.at_step = int(at_step)
         self.tracing = False
         """Whether a trace is being taken (started at a record, not yet stopped)."""

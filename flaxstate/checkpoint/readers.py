@@ -26,6 +26,7 @@ from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
+from flaxstate.locations import local_path
 from flaxstate.records import CheckpointFile
 
 logger = logging.getLogger("flaxstate")
@@ -85,14 +86,14 @@ class CheckpointFileReader:
         self.local_dir: Path | None = None
         """The local tier's directory, or `None` (one directory)."""
         if isinstance(output_dir, str | Path):
-            self.output_dir = Path(output_dir)
+            self.output_dir = local_path(output_dir, type(self).__name__)
         else:
             dirs = list(output_dir)
             if len(dirs) != 2 or not all(isinstance(d, str | Path) for d in dirs):
                 raise ValueError(
                     f"CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir]; got {dirs!r}."
                 )
-            self.local_dir, self.output_dir = Path(dirs[0]), Path(dirs[1])
+            self.local_dir, self.output_dir = (local_path(d, type(self).__name__) for d in dirs)
             overlap = tiers.overlap(self.local_dir, self.output_dir)
             if overlap is not None:
                 raise ValueError(
