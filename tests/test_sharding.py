@@ -218,32 +218,13 @@ def test_one_partitioning_serves_the_loop_the_evaluation_and_the_data_as_the_old
     where = fs.Partitioning(mesh=one_device_mesh(), axis_rules=[list(rule) for rule in lm.RULES])
     assert where.sharded and where.axis_rules == sharding.check_rules(one_device_mesh(), lm.RULES)  # checked once
     assert where.batch_layout is where.batch_layout and where.process_part() == (0, 1)
-    model = lm.Transformer(SMALL)
-    by_keywords = fs.TrainLoop(
-        init=model.init,
-        task=fs.TrainTask(
-            apply=model.apply, optimizer=lm.optimizer(SMALL), loss=lm.loss, data=lm.batches(lm.text(), SMALL)
-        ),
-        rng=jax.random.key(SMALL.seed),
-        n_steps=2,
-        stdout=False,
-        mesh=one_device_mesh(),
-        axis_rules=lm.RULES,
-    )
-    by_partitioning = fs.TrainLoop(
-        init=model.init,
-        task=fs.TrainTask(
-            apply=model.apply, optimizer=lm.optimizer(SMALL), loss=lm.loss, data=lm.batches(lm.text(), SMALL)
-        ),
-        rng=jax.random.key(SMALL.seed),
-        n_steps=2,
-        stdout=False,
-        partitioning=where,
-    )
+    by_keywords = train_loop(SMALL, mesh=one_device_mesh(), n_steps=2)
+    by_partitioning = train_loop(SMALL, partitioning=where, n_steps=2)
     records = [next(iter(trained)) for trained in (by_keywords, by_partitioning)]
     assert records[0].loss == records[1].loss
     for a, b in zip(jax.tree.leaves(records[0].state), jax.tree.leaves(records[1].state), strict=True):
         np.testing.assert_array_equal(a, b)
+    model = lm.Transformer(SMALL)
     task = fs.EvalTask(apply=model.apply, metrics={"loss": lm.loss}, data=[lm.batches(lm.text(), SMALL).batch(0)])
     evaluations = [
         fs.EvalLoop(task, jax.random.key(1), partitioning=where)(records[1]),

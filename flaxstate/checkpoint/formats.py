@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from flaxstate import tree_paths
-from flaxstate.checkpoint.layout import LEGACY_RUN_ID, LEGACY_STATE, MODEL, OPTIMIZER
+from flaxstate.checkpoint.layout import LEGACY_RUN_ID, LEGACY_STATE, MODEL, OPTIMIZER, state_dict_of
 from flaxstate.records import FORMAT_VERSION
 
 OPTIMIZER_KEY = "state"
@@ -99,11 +99,7 @@ class Format:
         if missing:
             raise FileNotFoundError(f"the checkpoint of step {step} has no item {', '.join(missing)}")
         flat = self.join({item.name: tree_paths.flatten(dict(trees[item.name])) for item in items}, with_optimizer)
-        tree = tree_paths.unflatten(flat)
-        tree.setdefault("target", {})
-        tree.setdefault("flax_mutables", {})
-        tree.setdefault("state", {})
-        return tree
+        return state_dict_of(flat)
 
     def join(self, flat_items: Mapping[str, Mapping[str, Any]], with_optimizer: bool) -> dict[str, Any]:
         """The state dict's flat paths from each read item's flat paths (the optimizer's left out without it)."""

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from flaxstate import tree_paths
 from flaxstate.checkpoint.errors import CheckpointError
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
@@ -92,6 +93,14 @@ def to_json(value: Any) -> Any:
         raise CheckpointError(
             f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
         ) from error
+
+
+def state_dict_of(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict of `{path: leaf}`, with the entries that hold no leaf (an empty collection) as `{}`."""
+    tree = tree_paths.unflatten(flat)
+    for entry in ("target", "flax_mutables", "state"):
+        tree.setdefault(entry, {})
+    return tree
 
 
 def is_empty_or_missing(directory: Path) -> bool:

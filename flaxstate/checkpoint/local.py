@@ -48,7 +48,7 @@ from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, to_json
+from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
 from flaxstate.checkpoint.steps import VanishedStepError
 from flaxstate.records import FORMAT_VERSION
 
@@ -156,9 +156,6 @@ class LocalStore(saving.SaveSlot):
         }
         self._pending = saving.BackgroundSave(step, lambda: _write_step(self.directory, step, flat, header, self._keep))
 
-    def _remove(self, step: int) -> None:
-        _remove(self.directory, step)
-
     def unfinished(self) -> list[Path]:
         """The directories of saves that did not finish (killed, failed, or running): `<step>.partial-<pid>`."""
         if not self.directory.is_dir():
@@ -184,7 +181,7 @@ class LocalStore(saving.SaveSlot):
         """Removes whole steps."""
         self.wait()
         for step in steps:
-            self._remove(step)
+            _remove(self.directory, step)
 
     # Reading.
 
@@ -230,10 +227,7 @@ class LocalStore(saving.SaveSlot):
             for path, entry in arrays.items()
             if with_optimizer or not path.startswith("state/")
         }
-        tree = tree_paths.unflatten(flat)
-        tree.setdefault("flax_mutables", {})
-        tree.setdefault("state", {})
-        return tree
+        return state_dict_of(flat)
 
     def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
         """Reads some whole arrays of a step by their state-dict paths, as numpy, and no other.
@@ -307,10 +301,7 @@ class LocalStore(saving.SaveSlot):
                     flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         except OSError as error:
             raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
-        state_dict = tree_paths.unflatten(flat)
-        state_dict.setdefault("flax_mutables", {})
-        state_dict.setdefault("state", {})
-        return StoredCheckpoint(state_dict=state_dict, meta=dict(meta))
+        return StoredCheckpoint(state_dict=state_dict_of(flat), meta=dict(meta))
 
 
 def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> str | None:

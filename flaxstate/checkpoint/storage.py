@@ -34,7 +34,7 @@ from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
-from flaxstate.checkpoint.layout import META, SET_ASIDE, TMP_MARK, Rename, StoredCheckpoint, to_json
+from flaxstate.checkpoint.layout import META, SET_ASIDE, TMP_MARK, Rename, StoredCheckpoint, state_dict_of, to_json
 from flaxstate.checkpoint.steps import LISTING_ATTEMPTS, VANISHING_SECONDS
 from flaxstate.train_state import StateMismatchError
 
@@ -283,10 +283,7 @@ class CheckpointStore(saving.SaveSlot):
             {item.name: tree_paths.flatten(restored[item.name]) for item in read_items}, with_optimizer
         )
         flat = {new_path[path]: value for path, value in flat.items() if path in new_path}
-        state_dict = tree_paths.unflatten(flat)
-        state_dict.setdefault("flax_mutables", {})
-        state_dict.setdefault("state", {})
-        return StoredCheckpoint(state_dict=state_dict, meta=meta)
+        return StoredCheckpoint(state_dict=state_dict_of(flat), meta=meta)
 
 
 def _read_meta(manager: ocp.CheckpointManager, step: int, step_dir: Path) -> dict[str, Any]:

@@ -1,40 +1,13 @@
 """The compiled programs of one state: K steps a call equal K single steps, gradients, and FLOPs counted once."""
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
-from flax.core import DenyList
-
-from flaxstate.sharding import Partitioning
-from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import placement
-from flaxstate.training.program import Program
-from flaxstate.training.task import TrainTask
-
-MODEL = nn.Dense(2)
-X = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
-Y = np.ones((8, 2), np.float32)
-
-
-def mse(outputs, targets):
-    return ((outputs - targets) ** 2).mean()
+from flaxstate_testing import programs
+from flaxstate_testing.programs import X, Y
 
 
 def build(n_microbatches=1):
-    where = placement.create(Partitioning(devices=jax.devices()[:1]))
-    task = TrainTask(apply=MODEL.apply, optimizer=optax.sgd(0.1), loss=mse, data=[])
-    state = FlaxOptimTrainState.create(optax.sgd(0.1), MODEL.init(jax.random.key(0), X))
-    state = jax.device_put(state, where.state_shardings(state))
-    program = Program.build(
-        placement=where,
-        task=task,
-        rng_names=(),
-        mutable=DenyList("intermediates"),
-        n_microbatches=n_microbatches,
-        state=state,
-        rng=jax.random.key(1),
-    )
+    _, program, state = programs.build(n_microbatches=n_microbatches)
     return program, state
 
 

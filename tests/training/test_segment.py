@@ -1,47 +1,21 @@
 """The steps from record to record, run by the segment runner over its real collaborators on one device."""
 
-import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
-from flax.core import DenyList
+from flaxstate_testing import programs
+from flaxstate_testing.programs import MODEL, X, Y
 
-from flaxstate.sharding import Partitioning
-from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, placement
+from flaxstate.training import batching
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
-from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.segment import SegmentRunner
-from flaxstate.training.task import TrainTask
 from flaxstate.training.watchdog import Watchdog
-
-MODEL = nn.Dense(2)
-X = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
-Y = np.ones((8, 2), np.float32)
-
-
-def mse(outputs, targets):
-    return ((outputs - targets) ** 2).mean()
 
 
 def runner(data, n_microbatches=1):
-    where = placement.create(Partitioning(devices=jax.devices()[:1]))
-    task = TrainTask(apply=MODEL.apply, optimizer=optax.sgd(0.1), loss=mse, data=data)
-    state = FlaxOptimTrainState.create(optax.sgd(0.1), MODEL.init(jax.random.key(0), X))
-    state = jax.device_put(state, where.state_shardings(state))
-    rng = jax.random.key(1)
-    program = Program.build(
-        placement=where,
-        task=task,
-        rng_names=(),
-        mutable=DenyList("intermediates"),
-        n_microbatches=n_microbatches,
-        state=state,
-        rng=rng,
-    )
+    where, program, state = programs.build(data, n_microbatches)
     watchdog = Watchdog(None)
     return SegmentRunner(
         program=program,
@@ -51,7 +25,7 @@ def runner(data, n_microbatches=1):
         progress=ProgressDisplay(False),
         n_microbatches=n_microbatches,
         state=state,
-        rng=rng,
+        rng=programs.RNG,
         watchdog=watchdog,
         global_batch=batching.global_spec(((X,), (Y,)), 8),
         loss_scaling=False,

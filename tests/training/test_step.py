@@ -1,31 +1,17 @@
 """The step functions, on one device without a loop: interleaved microbatches, the gradients, one update, one eval."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax.core import DenyList
+from flaxstate_testing.programs import MODEL, MUTABLE, X, Y, state
+from flaxstate_testing.toy import mse
 
 from flaxstate.sharding import Partitioning
-from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import step
 from flaxstate.training.placement import create
 
 ACROSS = create(Partitioning(devices=jax.devices()[:1])).across
-MODEL = nn.Dense(2)
-X = np.arange(24, dtype=np.float32).reshape(8, 3) / 10
-Y = np.ones((8, 2), np.float32)
-MUTABLE = DenyList("intermediates")  # the loop's default
-
-
-def mse(outputs, targets):
-    return ((outputs - targets) ** 2).mean()
-
-
-def state(learning_rate=0.1):
-    return FlaxOptimTrainState.create(optax.sgd(learning_rate), MODEL.init(jax.random.key(0), X))
 
 
 def test_microbatches_interleave_the_examples():
