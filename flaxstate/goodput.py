@@ -59,14 +59,17 @@ def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
     runs = [event.get("run_id") for event in events if event.get("event") == "session"]
     run_id = runs[-1] if runs else None
     sessions: list[_Session] = []
-    seen: set[tuple[Any, Any]] = set()
+    seen: set[tuple[Any, Any, Any]] = set()
     for event in events:
         if event.get("run_id") != run_id:
             continue
         kind = event.get("event")
         if kind == "session":
-            key = (event.get("pid"), event.get("time"))
-            if key in seen:  # a second writer of the same process: the same session
+            # A second writer of one loop writes its loop's very session line: the same session. A second loop of
+            # the process (a notebook, a test) shares the pid and, up to /proc's jitter, the start; its startup
+            # (the time from that start to its own state) is its own.
+            key = (event.get("pid"), event.get("time"), event.get("startup"))
+            if key in seen:
                 continue
             seen.add(key)
             sessions.append(_Session(event, last_time=float(event["time"])))

@@ -172,8 +172,11 @@ def test_a_ledger_cut_after_its_session_line_gives_no_negative_bucket(tmp_path):
 
 
 def test_two_sessions_of_one_process_keep_the_ledger_s_order_whatever_the_jitter_of_their_start():
-    def session(started, restored):
-        return {"event": "session", "time": started, "pid": 1, "startup": 0.1, "restored_step": restored, "run_id": "r"}
+    def session(started, restored, startup=0.1):
+        return {
+            **{"event": "session", "time": started, "pid": 1, "startup": startup},
+            **{"restored_step": restored, "run_id": "r"},
+        }
 
     def step(at, step):
         return {
@@ -186,3 +189,9 @@ def test_two_sessions_of_one_process_keep_the_ledger_s_order_whatever_the_jitter
     report = goodput.report(events)
     assert [account["restored_step"] for account in report["sessions"]] == [None, 8]
     assert [account["steps"] for account in report["sessions"]] == [8, 4] and report["total"]["lost_steps"] == 0
+    # The same start, read alike: the second loop's session is its own (its startup), a second writer's line is not.
+    events = [session(100.0, None), step(101.0, 4), session(100.0, None), step(102.0, 8)]
+    events += [session(100.0, 8, startup=2.5), session(100.0, 8, startup=2.5), step(103.0, 12)]
+    report = goodput.report(events)
+    assert [account["restored_step"] for account in report["sessions"]] == [None, 8]
+    assert [account["steps"] for account in report["sessions"]] == [8, 4]
