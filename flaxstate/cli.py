@@ -27,7 +27,7 @@ from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_check
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.locations import local_path
+from flaxstate.locations import is_url, run_directory
 from flaxstate.training.progress import format_bytes
 
 
@@ -86,7 +86,7 @@ def command_show(args: argparse.Namespace) -> None:
     ]
     n_params = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.startswith("target/"))
     param_bytes = sum(leaf.bytes for leaf in leaves if leaf.path.startswith("target/"))
-    print(f"checkpoint {Path(args.dir) / str(step)} (format {meta['format_version']})")
+    print(f"checkpoint {args.dir / str(step)} (format {meta['format_version']})")
     print(_table(rows))
     print(
         f"parameters: {n_params:,} ({format_bytes(param_bytes)}); "
@@ -136,7 +136,7 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def command_plot(args: argparse.Namespace) -> None:
-    run_dir = Path(args.dir)
+    run_dir = args.dir
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir} does not exist or is not a directory.")
     scalars = read_scalars(run_dir)
@@ -168,13 +168,15 @@ def command_plot(args: argparse.Namespace) -> None:
 
 
 def command_goodput(args: argparse.Namespace) -> None:
-    path = Path(args.dir) / ledger.FILENAME
-    if not path.is_file():
+    path = args.dir / (ledger.SESSIONS if is_url(args.dir) else ledger.FILENAME)
+    try:
+        events = ledger.run_events(args.dir)
+    except FileNotFoundError:
         raise UsageError(
             f"{path} does not exist: a run's CheckpointFileWriter(output_dir) keeps its goodput ledger there "
             "(unless made with ledger=False); give the run's directory."
-        )
-    summary = goodput.report(ledger.read_events(path))
+        ) from None
+    summary = goodput.report(events)
     if not summary["sessions"]:
         raise UsageError(f"{path} holds no session: the run wrote no record yet.")
     if args.json:
@@ -183,13 +185,12 @@ def command_goodput(args: argparse.Namespace) -> None:
         print(goodput.format_report(summary))
 
 
-def _run_dir(value: str) -> str:
-    """A run directory argument: a local or mounted path (a bucket's URL is refused, naming what to give)."""
+def _run_dir(value: str) -> Path:
+    """A run directory argument: a local or mounted path, or a bucket's URL (checked: see `run_directory`)."""
     try:
-        local_path(value, "flaxstate")
+        return run_directory(value, "flaxstate")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

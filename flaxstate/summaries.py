@@ -10,7 +10,7 @@ from typing import TextIO
 import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
-from flaxstate.locations import local_path
+from flaxstate.locations import run_directory
 from flaxstate.records import Checkpoint, bound_note, slow_process_note
 
 
@@ -94,7 +94,7 @@ class SummaryWriter:
         """Args:
         output_dir: the run's directory; event files land in it.
         """
-        self.output_dir = local_path(output_dir, type(self).__name__)
+        self.output_dir = run_directory(output_dir, type(self).__name__)
         self._writer: _EventWriter | None = None
         self._productive = 0.0
 

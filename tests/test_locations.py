@@ -1,4 +1,10 @@
-"""A bucket's URL given as a run directory is refused at construction, and nothing lands in a local 'gs:' folder."""
+"""Where run directories may be: local paths, gs:// buckets (tests/checkpoint/test_buckets.py), and nothing else.
+
+A URL of a store flaxstate does not write to, or a bucket given where a
+local directory is needed (a local tier, a trace), is refused at
+construction, naming the URL and what to give instead, and nothing lands in
+a local 's3:' or 'gs:' folder.
+"""
 
 import subprocess
 import sys
@@ -7,40 +13,56 @@ from pathlib import Path
 import pytest
 
 import flaxstate as fs
-from flaxstate.locations import local_path
+from flaxstate.locations import as_path, local_path, scheme_of
 
 
-@pytest.mark.parametrize("url", ["gs://my-bucket/run1", "s3://bucket/run", "GS://Bucket/Run", Path("gs://b/run")])
-def test_every_public_place_that_takes_a_run_directory_refuses_a_url_and_creates_nothing(url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("url", ["s3://bucket/run", "S3://Bucket/Run", "az://container/run", Path("hdfs://n/run")])
+def test_every_public_place_that_takes_a_run_directory_refuses_other_urls_and_creates_nothing(
+    url, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     makers = [
         lambda: fs.CheckpointFileWriter(url),
-        lambda: fs.CheckpointFileWriter(url, per_process=True),
         lambda: fs.LowestCheckpointFileWriter(url, metric="loss"),
         lambda: fs.CheckpointFileReader(url, target=lambda *_: {}),
         lambda: fs.CheckpointFileReader([tmp_path / "local", url]),
         lambda: fs.HighestCheckpointFileReader(url, metric="acc"),
         lambda: fs.SummaryWriter(url),
+    ]
+    for make in makers:
+        with pytest.raises(ValueError, match=r"flaxstate writes run directories to .* not to (s3|az|hdfs):// URLs"):
+            make()
+    assert list(tmp_path.iterdir()) == []  # no local s3: folder, no ledger
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/run"])
+def test_places_that_write_this_machine_refuse_any_bucket(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    makers = [
+        lambda: fs.CheckpointFileWriter(url, per_process=True),
+        lambda: fs.CheckpointFileReader([url, tmp_path / "persistent"]),
         lambda: fs.TraceWriter(url, at_step=1),
     ]
     for make in makers:
-        with pytest.raises(ValueError, match=r"a (gs|s3|GS):// URL: .*Give a local path, or the bucket mounted"):
+        with pytest.raises(ValueError, match=r"URL, and writes only to a local or mounted filesystem"):
             make()
-    assert list(tmp_path.iterdir()) == []  # no local gs: or s3: folder, no ledger
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_local_and_relative_paths_pass_unchanged():
-    assert local_path("runs/digits", "x") == Path("runs/digits")
+def test_paths_pass_unchanged_and_a_url_read_as_a_path_is_still_a_url():
+    assert local_path("runs/digits", "x") == Path("runs/digits").absolute()
     assert local_path(Path("/tmp/gs:/x"), "x") == Path("/tmp/gs:/x")  # a folder named gs: inside a path is a path
+    assert scheme_of(Path("gs://b/run")) == "gs"  # pathlib made it gs:/b/run
+    assert str(as_path(Path("gs://b/run"))) == "gs://b/run"
 
 
 def test_the_command_line_refuses_a_url_naming_it_and_exits_2(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", "ls", "gs://my-bucket/run1"],
+        [sys.executable, "-m", "flaxstate", "ls", "s3://my-bucket/run1"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
     )
-    assert done.returncode == 2 and "'gs://my-bucket/run1', a gs:// URL" in done.stderr
+    assert done.returncode == 2 and "'s3://my-bucket/run1'" in done.stderr and "not to s3:// URLs" in done.stderr
     assert list(tmp_path.iterdir()) == []

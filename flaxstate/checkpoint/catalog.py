@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store, open_store
+from flaxstate.locations import run_directory, tree_size
 
 logger = logging.getLogger("flaxstate")
 
@@ -70,18 +70,6 @@ def _check_run_dir(run_dir: Path) -> list[tuple[str, Path]]:
     return writers
 
 
-def _size(path: Path) -> int:
-    """The bytes of the files under `path` (files and folders deleted meanwhile count 0: `os.walk` skips them)."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 def _writer_checkpoints(writer: str, store: Store) -> list[CheckpointInfo]:
     """One writer's checkpoints by step: steps deleted meanwhile left out, damaged ones marked."""
     entries, metas = [], {}
@@ -90,7 +78,7 @@ def _writer_checkpoints(writer: str, store: Store) -> list[CheckpointInfo]:
         if found.kind is StepKind.VANISHING:
             continue
         if found.kind is StepKind.DAMAGED:
-            size = _size(store.directory / str(step))
+            size = tree_size(store.directory / str(step))
             entries.append(CheckpointInfo(writer, step, None, {}, size, False, found.why))
             continue
         if found.meta is None:
@@ -98,7 +86,7 @@ def _writer_checkpoints(writer: str, store: Store) -> list[CheckpointInfo]:
             raise found.error  # not flaxstate's, or a newer flaxstate's
         meta = metas[step] = found.meta
         info = CheckpointInfo(writer, step, meta.get("time"), meta.get("metrics") or {}, 0)
-        entries.append(dataclasses.replace(info, bytes=_size(store.directory / str(step))))
+        entries.append(dataclasses.replace(info, bytes=tree_size(store.directory / str(step))))
     # The policy the writer stored (checkpoints of format 2 and older have none: nothing is marked).
     policy = next((BestPolicy.from_json(meta.get("best")) for meta in metas.values() if meta.get("best")), None)
     intact = [i for i, entry in enumerate(entries) if entry.damaged is None]
@@ -115,7 +103,7 @@ def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
         CheckpointError: no such directory, or no flaxstate checkpoint in it.
     """
     infos = []
-    for writer, directory in _check_run_dir(Path(run_dir)):
+    for writer, directory in _check_run_dir(run_directory(run_dir, "flaxstate's catalog")):
         with _open(directory) as store:
             infos.extend(_writer_checkpoints(writer, store))
     return infos
@@ -147,7 +135,7 @@ def _open(directory: Path) -> Store:
 
 def _newest_writer(run_dir: str | Path) -> Path:
     """The directory of the run's newest-checkpoint writer (else of its first best writer)."""
-    writers = dict(_check_run_dir(Path(run_dir)))
+    writers = dict(_check_run_dir(run_directory(run_dir, "flaxstate's catalog")))
     return writers.get(NEWEST) or next(iter(writers.values()))
 
 

@@ -33,11 +33,12 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from flaxstate import collectives
+from flaxstate import collectives, locations
 from flaxstate.checkpoint import steps, tiers
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
+from flaxstate.locations import as_path
 from flaxstate.records import Checkpoint
 
 logger = logging.getLogger("flaxstate")
@@ -45,13 +46,13 @@ logger = logging.getLogger("flaxstate")
 SUPERSEDED = ".superseded"
 """The suffix a local writer gives this run's steps that a restart from an older persistent step passed over."""
 
-_OPEN: weakref.WeakValueDictionary[Path, Any] = weakref.WeakValueDictionary()
+_OPEN: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 """The open writer of each directory (by resolved path): a registry of this process, because two writers made
 by unrelated code (two chains, a notebook cell run twice) must still find each other to refuse a shared
 directory; entries go with their writer (weak references)."""
 
 
-def check_free(directory: Path, *, description: str, output_dir: Path, per_process: bool) -> Path:
+def check_free(directory: Path, *, description: str, output_dir: Path, per_process: bool) -> str:
     """Refuses a directory that an open writer writes, or tiers that overlap an open writer's.
 
     Returns:
@@ -60,7 +61,7 @@ def check_free(directory: Path, *, description: str, output_dir: Path, per_proce
     Raises:
         CheckpointError: naming the open writer, or both tiers' paths.
     """
-    key = directory.absolute().resolve()
+    key = locations.key(directory)
     first = _OPEN.get(key)
     if first is not None:
         raise CheckpointError(
@@ -79,12 +80,12 @@ def check_free(directory: Path, *, description: str, output_dir: Path, per_proce
     return key
 
 
-def register(key: Path, writer: Any) -> None:
+def register(key: str, writer: Any) -> None:
     """Marks `key` as written by `writer` (until `release`, or until the writer is gone)."""
     _OPEN[key] = writer
 
 
-def release(key: Path, writer: Any) -> None:
+def release(key: str, writer: Any) -> None:
     """Frees `key` if `writer` holds it."""
     if _OPEN.get(key) is writer:
         del _OPEN[key]
@@ -116,12 +117,12 @@ class Survey:
 
 def survey(store: Store, checkpoint: Checkpoint) -> Survey:
     """Reads each step's meta once and sorts the steps (see `Survey`)."""
-    skipped = {Path(path).resolve() for path in checkpoint.skipped_damaged}
+    skipped = {locations.key(as_path(path)) for path in checkpoint.skipped_damaged}
     metas: dict[int, dict[str, Any] | None] = {}
     damaged = []
     run_of: dict[int, str] = {}
     for step in store.steps():
-        if (store.directory / str(step)).resolve() in skipped:
+        if locations.key(store.directory / str(step)) in skipped:
             damaged.append(step)
             continue
         found = steps.classify(store, step)

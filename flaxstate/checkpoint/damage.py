@@ -34,6 +34,7 @@ import numpy as np
 
 from flaxstate import tree_paths
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.locations import tree_size
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -165,7 +166,7 @@ def check_claimed_sizes(step_dir: Path, stored_flat: Mapping[str, Any]) -> None:
             raise DamagedCheckpointError(f"{step_dir}: {path} claims an invalid shape {shape}.")
         sizes[path] = (math.prod(shape) * np.dtype(dtype).itemsize, shape)
     claimed = sum(size for size, _ in sizes.values())
-    on_disk = _size_on_disk(step_dir)
+    on_disk = tree_size(step_dir)
     if claimed > on_disk:
         path, (size, shape) = max(sizes.items(), key=lambda item: item[1][0])
         raise DamagedCheckpointError(
@@ -173,7 +174,3 @@ def check_claimed_sizes(step_dir: Path, stored_flat: Mapping[str, Any]) -> None:
             f"{claimed:,} bytes in all, but the step's files hold {on_disk:,} bytes (orbax stores arrays "
             "uncompressed): its array metadata is damaged. Nothing was allocated."
         )
-
-
-def _size_on_disk(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())

@@ -19,6 +19,14 @@ thread of its own within a second (the end of a session waits for it):
 `flaxstate.goodput` adds the events up. A ledger holds one run: at its first
 event a writer moves a ledger of another run aside (`goodput-<run id>.jsonl`,
 kept), so two runs never mix.
+
+A bucket has no append and no rename: there each session's events are one
+object, `goodput-sessions/<start in ns>-<pid>.jsonl`, written again whole by
+the same thread at most once a second (the rate at which Google Cloud
+Storage takes writes to one object name), so a `kill -9` loses at most the
+last second's events, and a torn object is never seen: an object is written
+whole or not at all. `run_events` reads a run directory's events either way: the
+file, or the sessions of the newest run in the order they started.
 """
 
 from __future__ import annotations
@@ -28,14 +36,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
 import jax
 
+from flaxstate.locations import as_path, is_url
 from flaxstate.records import Checkpoint
 
 FILENAME = "goodput.jsonl"
+SESSIONS = "goodput-sessions"
+"""The folder of a bucket's ledger: one object a session."""
 SYNC_SECONDS = 1.0
 """At most one fsync a second: the lines written within it share the next (a machine's crash loses at most that)."""
 logger = logging.getLogger("flaxstate")
@@ -47,42 +59,70 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     Raises:
         FileNotFoundError: no ledger at `path`.
     """
-    events = []
     with open(path, encoding="utf-8") as ledger_file:
-        for line in ledger_file:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and "event" in event:
-                events.append(event)
+        return _parse(ledger_file)
+
+
+def _parse(lines: Iterable[str]) -> list[dict[str, Any]]:
+    events = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
     return events
+
+
+def run_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The events of a run directory's ledger, oldest first: its file, or in a bucket its newest run's sessions.
+
+    Raises:
+        FileNotFoundError: the directory holds no ledger.
+    """
+    directory = as_path(run_dir)
+    if not is_url(directory):
+        return read_events(directory / FILENAME)
+    folder = directory / SESSIONS
+    sessions = sorted(folder.iterdir(), key=lambda path: path.name) if folder.is_dir() else []
+    if not sessions:
+        raise FileNotFoundError(f"{folder} holds no session of a goodput ledger")
+    by_session = [_parse(path.read_text().splitlines()) for path in sessions]
+    run = _newest_run([event for events in by_session for event in events])
+    return [event for events in by_session for event in events if event.get("run_id") == run]
+
+
+def _newest_run(events: list[dict[str, Any]]) -> str | None:
+    return next((event["run_id"] for event in reversed(events) if isinstance(event.get("run_id"), str)), None)
 
 
 def run_of(run_dir: str | Path) -> str | None:
     """The run that a run directory's ledger belongs to (its newest event's), or `None` where it has none."""
     try:
-        events = read_events(Path(run_dir) / FILENAME)
+        return _newest_run(run_events(run_dir))
     except OSError:
         return None
-    return next((event["run_id"] for event in reversed(events) if isinstance(event.get("run_id"), str)), None)
 
 
 class Ledger:
-    """Appends a run's events to `run_dir/goodput.jsonl` (on the primary process; elsewhere does nothing).
+    """Appends a run's events to `run_dir/goodput.jsonl`, or in a bucket to its session's object (see the module).
+
+    On the primary process; elsewhere it does nothing.
 
     Args:
         run_dir: the run's directory.
     """
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / FILENAME
+        self._bucket = is_url(run_dir)
+        self.path = run_dir / (SESSIONS if self._bucket else FILENAME)
         self._primary = jax.process_index() == 0
         self._run_id: str | None = None
         self._session_written = False
         self._failed = False
         self._last_completed: int | None = None
-        self._file: IO[str] | None = None
+        self._file: IO[str] | _SessionObject | None = None
         self._syncer: _Syncer
 
     def record(self, checkpoint: Checkpoint) -> None:
@@ -153,7 +193,7 @@ class Ledger:
             logger.warning("the goodput ledger %s could not be read (%s); training goes on.", self.path, error)
 
     def _set_aside_others(self, run_id: str) -> None:
-        if self.path.exists():
+        if not self._bucket and self.path.exists():  # in a bucket, each session's object names its run
             runs = {event["run_id"] for event in read_events(self.path) if "run_id" in event}
             other = next((run for run in sorted(runs) if run != run_id), None)
             if other is not None:
@@ -180,12 +220,16 @@ class Ledger:
         line = json.dumps(event, allow_nan=True) + "\n"
         try:
             if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  open for the writer's life
-                self._syncer = _Syncer(self._file.fileno())
+                if self._bucket:
+                    self._file = _SessionObject(self.path / f"{time.time_ns():020d}-{os.getpid()}.jsonl")
+                    self._syncer = _Syncer(self._file.sync)
+                else:
+                    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  open for the writer's life
+                    self._syncer = _Syncer(_fsync(self._file.fileno()))
             self._file.write(line)
             self._file.flush()
             if sync:
-                os.fsync(self._file.fileno())
+                self._syncer.sync()
             else:
                 self._syncer.request()
         except OSError as error:
@@ -198,18 +242,52 @@ class Ledger:
         if self._file is not None:
             self._syncer.stop()
             try:
-                os.fsync(self._file.fileno())
+                self._syncer.sync()
             except OSError:
                 pass
             self._file.close()
             self._file = None
 
 
-class _Syncer:
-    """A thread that fsyncs a file after writes, so that the writer's call does not wait for the disk."""
+def _fsync(fd: int) -> Callable[[], None]:
+    return lambda: os.fsync(fd)
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+
+class _SessionObject:
+    """A session's ledger in a bucket: its lines, written whole as one object at each `sync`."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            self._lines.append(line)
+
+    def flush(self) -> None:
+        """Nothing: an object is written at `sync`."""
+
+    def sync(self) -> None:
+        with self._lock:
+            text = "".join(self._lines)
+        try:
+            self._path.write_text(text)
+        except OSError:
+            raise
+        except Exception as error:  # the bucket client's own errors (HTTP, credentials)
+            raise OSError(f"{self._path}: {type(error).__name__}: {error}") from error
+
+    def close(self) -> None:
+        """Nothing to release (the last `sync` wrote every line)."""
+
+
+class _Syncer:
+    """A thread that makes writes durable (a file's fsync, a session object's upload) after them, so that the
+    writer's call does not wait for the disk or the bucket."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
         self._wanted = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flaxstate-ledger-fsync", daemon=True)
@@ -230,8 +308,8 @@ class _Syncer:
             if self._stopping.is_set():
                 return
             try:
-                os.fsync(self._fd)
-            except OSError:
-                return
+                self.sync()
+            except OSError:  # the final sync (`close`, an `end` event) tries again and warns
+                pass
             if self._stopping.wait(SYNC_SECONDS):  # the lines written meanwhile share the next fsync
                 return

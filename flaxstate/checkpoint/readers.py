@@ -26,7 +26,7 @@ from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
-from flaxstate.locations import local_path
+from flaxstate.locations import local_path, run_directory
 from flaxstate.records import CheckpointFile
 
 logger = logging.getLogger("flaxstate")
@@ -86,14 +86,15 @@ class CheckpointFileReader:
         self.local_dir: Path | None = None
         """The local tier's directory, or `None` (one directory)."""
         if isinstance(output_dir, str | Path):
-            self.output_dir = local_path(output_dir, type(self).__name__)
+            self.output_dir = run_directory(output_dir, type(self).__name__)
         else:
             dirs = list(output_dir)
             if len(dirs) != 2 or not all(isinstance(d, str | Path) for d in dirs):
                 raise ValueError(
                     f"CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir]; got {dirs!r}."
                 )
-            self.local_dir, self.output_dir = (local_path(d, type(self).__name__) for d in dirs)
+            self.local_dir = local_path(dirs[0], f"{type(self).__name__}'s local tier")
+            self.output_dir = run_directory(dirs[1], type(self).__name__)
             overlap = tiers.overlap(self.local_dir, self.output_dir)
             if overlap is not None:
                 raise ValueError(
@@ -255,7 +256,7 @@ class CheckpointFileReader:
             metadata=stored.meta.get("metadata"),
             format_version=int(stored.meta["format_version"]),
             run_id=stored.meta.get("run_id") or LEGACY_RUN_ID,
-            skipped_damaged=tuple(str(directory.absolute() / str(step)) for step in damaged),
+            skipped_damaged=tuple(str(directory / str(step)) for step in damaged),
         )
 
     def restore(self, state: Any, use_ema: bool = False) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import Any, Self
 
 import orbax.checkpoint as ocp
 
-from flaxstate import background
+from flaxstate import background, locations
 from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.errors import CheckpointSaveError
 
@@ -196,14 +195,23 @@ def aside(step_dir: Path, suffix: str) -> Path:
     return target
 
 
+def _set_aside_order(path: Path) -> tuple[int, int, str]:
+    """When a step was set aside: on a disk its directory's ctime (a rename sets it); in a bucket, where folders
+    have no time, by step and then its `-<n>`."""
+    if not locations.is_url(path):
+        return (path.stat().st_ctime_ns, 0, path.name)
+    step, _, n = path.name.partition("-")
+    return (int(step.split(".")[0]), int(n or 1), path.name)
+
+
 def prune_aside(directory: Path, suffix: str, keep: int) -> list[Path]:
     """Removes all but the `keep` steps set aside last in `directory` as `<step><suffix>`; returns those removed."""
     if not directory.is_dir():
         return []
     pattern = re.compile(rf"\d+{re.escape(suffix)}(-\d+)?")
     aside = [path for path in directory.iterdir() if pattern.fullmatch(path.name) and path.is_dir()]
-    aside.sort(key=lambda path: (path.stat().st_ctime_ns, path.name))  # a rename sets a directory's ctime
+    aside.sort(key=_set_aside_order)
     removed = aside[: max(0, len(aside) - keep)]
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        locations.remove_tree(path)
     return removed

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from flaxstate import locations
 from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID
@@ -138,6 +139,7 @@ def reading(step_dir: Path, read: Callable[[], T]) -> T:
         return read()
     except Exception as error:
         damage.reraise_interrupt(error)
+        locations.forget_listings(step_dir)
         if isinstance(error, damage.DamagedCheckpointError):
             gone = not step_dir.is_dir()
         else:
@@ -154,6 +156,7 @@ def _disappears(step_dir: Path) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+        locations.forget_listings(step_dir)
     return True
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,8 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
 
-from flaxstate import background, tree_paths
+from flaxstate import background, locations, tree_paths
 from flaxstate.checkpoint import damage, formats, layout, saving, steps
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
@@ -36,6 +36,7 @@ from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.layout import META, SET_ASIDE, TMP_MARK, Rename, StoredCheckpoint, state_dict_of, to_json
 from flaxstate.checkpoint.steps import LISTING_ATTEMPTS, VANISHING_SECONDS
+from flaxstate.locations import as_path
 from flaxstate.train_state import StateMismatchError
 
 logger = logging.getLogger("flaxstate")
@@ -64,7 +65,7 @@ class CheckpointStore(saving.SaveSlot):
         read_only: bool = False,
     ) -> None:
         super().__init__()
-        self.directory = Path(directory).absolute()
+        self.directory = as_path(directory)
         best_options: dict[str, Any] = {}
         if best is not None:
             best_options = {"best_fn": lambda metrics: best.score(metrics[best.key]), "best_mode": best.mode}
@@ -132,6 +133,7 @@ class CheckpointStore(saving.SaveSlot):
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
+        locations.forget_listings(self.directory)
         return _listing(lambda: (self._manager.reload(), sorted(self._manager.all_steps()))[1], self.directory)
 
     def _reading(self, step: int, read: Callable[[], Any]) -> Any:
@@ -159,7 +161,7 @@ class CheckpointStore(saving.SaveSlot):
         self.wait()
         step_dir = self.directory / str(step)
         target = saving.aside(step_dir, suffix)
-        step_dir.rename(target)
+        locations.move_tree(step_dir, target, commit_marker=COMMIT_SUCCESS_FILE)
         self._manager.reload()
         return target
 
@@ -180,11 +182,24 @@ class CheckpointStore(saving.SaveSlot):
         )
 
     def unfinished(self) -> list[Path]:
-        """The temporary directories of saves that did not finish (or are running): `<step>.orbax-checkpoint-tmp-*`."""
+        """The directories of saves that did not finish (or are running).
+
+        On a disk, orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>`
+        when a save is complete. A bucket has no rename: orbax writes into
+        `<step>` and writes its `commit_success.txt` last, so a `<step>`
+        without it is unfinished (orbax never lists it).
+        """
+        locations.forget_listings(self.directory)
         if not self.directory.is_dir():
             return []
+        if not locations.is_url(self.directory):
+            return [
+                path for path in self.directory.iterdir() if TMP_MARK in path.name and path.name.split(".")[0].isdigit()
+            ]
         return [
-            path for path in self.directory.iterdir() if TMP_MARK in path.name and path.name.split(".")[0].isdigit()
+            path
+            for path in self.directory.iterdir()
+            if path.name.isdigit() and not (path / COMMIT_SUCCESS_FILE).exists()
         ]
 
     def delete(self, steps: list[int]) -> None:
@@ -363,7 +378,7 @@ def _remove_until_quiet(unfinished: Callable[[], list[Path]]) -> list[Path]:
     deadline = time.monotonic() + VANISHING_SECONDS
     while removed:
         for path in unfinished():
-            shutil.rmtree(path, ignore_errors=True)
+            locations.remove_tree(path)
             removed[path] = None
         if time.monotonic() >= deadline:
             break

@@ -31,6 +31,7 @@ from flaxstate.checkpoint import damage, ledger, local, steps, stores
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.steps import StepKind
+from flaxstate.locations import is_url
 
 logger = logging.getLogger("flaxstate")
 
@@ -40,6 +41,8 @@ CANDIDATES = 8
 
 def overlap(local_dir: Path, persistent_dir: Path) -> str | None:
     """How the two tiers' directories overlap ("are the same directory", "... inside ..."), or `None` if apart."""
+    if is_url(local_dir) or is_url(persistent_dir):  # a bucket and a local disk never overlap
+        return None
     local, persistent = Path(local_dir).absolute().resolve(), Path(persistent_dir).absolute().resolve()
     if local == persistent:
         return f"are the same directory, {local}"

@@ -48,7 +48,7 @@ from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
-from flaxstate.locations import local_path
+from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
 
@@ -336,7 +336,11 @@ class CheckpointFileWriter(_Writer):
         local = ", per_process=True" if per_process else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
         super().__init__(
-            output_dir=local_path(output_dir, "CheckpointFileWriter"),
+            output_dir=(
+                local_path(output_dir, "CheckpointFileWriter's local tier (per_process=True)")
+                if per_process
+                else run_directory(output_dir, "CheckpointFileWriter")
+            ),
             subdir=None,
             keep=keep,
             metadata=metadata,
@@ -366,7 +370,7 @@ class _BestWriter(_Writer):
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
         description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"
         super().__init__(
-            output_dir=local_path(output_dir, type(self).__name__),
+            output_dir=run_directory(output_dir, type(self).__name__),
             subdir=self.policy.subdir,
             keep=keep,
             metadata=metadata,

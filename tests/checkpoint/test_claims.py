@@ -80,4 +80,4 @@ def test_the_registry_refuses_a_second_writer_and_overlapping_tiers_naming_both(
         with pytest.raises(fs.CheckpointError, match="overlap: the local tier .* is inside the persistent tier"):
             claims.check_free(inside, description="local", output_dir=inside, per_process=True)
     key = claims.check_free(tmp_path / "persistent", description="again", output_dir=tmp_path, per_process=False)
-    assert key == (tmp_path / "persistent").resolve()  # closed: free again
+    assert key == str((tmp_path / "persistent").resolve())  # closed: free again

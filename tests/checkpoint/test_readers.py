@@ -8,11 +8,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
-from flaxstate_testing import processes, toy
-from flaxstate_testing.checkpoints import MODEL, assert_trees_equal, damage_arrays, fresh_state, records
+from flaxstate_testing import toy
+from flaxstate_testing.checkpoints import (
+    MODEL,
+    assert_trees_equal,
+    damage_arrays,
+    fresh_state,
+    read_beside_a_rotating_writer,
+    records,
+)
 
 import flaxstate as fs
 
@@ -179,24 +185,10 @@ def test_restored_state_is_donated_without_a_copy(tmp_path):
 def test_a_reader_beside_a_live_writer_restores_the_newest_complete_step(tmp_path, keep, capsys):
     from flaxstate import cli
 
-    writer = processes.Watched(
-        processes.start(
-            "checkpoint_faults", {"mode": "rotating_writer", "dir": str(tmp_path), "keep": keep, "n_steps": 100_000}
-        )
-    )
-    params = {f"w{i}": np.zeros((256, 256), np.float32) for i in range(4)}
-    template = fs.FlaxOptimTrainState.create(optax.sgd(0.1), {"params": params})
-    try:
-        writer.wait_for("SAVED 3", 120)
-        steps = []
-        for _ in range(25):
-            restored = fs.CheckpointFileReader(tmp_path).restore(template)
-            step = int(restored.step)
-            assert all(np.all(np.asarray(leaf) == step) for leaf in jax.tree.leaves(restored.params)), step
-            steps.append(step)
-            for command in ("ls", "show"):
-                assert cli.main([command, str(tmp_path)]) == 0, capsys.readouterr().err
-        assert "Traceback" not in capsys.readouterr().err
-    finally:
-        processes.kill(writer.process)
+    def inspect(step: int) -> None:
+        for command in ("ls", "show"):
+            assert cli.main([command, str(tmp_path)]) == 0, capsys.readouterr().err
+
+    steps = read_beside_a_rotating_writer(str(tmp_path), keep, reads=25, each=inspect)
+    assert "Traceback" not in capsys.readouterr().err
     assert steps == sorted(steps) and len(set(steps)) > 1, steps  # the writer rotated all along

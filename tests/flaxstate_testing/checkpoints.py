@@ -58,3 +58,33 @@ def damage_arrays(step_dir: Path, how: str) -> None:
             handle.truncate(os.path.getsize(files[0]) // 2)
     else:
         files[0].unlink()
+
+
+def read_beside_a_rotating_writer(directory: str, keep: int, reads: int, each: Any = None) -> list[int]:
+    """Restores `reads` times beside a writer process that saves steps 1, 2, ... as fast as it can; returns the steps.
+
+    Each restored array must hold its step's value (the worker fills them so):
+    a reader never mixes two steps. `each(step)` runs after each read.
+    """
+    from flaxstate_testing import processes
+
+    writer = processes.Watched(
+        processes.start(
+            "checkpoint_faults", {"mode": "rotating_writer", "dir": directory, "keep": keep, "n_steps": 100_000}
+        )
+    )
+    params = {f"w{i}": np.zeros((256, 256), np.float32) for i in range(4)}
+    template = fs.FlaxOptimTrainState.create(optax.sgd(0.1), {"params": params})
+    steps = []
+    try:
+        writer.wait_for("SAVED 3", 120)
+        for _ in range(reads):
+            restored = fs.CheckpointFileReader(directory).restore(template)
+            step = int(restored.step)
+            assert all(np.all(np.asarray(leaf) == step) for leaf in jax.tree.leaves(restored.params)), step
+            steps.append(step)
+            if each is not None:
+                each(step)
+    finally:
+        processes.kill(writer.process)
+    return steps

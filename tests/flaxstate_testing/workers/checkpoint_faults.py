@@ -19,7 +19,6 @@ import resource
 import signal
 import sys
 import time
-from pathlib import Path
 
 from flaxstate_testing.workers.common import setup
 
@@ -30,9 +29,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
+from flaxstate.locations import as_path  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
 
-directory = Path(config["dir"])
+directory = as_path(config["dir"])  # a bucket's URL stays one
 
 
 def filled_state(value: float, n_arrays: int, shape: tuple[int, ...]) -> fs.FlaxOptimTrainState:

