@@ -101,6 +101,8 @@ def join_processes(config: Config) -> None:
         # Before initialize, which must come before any call that starts a backend (jax.devices() included).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives; GPUs and TPUs ignore it
         jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+    elif "FLAXSTATE_COORDINATOR_ADDRESS" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # `flaxstate launch` or srun: JAX finds the processes itself
 
 
 def main(config: Config) -> None:

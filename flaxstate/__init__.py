@@ -5,6 +5,7 @@ An immutable train state, a training loop that is a Python generator
 survive crashes and restore anywhere.
 """
 
+from flaxstate import launch as _launch  # noqa: F401  (registers `flaxstate launch`'s processes with JAX)
 from flaxstate.checkpoint import (
     BestPolicy,
     CheckpointError,

@@ -7,6 +7,11 @@ flaxstate goodput DIR [--json]    where the run's time went, per session and in 
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
+flaxstate launch [--processes N] [--max-restarts R] [--grace S] -- CMD ...
+                                  N processes of CMD on this machine, all started again after a failure
+                                  (`flaxstate.launch`)
+
+DIR is a local path or a gs:// URL.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import goodput
+from flaxstate import goodput, launch
 from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
@@ -218,7 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     time_spent.add_argument("dir", type=_run_dir)
     time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
     time_spent.set_defaults(run=command_goodput)
+    starter = commands.add_parser(
+        "launch", help="N processes of a command on this machine, all started again after a failure"
+    )
+    starter.add_argument("--processes", type=int, default=None, help="default: one a local GPU, else 1")
+    starter.add_argument("--max-restarts", type=int, default=3)
+    starter.add_argument("--grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL (default 30)")
+    starter.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command of each process")
+    starter.set_defaults(run=command_launch)
     return parser
+
+
+def command_launch(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return launch.launch(command, args.processes, args.max_restarts, args.grace)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

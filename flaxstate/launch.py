@@ -1,0 +1,315 @@
+"""`flaxstate launch`: start N processes of a command on this machine, and start them all again after a failure.
+
+JAX has no `torchrun`. This is its one-host answer, after torchrun's elastic
+agent: it starts N processes, prefixes each one's output with its index,
+watches them, and when any fails (a non-zero exit, or a signal: kill -9, the
+watchdog's 75, a crash, out of memory) it stops the others (SIGTERM, then
+SIGKILL after `grace` seconds) and starts all N again, at most
+`max_restarts` times. The restarted processes resume from the newest
+checkpoint through the tiers, as any restart does.
+
+Each process finds its peers through `jax.distributed.initialize()` with no
+arguments, the call a script makes under SLURM or on a TPU pod: importing
+flaxstate registers `LaunchedCluster`, one of JAX's cluster environments,
+present where the launcher set `FLAXSTATE_COORDINATOR_ADDRESS`,
+`FLAXSTATE_PROCESS_COUNT` and `FLAXSTATE_PROCESS_ID`. `FLAXSTATE_RESTARTS`
+says how many restarts came before (torchrun's `TORCHELASTIC_RESTART_COUNT`).
+With no GPU the launcher also sets `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`
+(unless it is set), so that CPU processes can talk.
+
+Signals to the launcher: SIGTERM (a preemption of the whole job) is
+forwarded to every process, which save and exit 0, and the launcher exits
+with their status without restarting; the first Ctrl-C is forwarded as
+SIGINT, a second stops them all (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
+PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
+PROCESS_ID = "FLAXSTATE_PROCESS_ID"
+LOCAL_PROCESS_ID = "FLAXSTATE_LOCAL_PROCESS_ID"
+RESTARTS = "FLAXSTATE_RESTARTS"
+
+
+def _register_cluster() -> None:
+    """Registers `LaunchedCluster` with JAX's cluster environments (a JAX without them is left alone)."""
+    try:
+        from jax._src import clusters
+    except ImportError:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
+        return
+
+    class LaunchedCluster(clusters.ClusterEnv):
+        """The processes of `flaxstate launch` (see the module)."""
+
+        name = "flaxstate"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return COORDINATOR in os.environ
+
+        @classmethod
+        def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
+            address = os.environ[COORDINATOR]
+            return f"{address.rsplit(':', 1)[0]}:{override_coordinator_port}" if override_coordinator_port else address
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ[PROCESS_COUNT])
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ[PROCESS_ID])
+
+        @classmethod
+        def get_local_process_id(cls) -> int | None:
+            local = os.environ.get(LOCAL_PROCESS_ID)
+            return None if local is None else int(local)
+
+
+_register_cluster()
+
+
+def local_gpus() -> int:
+    """The GPUs of this machine that `nvidia-smi -L` lists (0 where there is none, or no driver)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def describe_status(returncode: int) -> str:
+    """`exited with status 3`, or `was killed by SIGKILL`."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell gives it: its exit status, or 128 + the signal that killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What `flaxstate launch` runs.
+
+    Attributes:
+        command: the command of each process.
+        n_processes: how many processes (default: one a local GPU, else 1).
+        max_restarts: how many times all are started again after a failure.
+        grace: seconds between the SIGTERM and the SIGKILL that stop the others.
+    """
+
+    command: tuple[str, ...]
+    n_processes: int
+    max_restarts: int = 3
+    grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("flaxstate launch needs a command: flaxstate launch --processes N -- python train.py")
+        if self.n_processes < 1:
+            raise ValueError(f"--processes must be at least 1, got {self.n_processes}.")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
+        if self.grace < 0:
+            raise ValueError(f"--grace must be 0 or more seconds, got {self.grace}.")
+
+
+class Launcher:
+    """Runs a `LaunchConfig` (see the module); `run()` returns the launcher's exit status.
+
+    Args:
+        config: what to run.
+        out: where the processes' prefixed lines and the launcher's own go.
+    """
+
+    def __init__(self, config: LaunchConfig, out: IO[str] | None = None) -> None:
+        self.config = config
+        self._out = out if out is not None else sys.stdout
+        self._lock = threading.Lock()
+        self._processes: list[subprocess.Popen[str]] = []
+        self._readers: list[threading.Thread] = []
+        self._preempted = False
+        self._interrupts = 0
+        self._gpus = local_gpus()
+
+    def say(self, line: str) -> None:
+        """One line of the launcher's own."""
+        with self._lock:
+            self._out.write(f"flaxstate launch: {line}\n")
+            self._out.flush()
+
+    def run(self) -> int:
+        """Starts the processes, restarts them after failures, and returns the exit status (see the module)."""
+        previous = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+            signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
+        }
+        try:
+            restarts = 0
+            while True:
+                failed = self._run_once(restarts)
+                if failed is None:
+                    return 0
+                index, returncode = failed
+                if self._preempted or self._interrupts:
+                    why = "after the preemption" if self._preempted else "after Ctrl-C"
+                    self.say(f"process {index} {describe_status(returncode)} {why}; not restarting.")
+                    return exit_status(returncode)
+                if restarts >= self.config.max_restarts:
+                    self.say(
+                        f"process {index} {describe_status(returncode)} after {restarts} restarts "
+                        f"(--max-restarts {self.config.max_restarts}); giving up."
+                    )
+                    return exit_status(returncode)
+                restarts += 1
+                self.say(
+                    f"process {index} {describe_status(returncode)}; restart {restarts} of "
+                    f"{self.config.max_restarts}: starting all {self.config.n_processes} processes again."
+                )
+        finally:
+            self._stop_all(0.0)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _environment(self, index: int, port: int, restarts: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                COORDINATOR: f"127.0.0.1:{port}",
+                PROCESS_COUNT: str(self.config.n_processes),
+                PROCESS_ID: str(index),
+                RESTARTS: str(restarts),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self._gpus:
+            env[LOCAL_PROCESS_ID] = str(index % self._gpus)
+        else:
+            env.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
+        return env
+
+    def _run_once(self, restarts: int) -> tuple[int, int] | None:
+        """Starts every process and watches them: `None` when all exit 0, else the first failure (index, status)."""
+        port = _free_port()
+        self._processes, self._readers = [], []
+        for index in range(self.config.n_processes):
+            process = subprocess.Popen(
+                list(self.config.command),
+                env=self._environment(index, port, restarts),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,  # the terminal's Ctrl-C reaches the launcher only, which forwards it
+            )
+            reader = threading.Thread(target=self._prefix, args=(index, process), daemon=True)
+            reader.start()
+            self._processes.append(process)
+            self._readers.append(reader)
+        failed: tuple[int, int] | None = None
+        while failed is None:
+            codes = [process.poll() for process in self._processes]
+            failed = next(((index, code) for index, code in enumerate(codes) if code is not None and code != 0), None)
+            if failed is None and all(code == 0 for code in codes):
+                break
+            if failed is None:
+                time.sleep(0.05)
+        if failed is not None and not self._preempted:
+            self._stop_all(self.config.grace)
+        else:
+            for process in self._processes:
+                process.wait()
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return failed
+
+    def _prefix(self, index: int, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            with self._lock:
+                self._out.write(f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n")
+                self._out.flush()
+
+    def _signal_all(self, number: int) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, number)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_all(self, grace: float) -> None:
+        """SIGTERM to every running process, SIGKILL to those still running after `grace` seconds."""
+        if grace > 0:
+            self._signal_all(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while any(process.poll() is None for process in self._processes) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._signal_all(signal.SIGKILL)
+        for process in self._processes:
+            process.wait()
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self._preempted = True
+        self._signal_all(signal.SIGTERM)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self._interrupts += 1
+        self._signal_all(signal.SIGINT if self._interrupts == 1 else signal.SIGKILL)
+
+
+def launch(
+    command: Sequence[str],
+    n_processes: int | None = None,
+    max_restarts: int = 3,
+    grace: float = 30.0,
+    out: IO[str] | None = None,
+) -> int:
+    """Runs `command` in `n_processes` processes, restarting all after a failure (see the module).
+
+    Args:
+        command: the command of each process (`["python", "train.py", ...]`).
+        n_processes: how many; default one a local GPU, else 1.
+        max_restarts: restarts after failures before the launcher gives up.
+        grace: seconds from the SIGTERM that stops the others to the SIGKILL.
+        out: where the output goes (stdout by default).
+
+    Returns:
+        0 when every process exited 0 (or saved and exited at a SIGTERM);
+        else the failing process's status (128 + a signal's number).
+
+    Raises:
+        ValueError: no command, or a count, restarts or grace out of range.
+    """
+    if n_processes is None:
+        n_processes = max(1, local_gpus())
+    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace)
+    return Launcher(config, out).run()

@@ -1,0 +1,326 @@
+"""`flaxstate launch`: N processes that find each other with `jax.distributed.initialize()`, restarted after a
+failure, with signals sent to real processes (the launcher's and its children's).
+
+The scripts are small Python files written by each test; every launcher runs
+in a subprocess with a hard timeout, and its output is read as it comes.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from flaxstate_testing import processes
+
+from flaxstate import goodput
+from flaxstate.checkpoint import ledger
+
+
+class Launched:
+    """`flaxstate launch ARGS -- python SCRIPT` in a subprocess, its output read line by line as it comes."""
+
+    def __init__(self, tmp_path, script: str, *args: str, n_processes: int = 2) -> None:
+        path = tmp_path / "script.py"
+        path.write_text(textwrap.dedent(script))
+        command = [sys.executable, "-m", "flaxstate", "launch", "--processes", str(n_processes), *args]
+        self.process = subprocess.Popen(
+            [*command, "--", sys.executable, str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=processes.worker_env(),
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 120) -> list[str]:
+        """Waits until `count` lines contain `text`; returns them."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(found := [line for line in self.lines if text in line]) < count:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise AssertionError(f"no {count} lines with {text!r}:\n{self.output[-4000:]}")
+                if self.process.poll() is not None:  # ended: its last lines come within a moment
+                    deadline = min(deadline, time.monotonic() + 1)
+                self._changed.wait(0.2)
+            return found
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the launcher did not exit within {timeout} s:\n{self.output[-4000:]}") from None
+        time.sleep(0.2)  # the reader takes the last lines
+        return code
+
+    def kill(self) -> None:
+        processes.kill(self.process)
+
+
+FIND_EACH_OTHER = """
+    import os, sys
+    import jax
+    import flaxstate
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize()  # no arguments: as under SLURM or on a TPU pod
+    total = multihost_utils.process_allgather(np.array([jax.process_index() + 1])).sum()
+    restarts = os.environ["FLAXSTATE_RESTARTS"]
+    print(f"process {jax.process_index()} of {jax.process_count()}, sum {total}, restarts {restarts}", flush=True)
+    if jax.process_index() == 1 and restarts == "0":
+        sys.exit(3)
+"""
+
+
+def test_processes_find_each_other_and_all_start_again_after_one_fails(tmp_path):
+    launched = Launched(tmp_path, FIND_EACH_OTHER, "--grace", "5")
+    assert launched.finish() == 0, launched.output
+    lines = launched.lines
+    assert "[0] process 0 of 2, sum 3, restarts 0" in lines and "[1] process 1 of 2, sum 3, restarts 0" in lines
+    assert "flaxstate launch: process 1 exited with status 3; restart 1 of 3: starting all 2 processes again." in lines
+    assert "[0] process 0 of 2, sum 3, restarts 1" in lines and "[1] process 1 of 2, sum 3, restarts 1" in lines
+
+
+def test_it_gives_up_after_max_restarts_with_the_failing_status(tmp_path):
+    script = """
+        import os, sys
+        print("started", os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"], flush=True)
+        sys.exit(7 if os.environ["FLAXSTATE_PROCESS_ID"] == "0" else 0)
+    """
+    launched = Launched(tmp_path, script, "--max-restarts", "2", "--grace", "1")
+    assert launched.finish() == 7, launched.output
+    assert len([line for line in launched.lines if line.startswith("[0] started 0")]) == 3  # the first, 2 restarts
+    assert launched.lines[-1] == (
+        "flaxstate launch: process 0 exited with status 7 after 2 restarts (--max-restarts 2); giving up."
+    )
+
+
+def test_a_process_that_exits_0_early_is_waited_for_not_a_failure(tmp_path):
+    script = """
+        import os, time
+        if os.environ["FLAXSTATE_PROCESS_ID"] == "1":
+            time.sleep(2)
+        print("done", os.environ["FLAXSTATE_PROCESS_ID"], flush=True)
+    """
+    launched = Launched(tmp_path, script)
+    assert launched.finish() == 0, launched.output
+    assert launched.lines == ["[0] done 0", "[1] done 1"]
+
+
+STUBBORN = """
+    import os, signal, time
+    index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
+    if restarts == "0":
+        if index == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck: only SIGKILL ends it
+        print("pid", index, os.getpid(), flush=True)
+        time.sleep(600)
+    print("again", index, flush=True)
+"""
+
+
+def test_a_process_killed_by_sigkill_stops_the_others_after_the_grace_and_all_restart(tmp_path):
+    launched = Launched(tmp_path, STUBBORN, "--grace", "1")
+    pids = {line.split()[2]: int(line.split()[3]) for line in launched.wait_for("] pid ", count=2)}
+    os.kill(pids["1"], signal.SIGKILL)
+    assert launched.finish() == 0, launched.output
+    assert "flaxstate launch: process 1 was killed by SIGKILL; restart 1 of 3: starting all 2 processes again." in (
+        launched.lines
+    )
+    assert {"[0] again 0", "[1] again 1"} <= set(launched.lines)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids["0"], 0)  # the one that ignored SIGTERM was killed
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_nothing_restarts(tmp_path):
+    script = """
+        import os, signal, sys, time
+        index = os.environ["FLAXSTATE_PROCESS_ID"]
+
+        def saved_and_exit(signum, frame):
+            print("saved at SIGTERM", index, flush=True)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, saved_and_exit)
+        print("ready", index, os.environ["FLAXSTATE_RESTARTS"], flush=True)
+        time.sleep(600)
+    """
+    launched = Launched(tmp_path, script)
+    launched.wait_for("] ready ", count=2)
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.finish() == 0, launched.output
+    assert {"[0] saved at SIGTERM 0", "[1] saved at SIGTERM 1"} <= set(launched.lines)
+    assert not any("restart" in line for line in launched.lines)
+
+
+def test_ctrl_c_is_forwarded_once_and_a_second_stops_them_all(tmp_path):
+    script = """
+        import os, signal, time
+        index = os.environ["FLAXSTATE_PROCESS_ID"]
+        signal.signal(signal.SIGINT, lambda *_: print("interrupted", index, flush=True))  # goes on: saving, say
+        print("ready", index, flush=True)
+        while True:
+            time.sleep(0.1)
+    """
+    launched = Launched(tmp_path, script)
+    launched.wait_for("] ready ", count=2)
+    launched.process.send_signal(signal.SIGINT)
+    launched.wait_for("] interrupted ", count=2)
+    launched.process.send_signal(signal.SIGINT)
+    assert launched.finish() == 128 + signal.SIGKILL, launched.output
+    assert "after Ctrl-C; not restarting." in launched.lines[-1], launched.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--processes", "0", "--", "true"], "--processes must be at least 1, got 0"),
+        (["--processes", "2"], "flaxstate launch needs a command"),
+        (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more"),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_starts(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "flaxstate", "launch", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+CHAOS_STEPS = 300
+LOCAL_EVERY = 10
+
+
+def chaos_config(tmp_path, name: str, n_processes: int) -> dict:
+    """A data-parallel run of `n_processes` on gloo: a local tier every 10 steps, the persistent one at 100 and 200."""
+    return {
+        "data": "list",
+        "width": 32,
+        "optimizer": "sgd",
+        "every": LOCAL_EVERY,
+        "global_batch": 8,
+        "n_steps": CHAOS_STEPS,
+        "output_dir": str(tmp_path / name / "persistent"),
+        "local_dirs": [str(tmp_path / name / f"local-{i}") for i in range(n_processes)],
+        "out": str(tmp_path / name / "final.npz"),
+        "save_steps": [100, 200],
+        "hang_timeout": 5,
+        "data_sleep": 0.01,
+    }
+
+
+def launch_worker(tmp_path, config: dict, n_processes: int) -> Launched:
+    """`flaxstate launch` of the resume worker (which calls `jax.distributed.initialize()` with no arguments)."""
+    folder = tmp_path / config["out"].split("/")[-2]
+    folder.mkdir(parents=True, exist_ok=True)
+    script = f"""
+        import runpy, sys
+        sys.argv = ["resume", {json.dumps(json.dumps(config))}]
+        runpy.run_module("flaxstate_testing.workers.resume", run_name="__main__")
+    """
+    return Launched(folder, script, "--grace", "3", "--max-restarts", "5", n_processes=n_processes)
+
+
+class Chaos:
+    """Reads a launched run's lines from a mark on, to act at its records: the test's chaos driver."""
+
+    def __init__(self, launched: Launched, n_processes: int, seed: int) -> None:
+        self.launched, self.n_processes = launched, n_processes
+        self.random = random.Random(seed)
+        self.restarts = 0
+
+    def pids(self) -> list[int]:
+        """The process ids of the current start (each worker prints `pid <n>` first)."""
+        lines = self.launched.wait_for("] pid ", count=self.n_processes * (self.restarts + 1), timeout=180)
+        current = lines[self.n_processes * self.restarts :]
+        by_index = {int(line[1 : line.index("]")]): int(line.split()[-1]) for line in current}
+        return [by_index[index] for index in range(self.n_processes)]
+
+    def start_step(self) -> int:
+        """The step the current start resumed from (its processes print `start <step>`)."""
+        (line, *_) = self.launched.wait_for("] start ", count=self.n_processes * (self.restarts + 1))[
+            self.n_processes * self.restarts :
+        ]
+        return int(line.split()[-1])
+
+    def at_record(self, step: int) -> None:
+        """Waits for this start's record of `step` (printed once its saves have started)."""
+        self.launched.wait_for(f"] record {step} ", count=self.restarts + 1, timeout=180)
+
+    def restarted(self) -> None:
+        self.restarts += 1
+        self.launched.wait_for(f"restart {self.restarts} of 5", timeout=180)
+
+    def later_step(self, low: int, high: int) -> int:
+        """A random record step (a multiple of the local tier's interval) `low` to `high` steps after this start."""
+        start = self.start_step()
+        return start + LOCAL_EVERY * self.random.randint(low // LOCAL_EVERY, high // LOCAL_EVERY)
+
+
+def test_chaos_kill_stop_and_kill_in_a_save_the_run_finishes_bit_for_bit(tmp_path):
+    n_processes = 4
+    straight = launch_worker(tmp_path, chaos_config(tmp_path, "straight", n_processes), n_processes)
+    assert straight.finish(timeout=300) == 0, straight.output[-4000:]
+    expected = dict(np.load(tmp_path / "straight" / "final.npz"))
+
+    seed = int(time.time())
+    print("chaos seed", seed)
+    launched = launch_worker(tmp_path, chaos_config(tmp_path, "chaos", n_processes), n_processes)
+    chaos = Chaos(launched, n_processes, seed)
+    try:
+        # 1. kill -9 of one process.
+        pids = chaos.pids()
+        chaos.at_record(chaos.later_step(30, 80))
+        os.kill(chaos.random.choice(pids), signal.SIGKILL)
+        chaos.restarted()
+        # 2. SIGSTOP of another: its peers' watchdogs end them with 75, the launcher kills it after the grace.
+        pids = chaos.pids()
+        chaos.at_record(chaos.later_step(20, 60))
+        stopped = chaos.random.choice(pids)
+        os.kill(stopped, signal.SIGSTOP)
+        chaos.restarted()
+        # 3. kill -9 of one during a save: its record is printed once the save has started.
+        pids = chaos.pids()
+        chaos.at_record(chaos.later_step(20, 60))
+        os.kill(chaos.random.choice(pids), signal.SIGKILL)
+        chaos.restarted()
+        assert launched.finish(timeout=300) == 0, launched.output[-4000:]
+    finally:
+        launched.kill()
+    lines = launched.lines
+    restarts = [line for line in lines if line.startswith("flaxstate launch: process")]
+    assert len(restarts) == 3, restarts
+    assert "was killed by SIGKILL" in restarts[0] and "exited with status 75" in restarts[1], restarts
+    assert "was killed by SIGKILL" in restarts[2], restarts
+    with pytest.raises(ProcessLookupError):
+        os.kill(stopped, 0)
+    final = dict(np.load(tmp_path / "chaos" / "final.npz"))
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(final[key], value, err_msg=key)
+    sessions = goodput.report(ledger.run_events(tmp_path / "chaos" / "persistent"))["sessions"]
+    assert len(sessions) == 4, sessions
+    assert [session["restored_step"] is None for session in sessions] == [True, False, False, False]
+    assert all(session["lost_steps"] <= LOCAL_EVERY for session in sessions[:3]), sessions
