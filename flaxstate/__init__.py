@@ -19,6 +19,7 @@ from flaxstate.checkpoint import (
 )
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions
+from flaxstate.planning import Plan, plan
 from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
 from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
@@ -47,6 +48,7 @@ __all__ = [
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
     "Partitioning",
+    "Plan",
     "Session",
     "StateMismatchError",
     "Summary",
@@ -60,6 +62,7 @@ __all__ = [
     "global_batches",
     "logical_shardings",
     "nnx_functions",
+    "plan",
     "sharded_like",
 ]
 

@@ -1,6 +1,11 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+# The tests run on the CPU. With libtpu installed (the test extra's jax[tpu], for fs.plan's TPU targets) JAX
+# would also try to start a TPU on this machine and print libtpu's complaints; TPU plans need no TPU backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 

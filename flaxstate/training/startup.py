@@ -210,6 +210,18 @@ def start(
     return begun
 
 
+def state_maker(
+    model_init: Callable[..., Any], task: TrainTask, init_names: tuple[str, ...]
+) -> Callable[..., FlaxOptimTrainState]:
+    """`create(rng, *sample)`: a fresh train state of `model_init`'s variables and `task`'s optimizer, scale and EMA."""
+
+    def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
+        rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
+        return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task), task.ema_decay)
+
+    return create
+
+
 def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
     return None if task.loss_scale is None else scaling.LossScale.create(task.loss_scale)
 
@@ -233,10 +245,7 @@ def _state(
         return _from_state_dict(task, placement, restored.state), restored, time.perf_counter() - began
     init_rng = jax.random.fold_in(rng, 0)
     per_device = [np.asarray(x)[: max(1, len(x) // placement.n_local_devices)] for x in inputs]
-
-    def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
-        rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
-        return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task), task.ema_decay)
+    create = state_maker(model_init, task, init_names)
 
     shardings = placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
     fresh = jax.jit(create, out_shardings=shardings)

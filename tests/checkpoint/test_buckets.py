@@ -119,6 +119,8 @@ def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(gcs, refer
     assert len(rows) == 2 and all(row[5] == "MB" and float(row[4]) > 1 for row in rows), listing.stdout
     shown = cli("show", url, "--step", "30")
     assert shown.returncode == 0 and "gs://runs/killed/30" in shown.stdout, shown.stdout + shown.stderr
+    compared = cli("diff", url, url, "--step-a", "30", "--step-b", "40")
+    assert compared.returncode == 1 and "step" in compared.stdout, compared.stdout + compared.stderr  # 10 steps apart
 
 
 def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(gcs, reference, tmp_path):

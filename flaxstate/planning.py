@@ -1,0 +1,393 @@
+"""Plan a job before it is queued: compile the loop's own update for a target's devices and report memory and FLOPs.
+
+`plan(init, task, target=...)` builds what `TrainLoop` builds (the state's
+shardings from the placement, the same `Program`: step, microbatches and K
+steps a dispatch) from shapes alone (`jax.eval_shape` of `init`: nothing is
+allocated, so a model of any size plans on a laptop), lowers the update for
+the target's devices and compiles it, without running it.
+
+Targets:
+
+- a TPU topology name that libtpu knows ("v5e:2x2", "v5p:4x4x4", ...): the
+  devices of `jax.experimental.topologies.get_topology_desc`, compiled by
+  XLA for that chip on this machine (`pip install 'flaxstate[plan]'`);
+- "cpu:N": N host devices of a CPU client of their own, compiled for and
+  never run (several CPU devices in one process deadlock only when they run
+  collectives);
+- "local": this process's devices.
+
+The state's bytes a device are exact, from the shardings and shapes; XLA's
+temporaries and generated code come from the compiled program, and the total
+counts donated buffers once (XLA's alias bytes are the state's own, updated
+in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax.core import DenyList
+from jax.sharding import Mesh
+
+from flaxstate import tree_paths
+from flaxstate.sharding import AxisRules, Partitioning
+from flaxstate.training import batching, placement, startup, throughput
+from flaxstate.training.program import Program
+from flaxstate.training.progress import format_bytes
+from flaxstate.training.task import TrainTask
+
+GiB = 2**30
+DEVICE_MEMORY: tuple[tuple[str, int], ...] = (
+    ("TPU v4", 32 * GiB),  # Google Cloud TPU v4: 32 GiB HBM a chip
+    ("TPU v5 lite", 16 * GiB),  # TPU v5e: 16 GiB HBM2 a chip
+    ("TPU v5e", 16 * GiB),
+    ("TPU v5p", 95 * GiB),
+    ("TPU v5", 95 * GiB),  # v5p reports its kind as "TPU v5"
+    ("TPU v6 lite", 32 * GiB),  # TPU v6e (Trillium)
+    ("TPU v6e", 32 * GiB),
+)
+"""Each device kind's memory, where known (the first name that the kind contains wins)."""
+
+CATEGORIES = ("params", "optimizer", "mutables", "batch", "temp", "code", "total")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one update of a training job takes on each device of a target (see `plan`).
+
+    Attributes:
+        target: the target it was compiled for.
+        device_kind: the target's device kind ("TPU v5 lite", "cpu", ...).
+        n_devices: the target's devices.
+        mesh_shape: the mesh's axis sizes.
+        per_device: bytes a device: `params`, `optimizer` (the optimizer's
+            state, an EMA and the rest of the train state), `mutables` (batch
+            statistics and other collections), `batch` (K batches), `temp` (XLA's
+            temporaries), `code` (generated code) and `total`.
+        device_memory: a device's memory in bytes, or `None` where unknown.
+        fits: whether `total` fits in `device_memory` (`None` where unknown).
+        flops_per_step: XLA's FLOPs of one global step (all devices), or `None`.
+        largest: the largest arrays a device holds: (state-dict path, bytes), largest first.
+        advice: for a plan that does not fit, its biggest contributors and how to shard them.
+    """
+
+    target: str
+    device_kind: str
+    n_devices: int
+    mesh_shape: dict[str, int]
+    per_device: dict[str, int]
+    device_memory: int | None
+    fits: bool | None
+    flops_per_step: float | None
+    largest: list[tuple[str, int]]
+    advice: str | None = None
+
+    def step_seconds(self, mfu: float, peak_flops_per_device: float | None = None) -> float | None:
+        """The seconds a step takes at a model FLOPs utilisation `mfu` (0-1), where the peak is known.
+
+        Args:
+            mfu: the fraction of the peak the step reaches.
+            peak_flops_per_device: one device's peak FLOP/s (by default the
+                known dense bfloat16 peak of the device kind).
+        """
+        peak = peak_flops_per_device
+        if peak is None:
+            peak = next((value for name, value in throughput.DENSE_BF16_PEAKS if name in self.device_kind), None)
+        if peak is None or self.flops_per_step is None or not mfu > 0:
+            return None
+        return self.flops_per_step / (mfu * peak * self.n_devices)
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
+        lines = [f"plan for {self.target}: {self.n_devices} x {self.device_kind}, mesh {mesh}", ""]
+        lines += [f"  {name:<10} {format_bytes(self.per_device[name]):>10}" for name in CATEGORIES]
+        memory = "unknown" if self.device_memory is None else format_bytes(self.device_memory)
+        verdict = {None: "unknown", True: "fits", False: "does NOT fit"}[self.fits]
+        lines += ["", f"  device memory {memory}: {verdict}"]
+        if self.flops_per_step is not None:
+            lines.append(f"  FLOPs a step {self.flops_per_step:.4g}")
+            at_half = self.step_seconds(0.5)
+            if at_half is not None:
+                lines.append(f"  a step at 50% MFU: {at_half * 1e3:.3g} ms")
+        lines += ["", "  largest arrays a device holds:"]
+        lines += [f"    {format_bytes(size):>10}  {path}" for path, size in self.largest]
+        if self.advice:
+            lines += ["", f"  {self.advice}"]
+        return "\n".join(lines)
+
+
+def plan(
+    init: Callable[..., Any],
+    task: TrainTask,
+    *,
+    target: str,
+    mesh_shape: Mapping[str, int] | None = None,
+    axis_rules: AxisRules | None = None,
+    batch: Any = None,
+    n_microbatches: int = 1,
+    n_steps_per_dispatch: int = 1,
+    input_sample: Any = None,
+    device_memory: int | None = None,
+) -> Plan:
+    """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
+
+    Args:
+        init: the model's init, `init(rngs, *inputs) -> variables` (as `TrainLoop` takes it).
+        task: the task (its step, loss and optimizer; its data gives the default batch).
+        target: a TPU topology name ("v5e:2x2"), "cpu:N", or "local".
+        mesh_shape: axis sizes, e.g. `{"data": 2, "fsdp": 8}`, multiplying to the
+            target's devices (with `axis_rules`); by default data parallelism over all.
+        axis_rules: flax-style logical axis rules, as `TrainLoop` takes them.
+        batch: one global batch (arrays or `jax.ShapeDtypeStruct`s, as the data
+            yields them); by default the first batch of `task.data`, as it is.
+        n_microbatches: M microbatches a step.
+        n_steps_per_dispatch: K steps a compiled call.
+        input_sample: the model's inputs for `init` (the batch's by default).
+        device_memory: a device's memory in bytes (by default a known kind's).
+
+    Returns:
+        the `Plan`.
+
+    Raises:
+        ValueError: before any compile: a `mesh_shape` whose product is not the
+            device count; axis rules without a mesh shape, or naming no mesh
+            axis; a global batch that does not divide over the batch's parts
+            and the microbatches; an unknown target or TPU topology (listing
+            some known ones); `jax[tpu]` not installed (naming the extra).
+    """
+    devices = target_devices(target)
+    if n_microbatches < 1 or n_steps_per_dispatch < 1:
+        raise ValueError(
+            f"n_microbatches and n_steps_per_dispatch must be at least 1, got {n_microbatches} and "
+            f"{n_steps_per_dispatch}."
+        )
+    partitioning = _partitioning(devices, mesh_shape, axis_rules)
+    where = placement.create(partitioning)
+    global_batch = _global_batch(task, batch)
+    _check_batch(global_batch, where, n_microbatches)
+    inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
+    init_names, apply_names = startup.rng_names(None)
+    rng = jax.random.key(0)
+
+    create = startup.state_maker(init, task, init_names)
+
+    sample = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)) for x in inputs]
+    abstract = jax.eval_shape(create, rng, *sample)
+    shardings = where.state_shardings(abstract)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    program = Program.build(
+        placement=where,
+        task=task,
+        rng_names=apply_names,
+        mutable=DenyList("intermediates"),
+        n_microbatches=n_microbatches,
+        state=state,
+        rng=rng,
+    )
+    stacked = n_steps_per_dispatch > 1
+    batch_sharding = _batch_sharding(where, stacked)
+    batches = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            ((n_steps_per_dispatch,) if stacked else ()) + tuple(np.shape(x)), _dtype(x), sharding=batch_sharding
+        ),
+        global_batch,
+    )
+    rng_data = jax.ShapeDtypeStruct(jax.random.key_data(rng).shape, jax.random.key_data(rng).dtype)
+    update: Any = program.update(n_steps_per_dispatch)
+    memory, refused_temp = None, None
+    try:
+        memory = update.lower(jax.tree.leaves(state), batches, rng_data).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as error:  # XLA for a TPU refuses a program larger than the chip
+        refused_temp = _refused_temp(error)
+    one_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=_batch_sharding(where, False)), global_batch
+    )
+    flops = program.flops_per_step(one_batch, rng_data) if refused_temp is None else None
+
+    sizes = _state_bytes(state)
+    per_device = {
+        "params": _sum(sizes, ("target/",)),
+        "mutables": _sum(sizes, ("flax_mutables/",)),
+    }
+    per_device["optimizer"] = sum(sizes.values()) - per_device["params"] - per_device["mutables"]
+    per_device["batch"] = sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(batches))
+    per_device["temp"] = int(memory.temp_size_in_bytes) if memory is not None else (refused_temp or 0)
+    per_device["code"] = int(memory.generated_code_size_in_bytes) if memory is not None else 0
+    if memory is not None:  # arguments and outputs, the donated (aliased) ones once
+        held = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    else:
+        held = sum(per_device[name] for name in ("params", "optimizer", "mutables", "batch"))
+    per_device["total"] = int(held + per_device["temp"] + per_device["code"])
+    kind = devices[0].device_kind
+    if device_memory is None:
+        device_memory = _device_memory(devices[0])
+    fits = None if device_memory is None else per_device["total"] <= device_memory
+    if refused_temp is not None:
+        fits = False  # XLA itself said so
+    largest = sorted(sizes.items(), key=lambda item: (-item[1], not item[0].startswith("target/"), item[0]))[:5]
+    mesh = where.mesh
+    plan_ = Plan(
+        target=target,
+        device_kind=kind,
+        n_devices=len(devices),
+        mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)),
+        per_device=per_device,
+        device_memory=device_memory,
+        fits=fits,
+        flops_per_step=flops,
+        largest=largest,
+    )
+    if fits is False:
+        plan_ = dataclasses.replace(plan_, advice=_advice(plan_, state, mesh))
+    return plan_
+
+
+def target_devices(target: str) -> list[Any]:
+    """The devices of a target (see the module).
+
+    Raises:
+        ValueError: an unknown target, a TPU topology that libtpu does not know
+            (listing some it does), or `jax[tpu]` not installed.
+    """
+    if target == "local":
+        return list(jax.devices())
+    if target.startswith("cpu:"):
+        count = target.removeprefix("cpu:")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"plan target {target!r}: give cpu:N with N a positive number of host devices.")
+        from jax._src.lib import xla_client
+
+        client: Any = xla_client.make_cpu_client(num_devices=int(count))
+        return list(client.devices())
+    if ":" not in target or not target.split(":")[0].startswith("v"):
+        raise ValueError(
+            f"plan target {target!r} is neither a TPU topology ('v5e:2x2', 'v5p:2x2x1', 'v4:2x2x1'), "
+            "'cpu:N' nor 'local'."
+        )
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as error:
+        raise ValueError(
+            f"planning for the TPU topology {target!r} needs libtpu (jax[tpu]): pip install 'flaxstate[plan]'."
+        ) from error
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=target).devices)
+    except Exception as error:  # libtpu's own error: an unknown name or shape
+        raise ValueError(
+            f"libtpu does not know the TPU topology {target!r} ({str(error).splitlines()[0][:200]}); "
+            "known ones look like 'v5e:2x2', 'v5e:4x4', 'v5e:16x16', 'v5p:2x2x1', 'v5p:4x4x4', 'v4:2x2x1', "
+            "'v6e:2x2'."
+        ) from error
+
+
+def _partitioning(
+    devices: list[Any], mesh_shape: Mapping[str, int] | None, axis_rules: AxisRules | None
+) -> Partitioning:
+    if mesh_shape is None:
+        if axis_rules is not None:
+            raise ValueError("plan takes axis_rules with a mesh_shape (the mesh axes the rules name).")
+        return Partitioning(mesh=Mesh(np.array(devices), ("data",)), axis_rules=[("batch", "data")])
+    sizes = dict(mesh_shape)
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(
+            f"mesh_shape {sizes} holds {math.prod(sizes.values())} devices, and the target has {len(devices)}: "
+            "give axis sizes that multiply to the device count."
+        )
+    mesh = Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
+    rules = axis_rules if axis_rules is not None else [("batch", tuple(sizes))]
+    return Partitioning(mesh=mesh, axis_rules=rules)
+
+
+_UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _refused_temp(error: Exception) -> int:
+    """The temporaries' bytes that XLA named when it refused a program too large for the chip.
+
+    Raises:
+        the error itself, when it is no such refusal.
+    """
+    found = re.search(r"RESOURCE_EXHAUSTED.*?HLO temporaries \(([\d.]+)([BKMGT])\)", str(error))
+    if found is None:
+        raise error
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _global_batch(task: TrainTask, batch: Any) -> Any:
+    if batch is None:
+        batch = next(iter(task.data))
+    return batching.normalize(batch, "plan")
+
+
+def _check_batch(batch: Any, where: Any, n_microbatches: int) -> None:
+    size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+    parts = where.batch_layout.n_parts if hasattr(where, "batch_layout") else where.mesh.size
+    if size % (parts * n_microbatches):
+        raise ValueError(
+            f"plan: the global batch of {size} examples does not split into the {parts} parts of the batch's "
+            f"mesh axes times {n_microbatches} microbatches; give a batch of a multiple of {parts * n_microbatches}."
+        )
+
+
+def _batch_sharding(where: Any, stacked: bool) -> Any:
+    return where.batch_layout.sharding(stacked)
+
+
+def _shard_bytes(leaf: jax.ShapeDtypeStruct) -> int:
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    return int(math.prod(shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def _state_bytes(state: Any) -> dict[str, int]:
+    """Each state leaf's bytes a device, by state-dict path."""
+    flat = tree_paths.flatten(state.state_dict())
+    return {path: _shard_bytes(leaf) for path, leaf in flat.items() if hasattr(leaf, "sharding")}
+
+
+def _sum(sizes: Mapping[str, int], prefixes: Sequence[str]) -> int:
+    return sum(size for path, size in sizes.items() if path.startswith(tuple(prefixes)))
+
+
+def _device_memory(device: Any) -> int | None:
+    known = next((memory for name, memory in DEVICE_MEMORY if name in device.device_kind), None)
+    if known is not None:
+        return known
+    try:
+        stats = device.memory_stats()
+    except Exception:  # CPUs and topology devices have none
+        return None
+    return None if not stats else stats.get("bytes_limit")
+
+
+def _advice(result: Plan, state: Any, mesh: Mesh) -> str:
+    path, size = result.largest[0]
+    flat = tree_paths.flatten(state.state_dict())
+    spec = getattr(flat[path].sharding, "spec", ())
+    used = {axis for entry in spec if entry for axis in _as_tuple(entry)}
+    free = [name for name in mesh.axis_names if name not in used and mesh.shape[name] > 1]
+    shard = (
+        f"shard it over the mesh axis {free[0]!r} (map one of its logical axes to it in axis_rules)"
+        if free
+        else ("give the mesh more devices, or a larger axis to shard it over")
+    )
+    return (
+        f"it does not fit: {format_bytes(result.per_device['total'])} a device against "
+        f"{format_bytes(result.device_memory or 0)}. The largest array is {path} ({format_bytes(size)} a device): "
+        f"{shard}."
+    )

@@ -1,0 +1,180 @@
+"""`fs.plan`: the loop's own update compiled for a target's devices, from shapes only, never run.
+
+TPU targets compile through libtpu on this CPU machine (the test extra
+installs `jax[tpu]`); "cpu:N" compiles for N host devices of a client of
+their own, and "local" for this process's device.
+"""
+
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import lm
+
+import flaxstate as fs
+
+RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", None)]
+
+
+class MLP(nn.Module):
+    """Two dense layers with logical axes on every parameter."""
+
+    width: int = 1024
+
+    @nn.compact
+    def __call__(self, x):
+        axes = nn.with_logical_partitioning
+        x = nn.Dense(
+            self.width,
+            kernel_init=axes(nn.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=axes(nn.initializers.zeros, ("mlp",)),
+        )(x)
+        x = nn.Dense(
+            256,
+            kernel_init=axes(nn.initializers.lecun_normal(), ("mlp", "embed")),
+            bias_init=axes(nn.initializers.zeros, ("embed",)),
+        )(nn.relu(x))
+        return x.sum(-1)
+
+
+def mse(outputs, targets):
+    return jnp.mean((outputs - targets) ** 2)
+
+
+def task_of(model: nn.Module, batch_size: int = 16) -> fs.TrainTask:
+    data = [(np.ones((batch_size, 256), np.float32), np.zeros((batch_size,), np.float32))] * 4
+    return fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=mse, data=data)
+
+
+def param_bytes(model: nn.Module) -> int:
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 256)))["params"]
+    return sum(
+        int(np.prod(leaf.value.shape)) * 4 for leaf in jax.tree.leaves(shapes, is_leaf=lambda x: hasattr(x, "value"))
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp_plan() -> fs.Plan:
+    model = MLP()
+    return fs.plan(model.init, task_of(model), target="v5e:2x2", mesh_shape={"fsdp": 4}, axis_rules=RULES)
+
+
+def test_fsdp_over_a_v5e_2x2_holds_a_quarter_of_the_parameters_and_adam_twice_that(fsdp_plan):
+    whole = param_bytes(MLP())
+    per_device = fsdp_plan.per_device
+    assert fsdp_plan.n_devices == 4 and fsdp_plan.device_kind == "TPU v5 lite"
+    mlp_bias = 1024 * 4  # ("mlp",): no mesh axis, so every device holds it whole
+    assert per_device["params"] == (whole - mlp_bias) // 4 + mlp_bias  # the rest a quarter each, no padding
+    assert 2 * per_device["params"] <= per_device["optimizer"] <= 2 * per_device["params"] + 64  # mu, nu, count
+    assert per_device["code"] > 0 and per_device["batch"] == 16 * 257 * 4 // 4
+    held = per_device["params"] + per_device["optimizer"] + per_device["batch"]
+    assert per_device["total"] >= held + per_device["code"]  # the donated state counted once, not twice
+    assert per_device["total"] < 2 * held + per_device["temp"] + per_device["code"]
+    assert fsdp_plan.fits is True and fsdp_plan.device_memory == 16 * 2**30
+    assert fsdp_plan.flops_per_step > 2 * 3 * 16 * whole / 4  # forward and backward, at least
+    assert fsdp_plan.step_seconds(0.5) > 0
+    text = str(fsdp_plan)
+    assert "plan for v5e:2x2: 4 x TPU v5 lite, mesh fsdp=4" in text and "fits" in text
+    assert fsdp_plan.largest[0][0] == "target/Dense_0/kernel"
+
+
+def test_a_model_too_large_for_a_v5e_does_not_fit_and_names_its_largest_array():
+    model = MLP(width=2**22)  # 8 GiB of parameters and 16 GiB of adam, sharded over nothing but the batch
+    rules = [("batch", "fsdp"), ("embed", None), ("mlp", None)]
+    result = fs.plan(model.init, task_of(model), target="v5e:2x2", mesh_shape={"fsdp": 4}, axis_rules=rules)
+    assert result.fits is False
+    assert result.per_device["total"] > 16 * 2**30
+    assert result.largest[0] == ("target/Dense_0/kernel", 256 * 2**22 * 4)
+    assert "target/Dense_0/kernel" in result.advice and "'fsdp'" in result.advice, result.advice
+    assert "does NOT fit" in str(result)
+
+
+def test_host_devices_and_the_local_device_give_the_tpu_plans_state_bytes(fsdp_plan):
+    model = MLP()
+    on_cpus = fs.plan(model.init, task_of(model), target="cpu:4", mesh_shape={"fsdp": 4}, axis_rules=RULES)
+    for name in ("params", "optimizer", "mutables", "batch"):
+        assert on_cpus.per_device[name] == fsdp_plan.per_device[name], name
+    assert on_cpus.fits is None and on_cpus.device_memory is None
+    dispatched = fs.plan(
+        model.init, task_of(model), target="cpu:4", mesh_shape={"fsdp": 4}, axis_rules=RULES, n_steps_per_dispatch=3
+    )
+    assert dispatched.per_device["batch"] == 3 * on_cpus.per_device["batch"]  # K batches a call
+    assert dispatched.flops_per_step == on_cpus.flops_per_step  # a step's, whatever K
+    local = fs.plan(model.init, task_of(model), target="local", mesh_shape={"fsdp": 1}, axis_rules=RULES)
+    assert local.per_device["params"] == param_bytes(model)  # one device holds it all
+
+
+def test_the_local_plans_flops_equal_what_a_train_loops_record_reports():
+    model = MLP(width=128)
+    task = task_of(model)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    loop = fs.TrainLoop(
+        model.init,
+        task,
+        jax.random.key(0),
+        n_steps=2,
+        n_steps_per_checkpoint=2,
+        mesh=mesh,
+        axis_rules=RULES,
+        stdout=False,
+    )
+    record = loop.next_checkpoint()
+    local = fs.plan(model.init, task, target="local", mesh_shape={"fsdp": 1}, axis_rules=RULES)
+    assert record.flops_per_step is not None
+    assert local.flops_per_step == record.flops_per_step
+
+
+def test_the_example_lm_under_fsdp_and_tensor_parallelism():
+    config = lm.lm.Config(batch_size=8, seq_len=16, embed=64, heads=4, head_dim=16, mlp=256, layers=2)
+    model = lm.lm.Transformer(config)
+    task = fs.TrainTask(apply=model.apply, optimizer=lm.lm.optimizer(config), loss=lm.lm.loss, data=lm.data(config))
+    mesh_shape = {"data": 1, "fsdp": 2, "model": 2}
+    sharded = fs.plan(model.init, task, target="v5e:2x2", mesh_shape=mesh_shape, axis_rules=lm.lm.RULES)
+    whole = fs.plan(
+        model.init, task, target="cpu:1", mesh_shape={"data": 1, "fsdp": 1, "model": 1}, axis_rules=lm.lm.RULES
+    )
+    assert sharded.mesh_shape == mesh_shape and sharded.fits is True
+    assert whole.per_device["params"] / 4 <= sharded.per_device["params"] < whole.per_device["params"] / 2
+    n_params, n_tokens = whole.per_device["params"] // 4, 8 * 16
+    for result in (sharded, whole):  # about 6 FLOPs a parameter a token (the embedding's lookup does none)
+        assert 0.8 * 6 * n_params * n_tokens <= result.flops_per_step <= 3 * 6 * n_params * n_tokens
+    assert sharded.flops_per_step == pytest.approx(whole.flops_per_step, rel=0.15)  # two compilers' counts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"target": "v5e:2x2", "mesh_shape": {"fsdp": 3}, "axis_rules": RULES},
+            r"holds 3 devices, and the target has 4",
+        ),
+        ({"target": "v5e:2x2", "mesh_shape": {"fsdp": 4}, "axis_rules": [("embed", "tensor")]}, r"tensor"),
+        ({"target": "v5e:2x2", "axis_rules": RULES}, r"axis_rules with a mesh_shape"),
+        (
+            {"target": "v5e:2x2", "mesh_shape": {"fsdp": 4}, "axis_rules": RULES, "n_microbatches": 8},
+            r"global batch of 16 examples does not split into the 4 parts .* times 8 microbatches",
+        ),
+        ({"target": "v9z:7x7"}, r"libtpu does not know the TPU topology 'v9z:7x7'.*'v5e:2x2'"),
+        ({"target": "gpu"}, r"neither a TPU topology"),
+        ({"target": "cpu:0"}, r"cpu:N with N a positive number"),
+    ],
+)
+def test_bad_input_is_named_before_any_compile(kwargs, message):
+    model = MLP(width=64)
+    with pytest.raises(ValueError, match=message):
+        fs.plan(model.init, task_of(model), **kwargs)
+
+
+def test_without_libtpu_a_tpu_target_names_the_extra():
+    script = (
+        "import sys; sys.modules['libtpu'] = None\n"
+        "import flaxstate as fs\n"
+        "try:\n    fs.planning.target_devices('v5e:2x2')\nexcept ValueError as error:\n    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "pip install 'flaxstate[plan]'" in done.stdout, done.stdout + done.stderr
