@@ -11,9 +11,14 @@ on the same batches, held in memory, in alternating rounds of `--steps`
 steps (flaxstate: one record a round, its host copy included); the table
 gives the median seconds a step and the ratio. With `--peak-tflops` (or on a
 GPU this script knows) it adds model FLOPs utilisation: 6 x parameters x
-tokens a second / peak FLOP/s.
+tokens a second / peak FLOP/s, and the MFU flaxstate's records report (XLA's
+FLOPs of the step over the device's dense bfloat16 peak). Where the device
+reports its memory (a GPU), it also gives flaxstate's peak device memory,
+measured before the hand-written loop exists, against `fs.plan`'s "local"
+plan of the same job.
 
-    python benchmarks/sharded.py [--rounds 15] [--steps 100] [--mesh fsdp=N] [--embed 256 --layers 4 ...] [-v]
+    python benchmarks/sharded.py [--rounds 15] [--steps 100] [--mesh fsdp=N] [--embed 256 --layers 4 ...]
+        [--dtype bfloat16] [-v]
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ import optax
 
 import flaxstate as fs
 
-PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 494.7, "NVIDIA H200": 494.7}
-"""Dense TF32 peaks (the float32 model's matmuls run in TF32 on these GPUs by JAX's default precision)."""
+PEAK_TFLOPS = {
+    "float32": {"NVIDIA H100 80GB HBM3": 494.7, "NVIDIA H200": 494.7},
+    "bfloat16": {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0},
+}
+"""Dense peaks by the model's dtype (float32 matmuls run in TF32 on these GPUs by JAX's default precision)."""
 
 
 def load_example():
@@ -109,6 +117,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--mlp", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--record-memory", default="host", choices=("host", "device"), help="records' copies")
+    parser.add_argument("--no-plan", action="store_true", help="skip fs.plan's local plan on a GPU")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activations' dtype")
     parser.add_argument("--per-dispatch", type=int, default=1, help="flaxstate's n_steps_per_dispatch")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the devices' peak, for MFU")
     parser.add_argument("-v", action="store_true", help="print every round")
@@ -121,30 +132,53 @@ def main() -> None:
         head_dim=args.head_dim,
         mlp=args.mlp,
         layers=args.layers,
+        dtype=args.dtype,
     )
     mesh = lm.make_mesh(args.mesh)
     model = lm.Transformer(config)
     dataset = lm.batches(lm.text(), config)
     batches = [dataset.batch(index) for index in range(args.steps * 2)]
 
+    task = fs.TrainTask(apply=model.apply, optimizer=lm.optimizer(config), loss=lm.loss, data=itertools.cycle(batches))
+    plan = None
+    # Compiled only, before anything is on the device.
+    if not args.no_plan and jax.devices()[0].memory_stats() is not None:
+        plan = fs.plan(
+            model.init,
+            task,
+            target="local",
+            mesh_shape=dict(mesh.shape),
+            axis_rules=lm.RULES,
+            batch=batches[0],
+            n_steps_per_dispatch=args.per_dispatch,
+        )
     loop = fs.TrainLoop(
         init=model.init,
-        task=fs.TrainTask(
-            apply=model.apply, optimizer=lm.optimizer(config), loss=lm.loss, data=itertools.cycle(batches)
-        ),
+        task=task,
         rng=0,
         n_steps=10**9,
         n_steps_per_checkpoint=args.steps,
         n_steps_per_dispatch=args.per_dispatch,
+        record_memory=args.record_memory,
+        peak_flops_per_device=args.peak_tflops * 1e12 if args.peak_tflops else None,
         stdout=False,
         mesh=mesh,
         axis_rules=lm.RULES,
     )
+    loop.next_checkpoint()  # compiled and warm
+    stats = jax.devices()[0].memory_stats()
+    flaxstate_peak = stats and stats.get("peak_bytes_in_use")  # before the hand-written loop exists
     hand = HandWritten(model, config, mesh, batches[0][0][:1])
     rounds = itertools.cycle([batches[: args.steps], batches[args.steps :]])
-    loop.next_checkpoint()  # compiled and warm
     hand.run(next(rounds))
-    contenders = {"flaxstate TrainLoop": loop.next_checkpoint, "hand-written jax.jit": lambda: hand.run(next(rounds))}
+    records_mfu: list[float] = []
+
+    def flaxstate_round() -> None:
+        mfu = loop.next_checkpoint().mfu
+        if mfu is not None:
+            records_mfu.append(mfu)
+
+    contenders = {"flaxstate TrainLoop": flaxstate_round, "hand-written jax.jit": lambda: hand.run(next(rounds))}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for index in range(args.rounds):
         for name in list(contenders) if index % 2 == 0 else list(reversed(contenders)):
@@ -156,11 +190,12 @@ def main() -> None:
     n_params = sum(leaf.size for leaf in jax.tree.leaves(hand.params))
     tokens = config.batch_size * config.seq_len
     device = jax.devices()[0].device_kind
-    peak = args.peak_tflops or PEAK_TFLOPS.get(device)
+    peak = args.peak_tflops or PEAK_TFLOPS[args.dtype].get(device)
     sizes = {key: getattr(config, key) for key in ("embed", "heads", "head_dim", "mlp", "layers", "seq_len")}
     print(
         f"jax {jax.__version__}, {jax.device_count()} x {device}; mesh {dict(mesh.shape)}; LM {sizes} "
-        f"({n_params / 1e6:.2f}M parameters, adamw), batch {config.batch_size} ({tokens} tokens a step), "
+        f"({n_params / 1e6:.2f}M parameters, adamw, {args.dtype} activations), batch {config.batch_size} "
+        f"({tokens} tokens a step), "
         f"{args.rounds} alternating rounds of {args.steps} steps (flaxstate: one record a round)\n"
     )
     print(
@@ -174,6 +209,17 @@ def main() -> None:
         ratio = statistics.median(h / v for h, v in zip(hand, values, strict=True))  # each round's pair
         mfu = f" {6 * n_params * tokens / median / (peak * 1e12):.1%} |" if peak else ""
         print(f"| {name} | {median * 1e3:.2f} | {tokens / median:,.0f} | {ratio:.3f}x |{mfu}")
+    if records_mfu:
+        median_mfu = statistics.median(records_mfu)
+        print(f"\nMFU flaxstate's records report (XLA's FLOPs, dense bf16 peak): median {median_mfu:.1%}")
+    if plan is not None and flaxstate_peak:
+        total = plan.per_device["total"]
+        print(
+            f"\npeak device memory of flaxstate's loop: {flaxstate_peak / 2**30:.2f} GiB measured; fs.plan('local') "
+            f"{total / 2**30:.2f} GiB ({total / flaxstate_peak:.2f}x; params "
+            f"{plan.per_device['params'] / 2**30:.2f}, optimizer {plan.per_device['optimizer'] / 2**30:.2f}, "
+            f"temp {plan.per_device['temp'] / 2**30:.2f} GiB)"
+        )
 
 
 if __name__ == "__main__":

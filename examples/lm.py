@@ -81,6 +81,8 @@ class Config:
     """Hidden width of each block's MLP (logical axis mlp)."""
     layers: int = 2
     """Transformer blocks."""
+    dtype: str = "float32"
+    """The activations' and matrix products' dtype (float32 or bfloat16); parameters and the optimizer stay float32."""
     learning_rate: float = 3e-3
     """AdamW's learning rate."""
     steps_per_checkpoint: int = 100
@@ -122,20 +124,24 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
+        dtype = jnp.dtype(c.dtype)
         norm = _init(("embed",), nn.initializers.ones)
-        h = nn.RMSNorm(scale_init=norm)(x)
+        h = nn.RMSNorm(scale_init=norm, dtype=dtype)(x)
         q, k, v = (
-            nn.DenseGeneral((c.heads, c.head_dim), use_bias=False, kernel_init=_init(("embed", "heads", "kv")))(h)
+            nn.DenseGeneral(
+                (c.heads, c.head_dim), use_bias=False, kernel_init=_init(("embed", "heads", "kv")), dtype=dtype
+            )(h)
             for _ in range(3)
         )
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
         attended = nn.dot_product_attention(q, k, v, mask=mask)
-        x = x + nn.DenseGeneral(c.embed, axis=(-2, -1), use_bias=False, kernel_init=_init(("heads", "kv", "embed")))(
-            attended
-        )
-        h = nn.RMSNorm(scale_init=norm)(x)
-        h = nn.Dense(c.mlp, kernel_init=_init(("embed", "mlp")), bias_init=_init(("mlp",), nn.initializers.zeros))(h)
-        h = nn.Dense(c.embed, kernel_init=_init(("mlp", "embed")), bias_init=_init(("embed",), nn.initializers.zeros))(
+        x = x + nn.DenseGeneral(
+            c.embed, axis=(-2, -1), use_bias=False, kernel_init=_init(("heads", "kv", "embed")), dtype=dtype
+        )(attended)
+        h = nn.RMSNorm(scale_init=norm, dtype=dtype)(x)
+        zeros = nn.initializers.zeros
+        h = nn.Dense(c.mlp, kernel_init=_init(("embed", "mlp")), bias_init=_init(("mlp",), zeros), dtype=dtype)(h)
+        h = nn.Dense(c.embed, kernel_init=_init(("mlp", "embed")), bias_init=_init(("embed",), zeros), dtype=dtype)(
             nn.gelu(h)
         )
         return x + h
@@ -149,13 +155,14 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        x = nn.Embed(VOCAB, c.embed, embedding_init=_init(("vocab", "embed")))(tokens)
+        dtype = jnp.dtype(c.dtype)
+        x = nn.Embed(VOCAB, c.embed, embedding_init=_init(("vocab", "embed")), dtype=dtype)(tokens)
         position = self.param("position", _init((None, "embed")), (c.seq_len, c.embed))
-        x = x + position[: tokens.shape[1]]
+        x = x + position[: tokens.shape[1]].astype(dtype)
         for _ in range(c.layers):
             x = Block(c)(x)
-        x = nn.RMSNorm(scale_init=_init(("embed",), nn.initializers.ones))(x)
-        return nn.Dense(VOCAB, use_bias=False, kernel_init=_init(("embed", "vocab")))(x)
+        x = nn.RMSNorm(scale_init=_init(("embed",), nn.initializers.ones), dtype=dtype)(x)
+        return nn.Dense(VOCAB, use_bias=False, kernel_init=_init(("embed", "vocab")), dtype=dtype)(x)
 
 
 def loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

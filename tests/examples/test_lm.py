@@ -75,3 +75,20 @@ def test_the_text_ships_with_python_and_global_batches_of_its_windows_split_acro
     train, held_out = lm.split(tokens)
     np.testing.assert_array_equal(np.concatenate([train, held_out]), tokens)  # the held-out end is never trained on
     assert 0.04 < len(held_out) / len(tokens) < 0.06
+
+
+def test_in_bfloat16_the_activations_are_bfloat16_and_the_parameters_and_loss_stay_float32():
+    import jax
+    import jax.numpy as jnp
+
+    config = lm.Config(embed=16, heads=2, head_dim=8, mlp=32, layers=1, seq_len=16, dtype="bfloat16")
+    model = lm.Transformer(config)
+    tokens = jnp.asarray(lm.windows(lm.text()[:64], config)[0][:2])
+    variables = model.init(jax.random.key(0), tokens)
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype("float32")}
+    logits = model.apply(variables, tokens)
+    assert logits.dtype == jnp.bfloat16 and logits.shape == (2, 16, lm.VOCAB)
+    full = lm.Transformer(dataclasses.replace(config, dtype="float32")).apply(variables, tokens)
+    assert full.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(full), atol=0.1)  # the same model
+    assert lm.loss(logits, tokens).dtype == jnp.float32
