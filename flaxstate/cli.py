@@ -11,7 +11,7 @@ flaxstate launch [--processes N] [--max-restarts R] [--grace S] -- CMD ...
                                   N processes of CMD on this machine, all started again after a failure
                                   (`flaxstate.launch`)
 
-DIR is a local path or a gs:// URL.
+DIR is a local path, or a gs:// or s3:// URL.
 """
 
 from __future__ import annotations

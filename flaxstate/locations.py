@@ -11,8 +11,10 @@ run directory goes through `run_directory`, at construction, before any work:
   through tensorstore's own gcs driver (orbax's). Its client must be
   installed (`pip install 'flaxstate[gcs]'`) and its bucket must answer,
   or the construction fails naming the URL and what was tried;
-- any other URL (`s3://` among them, until arrays can reach it) is refused,
-  naming what to give instead.
+- an `s3://` URL likewise, through s3fs (`pip install 'flaxstate[s3]'`);
+  its arrays go through tensorstore's s3 driver (`checkpoint.objects`:
+  orbax writes no s3:// arrays);
+- any other URL is refused, naming what to give instead.
 
 The two path types share the methods flaxstate calls on a run directory
 (`/`, `name`, `with_name`, `exists`, `is_dir`, `iterdir`, `mkdir`, `open`,
@@ -33,7 +35,7 @@ from typing import Any, cast
 OBJECT_STORES = ("gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "hdfs", "http", "https")
 """The URL schemes of object and remote storage that a path must not be read as."""
 
-BUCKETS = {"gs": ("gcsfs", "gcs")}
+BUCKETS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
 """The schemes flaxstate writes run directories to: each one's client module and the extra that installs it."""
 
 _URL = re.compile(rf"^({'|'.join(OBJECT_STORES)}):/", re.IGNORECASE)
@@ -82,7 +84,7 @@ def run_directory(directory: str | os.PathLike[str], owner: str) -> Path:
     """A run directory: an absolute local path, or a checked bucket URL (see the module).
 
     Args:
-        directory: a local or mounted directory, or `gs://bucket/path`.
+        directory: a local or mounted directory, `gs://bucket/path` or `s3://bucket/path`.
         owner: what took it (named in errors).
 
     Returns:
@@ -103,9 +105,9 @@ def run_directory(directory: str | os.PathLike[str], owner: str) -> Path:
         mount = _MOUNTS.get(scheme, "a filesystem mount of it")
         raise ValueError(
             f"{owner} got {text!r}: flaxstate writes run directories to local or mounted filesystems and "
-            f"to gs:// buckets, not to {scheme}:// URLs (read as a path it would be a local folder "
-            f"{scheme + ':'!r} in {os.getcwd()}, lost with the machine). Give a local path, a gs:// URL, "
-            f"or the storage mounted as a directory ({mount})."
+            f"to gs:// and s3:// buckets, not to {scheme}:// URLs (read as a path it would be a local folder "
+            f"{scheme + ':'!r} in {os.getcwd()}, lost with the machine). Give a local path, a gs:// or s3:// "
+            f"URL, or the storage mounted as a directory ({mount})."
         )
     client, extra = BUCKETS[scheme]
     try:
@@ -131,23 +133,31 @@ def _check_bucket(path: object, text: str, owner: str) -> None:
     """Raises `ValueError` unless the bucket of `path` exists and answers (see `run_directory`)."""
     from etils import epath
 
-    bucket = text.split("/")[2]
+    scheme, bucket = text.split("://")[0], text.split("/")[2]
     if not bucket:
-        raise ValueError(f"{owner} got {text!r}, a URL with no bucket: give gs://<bucket>/<path>.")
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    tried = f"the emulator at {emulator} (STORAGE_EMULATOR_HOST)" if emulator else "Google Cloud Storage"
+        raise ValueError(f"{owner} got {text!r}, a URL with no bucket: give {scheme}://<bucket>/<path>.")
+    if scheme == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        tried = f"the endpoint {endpoint} (AWS_ENDPOINT_URL)" if endpoint else "Amazon S3"
+        credentials = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or aws configure"
+        create = f"aws s3 mb s3://{bucket}"
+    else:
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        tried = f"the emulator at {emulator} (STORAGE_EMULATOR_HOST)" if emulator else "Google Cloud Storage"
+        credentials = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS"
+        create = f"gcloud storage buckets create gs://{bucket}"
     try:
-        exists = epath.Path(f"gs://{bucket}").exists()
-    except Exception as error:  # gcsfs raises its clients' errors: credentials, network, permissions
+        exists = epath.Path(f"{scheme}://{bucket}").exists()
+    except Exception as error:  # the clients raise their own errors: credentials, network, permissions
         raise ValueError(
             f"{owner} got {text!r}, and the bucket {bucket!r} could not be reached at {tried}: "
-            f"{type(error).__name__}: {error}. Check the credentials (gcloud auth application-default login, "
-            "or GOOGLE_APPLICATION_CREDENTIALS) and the network, before any training."
+            f"{type(error).__name__}: {error}. Check the credentials ({credentials}) and the network, "
+            "before any training."
         ) from error
     if not exists:
         raise ValueError(
             f"{owner} got {text!r}, and the bucket {bucket!r} does not exist at {tried} (or these credentials "
-            f"cannot see it): create it (gcloud storage buckets create gs://{bucket}) or give another."
+            f"cannot see it): create it ({create}) or give another."
         )
 
 
@@ -192,6 +202,23 @@ def tree_size(path: Path) -> int:
     except FileNotFoundError:
         pass
     return total
+
+
+def tree_listing(path: Path) -> dict[str, int]:
+    """Every file under a directory by its '/'-joined path below it, with its bytes (empty where there is none)."""
+    if not is_url(path):
+        return {
+            os.path.relpath(os.path.join(folder, name), path): os.stat(os.path.join(folder, name)).st_size
+            for folder, _, names in os.walk(path)
+            for name in names
+        }
+    filesystem = _filesystem(path)
+    root = filesystem._strip_protocol(str(path)).rstrip("/") + "/"
+    try:
+        found = filesystem.find(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {name.removeprefix(root): int(info["size"]) for name, info in found.items() if info["type"] == "file"}
 
 
 def move_tree(source: Path, target: Path, *, commit_marker: str | None = None) -> None:

@@ -1,9 +1,9 @@
-"""Where run directories may be: local paths, gs:// buckets (tests/checkpoint/test_buckets.py), and nothing else.
+"""Where run directories may be: local paths, gs:// and s3:// buckets (tests/checkpoint/test_buckets.py), nothing else.
 
 A URL of a store flaxstate does not write to, or a bucket given where a
 local directory is needed (a local tier, a trace), is refused at
 construction, naming the URL and what to give instead, and nothing lands in
-a local 's3:' or 'gs:' folder.
+a local 'az:', 's3:' or 'gs:' folder.
 """
 
 import subprocess
@@ -16,7 +16,7 @@ import flaxstate as fs
 from flaxstate.locations import as_path, local_path, scheme_of
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "S3://Bucket/Run", "az://container/run", Path("hdfs://n/run")])
+@pytest.mark.parametrize("url", ["gcs://bucket/run", "AZ://Container/Run", "az://container/run", Path("hdfs://n/run")])
 def test_every_public_place_that_takes_a_run_directory_refuses_other_urls_and_creates_nothing(
     url, tmp_path, monkeypatch
 ):
@@ -30,9 +30,9 @@ def test_every_public_place_that_takes_a_run_directory_refuses_other_urls_and_cr
         lambda: fs.SummaryWriter(url),
     ]
     for make in makers:
-        with pytest.raises(ValueError, match=r"flaxstate writes run directories to .* not to (s3|az|hdfs):// URLs"):
+        with pytest.raises(ValueError, match=r"flaxstate writes run directories to .* not to (gcs|az|hdfs):// URLs"):
             make()
-    assert list(tmp_path.iterdir()) == []  # no local s3: folder, no ledger
+    assert list(tmp_path.iterdir()) == []  # no local az: folder, no ledger
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/run"])
@@ -58,11 +58,11 @@ def test_paths_pass_unchanged_and_a_url_read_as_a_path_is_still_a_url():
 
 def test_the_command_line_refuses_a_url_naming_it_and_exits_2(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", "ls", "s3://my-bucket/run1"],
+        [sys.executable, "-m", "flaxstate", "ls", "az://my-bucket/run1"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
     )
-    assert done.returncode == 2 and "'s3://my-bucket/run1'" in done.stderr and "not to s3:// URLs" in done.stderr
+    assert done.returncode == 2 and "'az://my-bucket/run1'" in done.stderr and "not to az:// URLs" in done.stderr
     assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 
 from flaxstate import tree_paths
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.train_state import StateMismatchError
 
 MODEL, OPTIMIZER, META = "model", "optimizer", "meta"
 
@@ -93,6 +94,35 @@ def to_json(value: Any) -> Any:
         raise CheckpointError(
             f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"
         ) from error
+
+
+def renamed_against(
+    stored_flat: Mapping[str, Any], template: Mapping[str, Any] | None, rename: Rename, with_optimizer: bool, what: str
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """A step's stored paths against a template: each stored path's new path (by `rename`), and the template's leaves.
+
+    Returns:
+        `{stored path: template path}` and the template's flat leaves (the
+        optimizer's left out without `with_optimizer`; empty without a template).
+
+    Raises:
+        StateMismatchError: the renamed stored tree differs from the template's, naming every differing path.
+    """
+    renamed = tree_paths.rename(stored_flat, rename)
+    new_path = dict(zip(stored_flat, renamed, strict=True))
+    expected: dict[str, Any] = {}
+    if template is not None:
+        expected = tree_paths.flatten(template)
+        if not with_optimizer:
+            expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
+        difference = tree_paths.diff(expected, renamed)
+        if difference:
+            raise StateMismatchError(
+                f"{what} does not match the model:\n"
+                + difference.describe()
+                + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
+            )
+    return new_path, expected
 
 
 def state_dict_of(flat: Mapping[str, Any]) -> dict[str, Any]:

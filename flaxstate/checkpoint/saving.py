@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from flaxstate import background, locations
 from flaxstate.checkpoint import damage
 from flaxstate.checkpoint.errors import CheckpointSaveError
+from flaxstate.checkpoint.steps import VANISHING_SECONDS
 
 
 class OrbaxAsyncSave:
@@ -215,3 +216,21 @@ def prune_aside(directory: Path, suffix: str, keep: int) -> list[Path]:
     for path in removed:
         locations.remove_tree(path)
     return removed
+
+
+def remove_until_quiet(unfinished: Callable[[], list[Path]]) -> list[Path]:
+    """Removes what `unfinished` lists until it stays empty (at most `VANISHING_SECONDS`); returns what it removed.
+
+    A failed save's last writes can still land on tensorstore's threads after
+    its failure was raised: a folder that comes back is removed again.
+    """
+    removed = {path: None for path in unfinished()}
+    deadline = time.monotonic() + VANISHING_SECONDS
+    while removed:
+        for path in unfinished():
+            locations.remove_tree(path)
+            removed[path] = None
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return list(removed)

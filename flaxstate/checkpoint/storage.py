@@ -34,10 +34,18 @@ from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
-from flaxstate.checkpoint.layout import META, SET_ASIDE, TMP_MARK, Rename, StoredCheckpoint, state_dict_of, to_json
-from flaxstate.checkpoint.steps import LISTING_ATTEMPTS, VANISHING_SECONDS
+from flaxstate.checkpoint.layout import (
+    META,
+    SET_ASIDE,
+    TMP_MARK,
+    Rename,
+    StoredCheckpoint,
+    renamed_against,
+    state_dict_of,
+    to_json,
+)
+from flaxstate.checkpoint.steps import LISTING_ATTEMPTS
 from flaxstate.locations import as_path
-from flaxstate.train_state import StateMismatchError
 
 logger = logging.getLogger("flaxstate")
 
@@ -177,7 +185,7 @@ class CheckpointStore(saving.SaveSlot):
         if jax.process_index() != 0 or not self.directory.is_dir():
             return []
 
-        return _remove_until_quiet(
+        return saving.remove_until_quiet(
             lambda: [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
         )
 
@@ -343,25 +351,12 @@ def _partial_items(trees: Mapping[str, Any], by_item: Mapping[str, Mapping[str, 
 def _restore_plan(
     stored_flat: Mapping[str, Any], template: Mapping[str, Any] | None, rename: Rename, with_optimizer: bool, what: str
 ) -> tuple[dict[str, str], Callable[[str], Any]]:
-    """How a step's stored arrays restore into a template: each stored path's new path, and its restore arguments.
+    """How a step's stored arrays restore into a template: each stored path's new path, and its orbax arguments.
 
     Raises:
         StateMismatchError: the renamed stored tree differs from the template's, naming every differing path.
     """
-    renamed = tree_paths.rename(stored_flat, rename)
-    new_path = dict(zip(stored_flat, renamed, strict=True))
-    expected: dict[str, Any] = {}
-    if template is not None:
-        expected = tree_paths.flatten(template)
-        if not with_optimizer:
-            expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
-        difference = tree_paths.diff(expected, renamed)
-        if difference:
-            raise StateMismatchError(
-                f"{what} does not match the model:\n"
-                + difference.describe()
-                + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
-            )
+    new_path, expected = renamed_against(stored_flat, template, rename, with_optimizer, what)
 
     def restore_args(path: str) -> Any:
         target: Any = expected.get(new_path.get(path, ""))
@@ -370,20 +365,6 @@ def _restore_plan(
         return ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape, dtype=target.dtype)
 
     return new_path, restore_args
-
-
-def _remove_until_quiet(unfinished: Callable[[], list[Path]]) -> list[Path]:
-    """Removes what `unfinished` lists until it stays empty (at most `VANISHING_SECONDS`); returns what it removed."""
-    removed = {path: None for path in unfinished()}
-    deadline = time.monotonic() + VANISHING_SECONDS
-    while removed:
-        for path in unfinished():
-            locations.remove_tree(path)
-            removed[path] = None
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    return list(removed)
 
 
 def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:

@@ -1,16 +1,19 @@
 """The store a writer saves into: one protocol for a directory of steps, and the one place that picks it.
 
-Two stores implement `Store`:
+Three stores implement `Store`:
 
 - `flaxstate.checkpoint.storage.CheckpointStore`: an orbax directory that
   every process writes together (the run directory, the persistent tier);
   `shared`: only the primary process changes it, and the others wait.
 - `flaxstate.checkpoint.local.LocalStore`: this process's own files (the
   local tier, `per_process=True`); each process changes its own.
+- `flaxstate.checkpoint.objects.ObjectStore`: an `s3://` run directory,
+  whose arrays orbax cannot write (tensorstore's s3 driver); like orbax's,
+  every process writes it together and the primary commits.
 
 A writer is written against `Store` alone; `store_directory` and
-`open_store` make the choice once, from the path and the options. A third
-store (object storage) is a third implementation here.
+`open_store` make the choice once, from the path and the options. (A
+`gs://` directory is orbax's: it writes gs:// itself.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint
 from flaxstate.checkpoint.local import LocalStore, process_directory
+from flaxstate.checkpoint.objects import ObjectStore, is_object_store
 from flaxstate.checkpoint.storage import CheckpointStore
 
 
@@ -125,7 +129,7 @@ def open_store(
     best: BestPolicy | None = None,
     read_only: bool = False,
 ) -> Store:
-    """The store of `directory` (from `store_directory`): per-process files, or an orbax directory.
+    """The store of `directory` (from `store_directory`): per-process files, an s3:// store, or an orbax directory.
 
     Args:
         directory: the store's directory.
@@ -136,4 +140,6 @@ def open_store(
     """
     if per_process:
         return LocalStore(directory, keep=keep, read_only=read_only)
+    if is_object_store(directory):
+        return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
     return CheckpointStore(directory, keep=keep, best=best, read_only=read_only)

@@ -1,10 +1,12 @@
-"""Run directories in a bucket (gs://), against a real emulator: kill -9, SIGTERM, damage, a live writer, the CLI.
+"""Run directories in a bucket (gs://, s3://), against real emulators: kill -9, SIGTERM, damage, a live writer, the CLI.
 
-fake-gcs-server runs on 127.0.0.1 for this module only, started and stopped
-here (`flaxstate_testing.buckets`); every worker finds it through the
-clients' own variables. A bucket has no rename and no append, so each test
-checks what flaxstate does instead, by listing the bucket's objects through
-the emulator itself.
+fake-gcs-server and moto's S3 server run on 127.0.0.1 for this module only,
+one after the other, started and stopped here (`flaxstate_testing.buckets`);
+every worker finds them through the clients' own variables. A gs://
+directory is orbax's; an s3:// one is flaxstate's own store
+(`flaxstate.checkpoint.objects`), since orbax writes no s3:// arrays. A
+bucket has no rename and no append, so each test checks what flaxstate does
+instead, by listing the bucket's objects through the emulator itself.
 """
 
 import json
@@ -16,9 +18,11 @@ import time
 from pathlib import Path
 
 import fsspec
+import jax
 import numpy as np
+import optax
 import pytest
-from flaxstate_testing import buckets, processes
+from flaxstate_testing import buckets, processes, toy
 from flaxstate_testing.checkpoints import read_beside_a_rotating_writer
 
 import flaxstate as fs
@@ -28,9 +32,10 @@ from flaxstate.checkpoint import ledger
 CONFIG = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep": 2}
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    with buckets.fake_gcs() as server:
+@pytest.fixture(scope="module", params=["gs", "s3"])
+def bucket(request):
+    """A running emulator with a bucket `runs`, of each scheme in turn (`bucket.scheme`)."""
+    with buckets.fake_gcs() if request.param == "gs" else buckets.moto_s3() as server:
         server.create_bucket("runs")
         yield server
 
@@ -55,10 +60,10 @@ def assert_same(final: dict, expected: dict) -> None:
         np.testing.assert_array_equal(final[key], value, err_msg=key)
 
 
-def step_folders(gcs, prefix: str) -> dict[str, set[str]]:
+def step_folders(server, prefix: str) -> dict[str, set[str]]:
     """Each top-level folder of a run in the bucket, with the names of its objects (relative to it)."""
     folders: dict[str, set[str]] = {}
-    for name in gcs.objects("runs", prefix + "/"):
+    for name in server.objects("runs", prefix + "/"):
         folder, _, rest = name[len(prefix) + 1 :].partition("/")
         folders.setdefault(folder, set()).add(rest)
     return folders
@@ -82,28 +87,28 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(gcs, reference, tmp_path):
-    url = "gs://runs/killed"
+def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(bucket, reference, tmp_path):
+    url = f"{bucket.scheme}://runs/killed"
     worker = processes.Watched(processes.start("resume.py", {**CONFIG, "output_dir": url, "out": str(tmp_path / "x")}))
     try:
         worker.wait_for("record 20", timeout=180)  # its save of step 20 has just begun
         processes.kill(worker.process)
     finally:
         assert worker.finish(timeout=30) == -signal.SIGKILL, worker.output[-3000:]
-    folders = step_folders(gcs, "killed")
+    folders = step_folders(bucket, "killed")
     newest = committed(folders)[-1]
     assert 10 <= newest <= 20, folders.keys()
     # A save that the kill cut short, its commit marker never written: what a kill leaves when it lands
     # later in a save, made here for certain by copying the newest step without its marker.
-    filesystem = fsspec.filesystem("gs")
+    filesystem = fsspec.filesystem(bucket.scheme)
     filesystem.copy(f"runs/killed/{newest}/", "runs/killed/30/", recursive=True)
     filesystem.rm("runs/killed/30/commit_success.txt")
-    assert "commit_success.txt" not in step_folders(gcs, "killed")["30"]
+    assert "commit_success.txt" not in step_folders(bucket, "killed")["30"]
 
     final, output = run(tmp_path, url)
     assert start_start(output) == newest, output[-3000:]  # the unfinished step 30 is no checkpoint
     assert_same(final, reference)
-    folders = step_folders(gcs, "killed")
+    folders = step_folders(bucket, "killed")
     steps = [name for name in folders if name.isdigit()]
     assert committed(folders) == sorted(int(step) for step in steps) == [30, 40], folders.keys()
     assert len(folders["goodput-sessions"]) == 2  # one ledger object a session, both kept
@@ -118,50 +123,64 @@ def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(gcs, refer
     rows = [line.split() for line in listing.stdout.splitlines() if line.split()[1:2] in (["30"], ["40"])]
     assert len(rows) == 2 and all(row[5] == "MB" and float(row[4]) > 1 for row in rows), listing.stdout
     shown = cli("show", url, "--step", "30")
-    assert shown.returncode == 0 and "gs://runs/killed/30" in shown.stdout, shown.stdout + shown.stderr
+    assert shown.returncode == 0 and f"{url}/30" in shown.stdout, shown.stdout + shown.stderr
     compared = cli("diff", url, url, "--step-a", "30", "--step-b", "40")
     assert compared.returncode == 1 and "step" in compared.stdout, compared.stdout + compared.stderr  # 10 steps apart
 
 
-def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(gcs, reference, tmp_path):
-    url = "gs://runs/preempted"
+def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(bucket, reference, tmp_path):
+    url = f"{bucket.scheme}://runs/preempted"
     _, output = run(tmp_path, url, sigterm_after_save=10, data_sleep=0.02)
     assert "preempted" in output and "done 40" not in output, output[-3000:]
     preempted_step = int(output.split("preempted")[0].split("record ")[-1])
-    assert preempted_step in committed(step_folders(gcs, "preempted")), output[-3000:]
+    assert preempted_step in committed(step_folders(bucket, "preempted")), output[-3000:]
     final, output = run(tmp_path, url)
     assert start_start(output) == preempted_step
     assert_same(final, reference)
 
 
-def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(gcs, reference, tmp_path):
-    url = "gs://runs/damaged"
+def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(bucket, reference, tmp_path, caplog):
+    url = f"{bucket.scheme}://runs/damaged"
     run(tmp_path, url, n_steps=20)
-    folders = step_folders(gcs, "damaged")
+    folders = step_folders(bucket, "damaged")
     damaged = folders["20"]
     assert committed(folders) == [10, 20]
-    filesystem = fsspec.filesystem("gs")
-    manifests = sorted(name for name in folders["20"] if name.startswith("model/") and name.endswith("manifest.ocdbt"))
-    filesystem.pipe(f"runs/damaged/20/{manifests[0]}", b"not a manifest")  # as a torn upload would leave it
+    filesystem = fsspec.filesystem(bucket.scheme)
+    if bucket.scheme == "gs":  # orbax's: a manifest as a torn upload would leave it
+        torn = sorted(name for name in damaged if name.startswith("model/") and name.endswith("manifest.ocdbt"))[0]
+        filesystem.pipe(f"runs/damaged/20/{torn}", b"not a manifest")
+    else:  # flaxstate's: the largest chunk cut short (zarr alone would not notice)
+        torn = max(
+            (name for name in damaged if "/c/" in name), key=lambda name: filesystem.size(f"runs/damaged/20/{name}")
+        )
+        filesystem.pipe(f"runs/damaged/20/{torn}", b"torn")
     final, output = run(tmp_path, url)
     assert start_start(output) == 10, output[-3000:]
     assert_same(final, reference)
-    aside = step_folders(gcs, "damaged")["20.damaged"]
-    assert aside == damaged, (aside, damaged)  # kept whole, out of orbax's sight
-    assert committed(step_folders(gcs, "damaged")) == [30, 40]  # 20 saved again whole, then rotated
+    aside = step_folders(bucket, "damaged")["20.damaged"]
+    assert aside == damaged, (aside, damaged)  # kept whole, out of the listing
+    assert committed(step_folders(bucket, "damaged")) == [30, 40]  # 20 saved again whole, then rotated
 
     # The directory is this run's: another run (not resumed) is refused at its first record, nothing lost.
     other = processes.start("resume.py", {**CONFIG, "output_dir": url, "out": str(tmp_path / "x"), "resume": False})
     (output,) = processes.wait_all([other], timeout=240, expect_success=False)
     assert other.returncode != 0 and "holds checkpoints of another run (steps [30, 40]" in output, output[-3000:]
-    assert committed(step_folders(gcs, "damaged")) == [30, 40]
+    assert committed(step_folders(bucket, "damaged")) == [30, 40]
+    if bucket.scheme == "s3":
+        # A chunk gone, which zarr would read as zeros: step 40 is damage, named, and the reader takes 30.
+        gone = sorted(name for name in step_folders(bucket, "damaged")["40"] if "/c/" in name)[0]
+        filesystem.rm(f"runs/damaged/40/{gone}")
+        with caplog.at_level("WARNING", logger="flaxstate"):
+            restored = fs.CheckpointFileReader(url).read(None)
+        assert restored is not None and restored.step == 30
+        assert f"{gone} is missing" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("keep", [1, 3])
-def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(gcs, keep, capsys):
+def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(bucket, keep, capsys):
     from flaxstate import cli
 
-    url = f"gs://runs/live-{keep}"
+    url = f"{bucket.scheme}://runs/live-{keep}"
 
     def inspect(step: int) -> None:
         for command in ("ls", "show"):
@@ -172,31 +191,37 @@ def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complet
     assert steps == sorted(steps) and len(set(steps)) > 1, steps  # new steps seen as the writer saved them
 
 
-def test_bucket_errors_come_at_construction_naming_the_url_and_the_fix(gcs, tmp_path):
-    with pytest.raises(ValueError, match=r"gs://no-such-bucket/run.*bucket 'no-such-bucket' does not exist"):
-        fs.CheckpointFileWriter("gs://no-such-bucket/run")
-    with pytest.raises(ValueError, match=r"'gs://no-such-bucket/run'.*bucket 'no-such-bucket' does not exist"):
-        fs.CheckpointFileReader(Path("gs://no-such-bucket/run"), target=lambda rng: {})  # pathlib's gs:/ too
-    with pytest.raises(ValueError, match=r"local tier.*gs://runs/local.*local path"):
-        fs.CheckpointFileWriter("gs://runs/local", per_process=True)
-    with pytest.raises(ValueError, match=r"TraceWriter.*gs://runs/trace"):
-        fs.TraceWriter("gs://runs/trace", at_step=5)
-    with pytest.raises(ValueError, match=r"s3://bucket/run.*not to s3:// URLs"):
-        fs.CheckpointFileWriter("s3://bucket/run")
+def test_bucket_errors_come_at_construction_naming_the_url_and_the_fix(bucket, tmp_path):
+    scheme = bucket.scheme
+    create = "gcloud storage buckets create" if scheme == "gs" else "aws s3 mb"
+    with pytest.raises(ValueError, match=rf"{scheme}://no-such-bucket/run.*'no-such-bucket' does not exist.*{create}"):
+        fs.CheckpointFileWriter(f"{scheme}://no-such-bucket/run")
+    with pytest.raises(ValueError, match=rf"'{scheme}://no-such-bucket/run'.*bucket 'no-such-bucket' does not exist"):
+        fs.CheckpointFileReader(Path(f"{scheme}://no-such-bucket/run"), target=lambda rng: {})  # pathlib's gs:/ too
+    with pytest.raises(ValueError, match=rf"local tier.*{scheme}://runs/local.*local path"):
+        fs.CheckpointFileWriter(f"{scheme}://runs/local", per_process=True)
+    with pytest.raises(ValueError, match=rf"TraceWriter.*{scheme}://runs/trace"):
+        fs.TraceWriter(f"{scheme}://runs/trace", at_step=5)
+    with pytest.raises(ValueError, match=r"az://bucket/run.*not to az:// URLs"):
+        fs.CheckpointFileWriter("az://bucket/run")
     assert not list(tmp_path.iterdir())  # nothing made locally
     # Without the client package: the extra to install, before any work.
-    blocked = "import sys; sys.modules['gcsfs'] = None; import flaxstate as fs; fs.CheckpointFileWriter('gs://runs/x')"
+    client, extra = ("gcsfs", "gcs") if scheme == "gs" else ("s3fs", "s3")
+    blocked = (
+        f"import sys; sys.modules['{client}'] = None; import flaxstate as fs; "
+        f"fs.CheckpointFileWriter('{scheme}://runs/x')"
+    )
     result = subprocess.run(
         [sys.executable, "-c", blocked], env=processes.worker_env(), capture_output=True, text=True, timeout=120
     )
-    assert result.returncode != 0 and "pip install 'flaxstate[gcs]'" in result.stderr, result.stderr[-2000:]
+    assert result.returncode != 0 and f"pip install 'flaxstate[{extra}]'" in result.stderr, result.stderr[-2000:]
 
 
-def test_summaries_go_to_the_bucket_and_plot_from_it(gcs, tmp_path):
+def test_summaries_go_to_the_bucket_and_plot_from_it(bucket, tmp_path):
     # In a process of its own, which ends while the emulator runs: tensorboardX uploads its event file
     # again when the process ends, and would wait two minutes for an emulator already stopped.
     script = (
-        "import flaxstate as fs; writer = fs.SummaryWriter('gs://runs/summaries'); "
+        f"import flaxstate as fs; writer = fs.SummaryWriter('{bucket.scheme}://runs/summaries'); "
         "writer(fs.Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10, elapsed_time=1.0, step=10)); "
         "writer.close()"
     )
@@ -204,15 +229,15 @@ def test_summaries_go_to_the_bucket_and_plot_from_it(gcs, tmp_path):
         [sys.executable, "-c", script], env=processes.worker_env(), capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    (name,) = gcs.objects("runs", "summaries/")
+    (name,) = bucket.objects("runs", "summaries/")
     assert name.startswith("summaries/events.out.tfevents."), name
-    with fsspec.open(f"gs://runs/{name}", "rb") as events:
+    with fsspec.open(f"{bucket.scheme}://runs/{name}", "rb") as events:
         assert b"train/loss" in events.read()
-    plotted = cli("plot", "gs://runs/summaries", "-o", str(tmp_path / "curves.png"))
+    plotted = cli("plot", f"{bucket.scheme}://runs/summaries", "-o", str(tmp_path / "curves.png"))
     assert plotted.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, plotted.stderr[-2000:]
 
 
-def test_two_tiers_local_disks_and_a_bucket_over_two_processes(gcs, tmp_path):
+def test_two_tiers_local_disks_and_a_bucket_over_two_processes(bucket, tmp_path):
     """Local tiers on disk, the persistent one in the bucket; both processes killed, one host replaced."""
     config = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 200}
     config |= {"local_dirs": [str(tmp_path / f"local-{i}") for i in range(2)], "save_steps": [30]}
@@ -228,20 +253,22 @@ def test_two_tiers_local_disks_and_a_bucket_over_two_processes(gcs, tmp_path):
     for i in range(2):
         shutil.rmtree(tmp_path / f"local-{i}")
 
-    url = "gs://runs/tiers"
+    url = f"{bucket.scheme}://runs/tiers"
     workers = start(url, data_sleep=0.03)  # 170 steps after the persistent save: time for its commit
     try:
         for worker in workers:
             worker.wait_for("record 50", timeout=240)
         deadline = time.monotonic() + 60
-        while committed(step_folders(gcs, "tiers")) != [30] and time.monotonic() < deadline:
+        while committed(step_folders(bucket, "tiers")) != [30] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "done" not in workers[0].output, "the run ended before step 30's save was committed"
     finally:
         for worker in workers:
             processes.kill(worker.process)
             worker.finish(timeout=30)
-    assert committed(step_folders(gcs, "tiers")) == [30]
+    assert committed(step_folders(bucket, "tiers")) == [30]
+    if bucket.scheme == "s3":
+        assert {"done-0", "done-1"} <= step_folders(bucket, "tiers")["30"]  # both processes wrote their parts
     shutil.rmtree(tmp_path / "local-1")  # a replaced host: the persistent tier in the bucket it is
     workers = start(url)
     assert [worker.finish(timeout=240) for worker in workers] == [0, 0], workers[0].output[-3000:]
@@ -253,3 +280,30 @@ def test_two_tiers_local_disks_and_a_bucket_over_two_processes(gcs, tmp_path):
     first, second = goodput.report(ledger.run_events(url))["sessions"]
     assert first["restored_step"] is None and 10 <= first["last_step"] <= 200, first
     assert second["restored_step"] == 30 and second["last_step"] == 200, second
+
+
+def test_best_writers_keep_the_best_in_the_bucket(bucket):
+    model = toy.BatchNormNet()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(6, 8))
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=6, n_steps_per_checkpoint=2, stdout=False)
+    url = f"{bucket.scheme}://runs/best"
+    with fs.LowestCheckpointFileWriter(url, metric="loss", keep=2) as best:
+        for record, value in zip(loop, [3.0, 1.0, 2.0], strict=True):
+            best(record.with_metrics({"eval": {"loss": value}}))
+    assert committed(step_folders(bucket, f"best/{best.policy.subdir}")) == [4, 6]  # step 2 (3.0) deleted
+    restored = fs.LowestCheckpointFileReader(url, metric="loss").read(None)
+    assert restored.step == 4 and restored.metrics["eval"]["loss"] == 1.0
+
+
+def test_saved_by_two_processes_in_the_bucket_restores_in_one_and_the_reverse(bucket, tmp_path):
+    """Restore anywhere from a bucket: a step both processes wrote restores in one process, and the reverse."""
+
+    def devices(mode: str, name: str, n_processes: int) -> str:
+        config = {"mode": mode, "output_dir": f"{bucket.scheme}://runs/devices-{name}", "width": 64}
+        config["out"] = str(tmp_path / f"{name}.npz")
+        return processes.run("devices.py", config, n_processes=n_processes, timeout=180)[0]
+
+    devices("save", "two", 2)
+    assert "restored on 1 devices" in devices("restore", "two", 1)
+    devices("save", "one", 1)
+    assert "restored on 2 devices" in devices("restore", "one", 2)

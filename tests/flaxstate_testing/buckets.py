@@ -31,25 +31,41 @@ def _binary() -> Path:
     return binary
 
 
-class FakeGCS:
+class _Emulator:
+    """An emulator's process on a free port of 127.0.0.1, started and stopped by its process id."""
+
+    def __init__(self, command: list[str], probe: str, seconds: float) -> None:
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}{probe}", timeout=1).close()
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{type(self).__name__} did not start on {self.url}") from None
+                time.sleep(0.05)
+
+    url: str
+
+    def stop(self) -> None:
+        """Stops the emulator (by its process id) and waits for it."""
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+
+class FakeGCS(_Emulator):
     """One fake-gcs-server process (in memory) on a free port of 127.0.0.1."""
+
+    scheme = "gs"
 
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
         command += ["-backend", "memory", "-log-level", "error", "-public-host", f"127.0.0.1:{self.port}"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).close()
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"fake-gcs-server did not start on {self.url}") from None
-                time.sleep(0.05)
+        super().__init__(command, "/storage/v1/b", seconds=20)
 
     def variables(self) -> dict[str, str]:
         """The clients' own variables that point them at this emulator (gcsfs, google-cloud-storage, tensorstore)."""
@@ -85,16 +101,64 @@ class FakeGCS:
             if not token:
                 return names
 
-    def stop(self) -> None:
-        """Stops the emulator (by its process id) and waits for it."""
-        self.process.kill()
-        self.process.wait(timeout=10)
-
 
 @contextlib.contextmanager
 def fake_gcs() -> Iterator[FakeGCS]:
     """A running emulator whose variables are set in this process (so its workers inherit them) until the end."""
-    server = FakeGCS()
+    with emulated(FakeGCS()) as server:
+        yield server  # type: ignore[misc]
+
+
+class MotoS3(_Emulator):
+    """One moto server (an S3 emulator, in memory) on a free port of 127.0.0.1.
+
+    moto enforces S3's preconditions, as fake-gcs-server does not on every call.
+    """
+
+    scheme = "s3"
+
+    def __init__(self) -> None:
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        super().__init__(command, "/moto-api/", seconds=30)
+
+    def variables(self) -> dict[str, str]:
+        """The AWS clients' own variables that point them at this emulator (s3fs, botocore; flaxstate passes
+        the endpoint to tensorstore's s3 driver)."""
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def create_bucket(self, name: str) -> str:
+        """Creates a bucket; returns its URL."""
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"), timeout=10).close()
+        return f"s3://{name}"
+
+    def objects(self, bucket: str, prefix: str = "") -> list[str]:
+        """The keys of a bucket's objects under `prefix`, read from the emulator itself (not through flaxstate)."""
+        import xml.etree.ElementTree as ElementTree
+
+        keys, token = [], ""
+        namespace = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+        while True:
+            query = f"list-type=2&prefix={prefix}" + (f"&continuation-token={token}" if token else "")
+            with urllib.request.urlopen(f"{self.url}/{bucket}?{query}", timeout=10) as response:
+                root = ElementTree.parse(response).getroot()
+            keys += [element.text or "" for element in root.iter(f"{namespace}Key")]
+            token = root.findtext(f"{namespace}NextContinuationToken") or ""
+            if not token:
+                return keys
+
+
+@contextlib.contextmanager
+def emulated(server: FakeGCS | MotoS3) -> Iterator[FakeGCS | MotoS3]:
+    """A running emulator whose variables are set in this process (so its workers inherit them) until the end."""
     saved = {name: os.environ.get(name) for name in server.variables()}
     os.environ.update(server.variables())
     try:
@@ -106,3 +170,10 @@ def fake_gcs() -> Iterator[FakeGCS]:
             else:
                 os.environ[name] = value
         server.stop()
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[MotoS3]:
+    """A running S3 emulator whose variables are set in this process until the end."""
+    with emulated(MotoS3()) as server:
+        yield server  # type: ignore[misc]
