@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 from flaxstate import collectives, locations
 from flaxstate.checkpoint import steps, tiers
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.local import LocalStore
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
 from flaxstate.locations import as_path
@@ -208,6 +209,10 @@ def _claim_per_process(
     if found.others:
         logger.warning("%r: overwrite=True, removing steps %s of %s.", writer, found.others, store.directory)
         store.delete(found.others)
+    if isinstance(store, LocalStore):  # copies of other processes' steps from the history this restart left
+        dropped = store.drop_copies_from(checkpoint.step)
+        if dropped:
+            logger.warning("%r: removed peer copies of steps %s, at or after this record's.", writer, dropped)
     if found.ahead:
         moved = [store.set_aside(step, SUPERSEDED) for step in found.ahead]
         logger.warning(

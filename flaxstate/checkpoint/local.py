@@ -43,12 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxstate import background, tree_paths
+from flaxstate import background, collectives, tree_paths
 from flaxstate.checkpoint import meta as meta_format
-from flaxstate.checkpoint import saving
+from flaxstate.checkpoint import peers, saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
+from flaxstate.checkpoint.peers import PeerPlan
 from flaxstate.checkpoint.steps import VanishedStepError
 from flaxstate.records import FORMAT_VERSION
 
@@ -119,10 +120,13 @@ class LocalStore(saving.SaveSlot):
     shared = False
     """Each process writes its own directory."""
 
-    def __init__(self, directory: str | Path, keep: int | None = None, read_only: bool = False) -> None:
+    def __init__(
+        self, directory: str | Path, keep: int | None = None, read_only: bool = False, peers: PeerPlan | None = None
+    ) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
         self._keep = keep
+        self._peers = peers
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             background.track(self)
@@ -143,7 +147,10 @@ class LocalStore(saving.SaveSlot):
             CheckpointError: `step` is already saved here (nothing saved is ever overwritten).
         """
         self.wait()
-        if step in self.steps():
+        saved = step in self.steps()
+        if self._peers is not None:  # all refuse together, before the collective that moves the parts
+            saved = any(collectives.allgather_json(saved))
+        if saved:
             raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
         flat = tree_paths.flatten(dict(state_dict))
         header = {
@@ -154,7 +161,40 @@ class LocalStore(saving.SaveSlot):
             "processes": jax.process_count(),
             "devices": [device.id for device in jax.local_devices()],
         }
-        self._pending = saving.BackgroundSave(step, lambda: _write_step(self.directory, step, flat, header, self._keep))
+        if self._peers is None:
+            self._pending = saving.BackgroundSave(
+                step, lambda: _write_step(self.directory, step, flat, header, self._keep)
+            )
+            return
+        # Every process sends its parts to its peers now (a collective, in the record's order); the save's
+        # thread writes them and the parts it received.
+        meta, chunks = pack_step(flat, header)
+        buffer = peers.pack(meta, chunks)
+        me = jax.process_index()
+        received = [(holders.index(me), peers.send(buffer, holders)) for holders in self._peers.rounds]
+        self._pending = saving.BackgroundSave(step, lambda: self._write_with_copies(step, meta, chunks, received))
+
+    def _write_with_copies(
+        self, step: int, meta: dict[str, Any], chunks: list[np.ndarray], received: list[tuple[int, jax.Array]]
+    ) -> None:
+        write_packed(self.directory, step, meta, chunks, self._keep)
+        for owner, arrived in received:
+            copy_meta, body = peers.unpack(np.asarray(arrived))
+            where = peers.copies_directory(self.directory, owner)
+            for old in _steps(where):  # another run's copies, and this run's from a history a restart left
+                if old >= step or _run_of(where / str(old)) != copy_meta.get("run_id"):
+                    _remove(where, old)
+            write_packed(where, step, copy_meta, [body], self._keep)
+
+    def drop_copies_from(self, step: int) -> list[int]:
+        """Removes the peer copies of `step` and later ones (a restart resumed from an earlier step); returns them."""
+        dropped = []
+        for where in (self.directory / peers.PEERS).glob("process-*"):
+            for old in _steps(where):
+                if old >= step:
+                    _remove(where, old)
+                    dropped.append(old)
+        return sorted(set(dropped))
 
     def unfinished(self) -> list[Path]:
         """The directories of saves that did not finish (killed, failed, or running): `<step>.partial-<pid>`."""
@@ -330,30 +370,47 @@ def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer:
     return None
 
 
+def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """A step's meta and `arrays.bin`'s bytes as chunks (no copy): this process's distinct parts, 64-byte aligned."""
+    arrays: dict[str, Any] = {}
+    chunks: list[np.ndarray] = []
+    offset = 0
+    for path, value in flat.items():
+        shape, dtype, parts = host_parts(value)
+        entries = []
+        for index, data in parts:
+            padding = -offset % ALIGN
+            chunks.append(np.zeros(padding, np.uint8))
+            offset += padding
+            data = np.ascontiguousarray(data)
+            chunks.append(data.reshape(-1).view(np.uint8))
+            entries.append({"index": index, "offset": offset})
+            offset += data.nbytes
+        arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
+    return {**header, "arrays": arrays, "bytes": offset}, chunks
+
+
 def _write_step(directory: Path, step: int, flat: Mapping[str, Any], header: dict[str, Any], keep: int | None) -> None:
+    """Packs and writes this process's step (see `write_packed`)."""
+    meta, chunks = pack_step(flat, header)
+    write_packed(directory, step, meta, chunks, keep)
+
+
+def write_packed(
+    directory: Path, step: int, meta: Mapping[str, Any], chunks: list[np.ndarray], keep: int | None
+) -> None:
     """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`."""
+    directory.mkdir(parents=True, exist_ok=True)
     partial = directory / f"{step}{PARTIAL}{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    arrays: dict[str, Any] = {}
-    offset = 0
     with open(partial / ARRAYS, "wb") as file:
-        for path, value in flat.items():
-            shape, dtype, parts = host_parts(value)
-            entries = []
-            for index, data in parts:
-                padding = -offset % ALIGN
-                file.write(b"\0" * padding)
-                offset += padding
-                data = np.ascontiguousarray(data)
-                file.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
-                entries.append({"index": index, "offset": offset})
-                offset += data.nbytes
-            arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
+        for chunk in chunks:
+            file.write(chunk.data if chunk.size else b"")
         file.flush()
         os.fsync(file.fileno())
     with open(partial / META_FILE, "w") as file:
-        json.dump({**header, "arrays": arrays, "bytes": offset}, file)
+        json.dump(meta, file)
         file.flush()
         os.fsync(file.fileno())
     _fsync_directory(partial)
@@ -362,6 +419,20 @@ def _write_step(directory: Path, step: int, flat: Mapping[str, Any], header: dic
     if keep is not None:
         for old in _steps(directory)[:-keep]:
             _remove(directory, old)
+
+
+def read_packed(step_dir: Path) -> tuple[dict[str, Any], np.ndarray]:
+    """A step's meta (as stored) and `arrays.bin`'s bytes, to send whole to the process that lost it."""
+    meta = json.loads((step_dir / META_FILE).read_text())
+    return meta, np.fromfile(step_dir / ARRAYS, dtype=np.uint8)
+
+
+def _run_of(step_dir: Path) -> str | None:
+    """A step's run id (`None` where its meta does not read)."""
+    try:
+        return json.loads((step_dir / META_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _remove(directory: Path, step: int) -> None:

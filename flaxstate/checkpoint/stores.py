@@ -28,6 +28,7 @@ from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.objects import ObjectStore, is_object_store
+from flaxstate.checkpoint.peers import PeerPlan
 from flaxstate.checkpoint.storage import CheckpointStore
 
 
@@ -128,6 +129,7 @@ def open_store(
     keep: int | None = None,
     best: BestPolicy | None = None,
     read_only: bool = False,
+    peers: PeerPlan | None = None,
 ) -> Store:
     """The store of `directory` (from `store_directory`): per-process files, an s3:// store, or an orbax directory.
 
@@ -137,9 +139,10 @@ def open_store(
         keep: how many steps a writer keeps.
         best: keep the best by a metric instead of the newest (an orbax directory).
         read_only: open for reading: nothing is created.
+        peers: who keeps whose parts (a local tier with peer copies).
     """
     if per_process:
-        return LocalStore(directory, keep=keep, read_only=read_only)
+        return LocalStore(directory, keep=keep, read_only=read_only, peers=peers)
     if is_object_store(directory):
         return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
     return CheckpointStore(directory, keep=keep, best=best, read_only=read_only)

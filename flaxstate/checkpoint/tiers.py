@@ -14,6 +14,12 @@ never restore into a new experiment. Otherwise the persistent tier restores
 process with no local steps (a replaced host), another process count or
 mesh, a damaged local step, a local step of another run, or a persistent
 step as new.
+
+With peer copies (`flaxstate.checkpoint.peers`), a step also counts as whole
+when a process that lacks it has its parts kept by another process: those
+parts move back to it (one collective a round), it writes them into its own
+directory, and all read the step as usual. The primary names each process
+whose parts came from a peer.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger, local, steps, stores
+from flaxstate.checkpoint import damage, ledger, local, peers, steps, stores
+from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.steps import StepKind
@@ -64,11 +72,18 @@ def tiers_apart_advice() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LocalStep:
-    """A local step that every process holds whole: this process's store, the step, and its meta."""
+    """A local step that every process holds whole: this process's store, the step, and its meta.
+
+    `meta` is `None` on a process whose own directory lacks the step: its
+    parts come back from the peer that keeps them (`transfers`, then `meta`
+    is the received step's).
+    """
 
     store: LocalStore
     step: int
-    meta: dict[str, Any]
+    meta: dict[str, Any] | None
+    transfers: tuple[tuple[int, int], ...] = ()
+    """(holder, owner): each process whose parts come from a peer's copy, and that peer."""
 
 
 def _offer(
@@ -100,6 +115,38 @@ def _offer(
         if len(held) == CANDIDATES:
             break
     return held, note
+
+
+def _offer_copies(store: LocalStore, step: int | None) -> dict[str, list[list[Any]]]:
+    """The other processes' steps this process keeps (peer copies) of this process count: `{owner: [[step, run]]}`.
+
+    A damaged copy is set aside (`<step>.damaged`, files kept) with a warning, and not offered.
+    """
+    offered: dict[str, list[list[Any]]] = {}
+    for owner in range(jax.process_count()):
+        where = peers.copies_directory(store.directory, owner)
+        if owner == jax.process_index() or not where.is_dir():
+            continue
+        copies = LocalStore(where, read_only=True)
+        held = []
+        for candidate in [s for s in reversed(copies.steps()) if step is None or s == step][:CANDIDATES]:
+            found = steps.classify(copies, candidate)
+            if found.kind is StepKind.VANISHING:
+                continue
+            if found.meta is None:
+                aside = copies.set_aside(candidate)
+                logger.warning(
+                    "the peer copy %s cannot be restored (%s); set aside as %s.",
+                    where / str(candidate),
+                    found.why,
+                    aside,
+                )
+                continue
+            if found.meta.get("processes") == jax.process_count() and found.meta.get("process_index") == owner:
+                held.append([candidate, found.meta.get("run_id")])
+        if held:
+            offered[str(owner)] = held
+    return offered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +201,7 @@ def agreed_local_step(
     offers = collectives.allgather_json(
         {
             "held": [[s, meta.get("run_id")] for s, meta in held.items()],
+            "copies": _offer_copies(store, step) if template is not None else {},
             "note": note,
             "persistent": persistent_newest,
             "run": persistent_run,
@@ -164,8 +212,18 @@ def agreed_local_step(
     run = next((offer["run"] for offer in offers if offer["run"] is not None), None)  # one shared directory
     newer = [offer["newest"] for offer in offers if offer["newest"] is not None]
     passed_over = bool(newer) and (persistent is None or max(newer) > persistent)
-    common = set.intersection(*({tuple(pair) for pair in offer["held"]} for offer in offers))
-    if not common:
+    owned = [{tuple(pair) for pair in offer["held"]} for offer in offers]
+    kept = [  # kept[owner]: (step, run) -> the processes that keep a copy of owner's parts
+        {
+            tuple(pair): [k for k, offer in enumerate(offers) if pair in offer["copies"].get(str(owner), [])]
+            for offer in offers
+            for pair in offer["copies"].get(str(owner), [])
+        }
+        for owner in range(len(offers))
+    ]
+    candidates = set().union(*owned, *(set(copies) for copies in kept))
+    whole = {pair for pair in candidates if all(pair in owned[j] or kept[j].get(pair) for j in range(len(offers)))}
+    if not whole:
         notes = "; ".join(f"process {i}: {offer['note']}" for i, offer in enumerate(offers) if offer["note"])
         held_steps = "; ".join(
             f"process {i} holds {sorted(s for s, _ in offer['held'])}"
@@ -173,16 +231,67 @@ def agreed_local_step(
             if offer["held"]
         )
         why = f"no local step is whole on every process ({notes or held_steps})"
+        if any(kept):
+            newest_pair = max(candidates)
+            lost = [j for j in range(len(offers)) if newest_pair not in owned[j] and not kept[j].get(newest_pair)]
+            why += (
+                f"; counting peer copies, step {newest_pair[0]} still lacks the parts of process "
+                f"{', '.join(map(str, lost))}: neither its own directory nor a peer keeps them (more hosts "
+                "lost than copies kept)"
+            )
         return Agreement(None, why, passed_over, persistent)
-    ours = {pair for pair in common if pair[1] == run}
+    ours = {pair for pair in whole if pair[1] == run}
     if not ours:
-        return Agreement(None, _another_run(max(common), run), True, persistent)
-    newest, _ = max(ours)
+        return Agreement(None, _another_run(max(whole), run), True, persistent)
+    newest_pair = max(ours)
+    newest = newest_pair[0]
     if persistent is not None and newest <= persistent:
         why = f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}"
         return Agreement(None, why, False, persistent)
-    chosen = LocalStep(store, newest, held[newest])
-    return Agreement(chosen, f"step {newest} is whole in every process's local tier", False, persistent)
+    transfers = tuple(
+        (kept[owner][newest_pair][0], owner) for owner in range(len(offers)) if newest_pair not in owned[owner]
+    )
+    chosen = LocalStep(store, newest, held.get(newest), transfers)
+    if transfers:
+        why = f"step {newest} is whole in the local tiers, counting peer copies"
+    else:
+        why = f"step {newest} is whole in every process's local tier"
+    return Agreement(chosen, why, False, persistent)
+
+
+def _bring_back(chosen: LocalStep) -> LocalStep:
+    """Moves each lost process's parts of the chosen step from the peer that keeps them (a collective).
+
+    The owner writes them into its own directory, as its own save would
+    have, and reads them from there. Returns this process's step, with its meta.
+
+    Raises:
+        DamagedCheckpointError: the parts received do not fit this process (another mesh).
+    """
+    me, meta = jax.process_index(), chosen.meta
+    pending = list(chosen.transfers)
+    while pending:  # rounds in which no process sends or receives twice
+        batch: list[tuple[int, int]] = []
+        for holder, owner in pending:
+            if all(holder not in pair and owner not in pair for pair in batch):
+                batch.append((holder, owner))
+        pending = [pair for pair in pending if pair not in batch]
+        destination = list(range(jax.process_count()))
+        buffer = np.zeros(0, np.uint8)
+        for holder, owner in batch:
+            destination[holder] = owner
+            if holder == me:
+                copy_meta, body = local.read_packed(
+                    peers.copies_directory(chosen.store.directory, owner) / str(chosen.step)
+                )
+                buffer = peers.pack(copy_meta, [body])
+            say("process %d's parts of step %d come from process %d's peer copy.", owner, chosen.step, holder)
+        received = peers.send(buffer, tuple(destination))
+        if any(owner == me for _, owner in batch):
+            meta, body = peers.unpack(np.asarray(received))
+            local.write_packed(chosen.store.directory, chosen.step, meta, [body], None)
+    assert meta is not None
+    return dataclasses.replace(chosen, meta=meta)
 
 
 def _another_run(newest: tuple[int, str | None], run: str | None) -> str:
@@ -258,7 +367,13 @@ def read_local(
     chosen, why, passed_over = agreement.local, agreement.why, agreement.passed_over
     if chosen is not None:
         error: Exception | None = None
+        if chosen.transfers:
+            chosen = _bring_back(chosen)
         try:
+            assert chosen.meta is not None
+            why_not = local.covers(chosen.meta, template or {}, with_optimizer)
+            if why_not is not None:
+                raise DamagedCheckpointError(f"step {chosen.step} from a peer's copy does not fit: {why_not}")
             stored = chosen.store.read(chosen.step, template or {}, with_optimizer=with_optimizer, meta=chosen.meta)
         except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
             damage.reraise_interrupt(caught)

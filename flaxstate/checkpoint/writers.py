@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 
 from flaxstate import environment
 from flaxstate.checkpoint import claims, stores
+from flaxstate.checkpoint import peers as peer_copies
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
@@ -93,6 +94,7 @@ class _Writer:
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = False,
         per_process: bool = False,
+        peers: int = 0,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
@@ -116,7 +118,17 @@ class _Writer:
         self._keep = keep
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
-        self._store: stores.Store = stores.open_store(directory, per_process=per_process, keep=keep, best=best)
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 0:
+            raise ValueError(f"{description}: peers must be a count of copies (0, 1, ...), got {peers!r}.")
+        if peers and not per_process:
+            raise ValueError(
+                f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
+                "per_process=True (a persistent directory is every process's already)."
+            )
+        plan = peer_copies.plan_for_this_run(peers, description) if peers else None
+        self._store: stores.Store = stores.open_store(
+            directory, per_process=per_process, keep=keep, best=best, peers=plan
+        )
         self._ledger = Ledger(directory) if ledger and self._store.shared else None
         claims.register(key, self)
         self._key = key
@@ -294,6 +306,7 @@ class CheckpointFileWriter(_Writer):
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = True,
         per_process: bool = False,
+        peers: int = 0,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -324,16 +337,25 @@ class CheckpointFileWriter(_Writer):
                 run's steps newer than the one it resumed from (a restart
                 that fell back to the persistent tier) are set aside as
                 `<step>.superseded`, not refused.
+            peers: with `per_process=True`, also keep the parts of this many
+                other processes, on other hosts where there are (a lost host's
+                parts come back from a peer at the restart: see
+                `flaxstate.checkpoint.peers`). Each save moves every process's
+                parts to its peers by one collective, and holds the local
+                tier's bytes `1 + peers` times on disk. Every process makes the
+                writer together (the hosts are gathered).
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
                 tier (`per_process=True`) and an open persistent writer whose
                 directories are one or nested (naming both); or `metadata`
                 is not JSON-serializable.
-            ValueError: `keep` below 1, or `every_seconds` not positive.
+            ValueError: `keep` below 1, `every_seconds` not positive, or
+                `peers` not below the process count, or without `per_process`.
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
         local = ", per_process=True" if per_process else ""
+        local += f", peers={peers}" if peers else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
         super().__init__(
             output_dir=(
@@ -351,6 +373,7 @@ class CheckpointFileWriter(_Writer):
             clock=clock,
             ledger=ledger,
             per_process=per_process,
+            peers=peers,
         )
 
 

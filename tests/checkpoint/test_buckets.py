@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 from flaxstate_testing import buckets, processes, toy
-from flaxstate_testing.checkpoints import read_beside_a_rotating_writer
+from flaxstate_testing.checkpoints import assert_same, read_beside_a_rotating_writer
 
 import flaxstate as fs
 from flaxstate import goodput
@@ -52,12 +52,6 @@ def run(tmp_path, url: str, **extra) -> tuple[dict, str]:
     out = tmp_path / "final.npz"
     (output,) = processes.run("resume.py", {**CONFIG, "output_dir": url, "out": str(out), **extra}, timeout=240)
     return dict(np.load(out)), output
-
-
-def assert_same(final: dict, expected: dict) -> None:
-    assert final.keys() == expected.keys()
-    for key, value in expected.items():
-        np.testing.assert_array_equal(final[key], value, err_msg=key)
 
 
 def step_folders(server, prefix: str) -> dict[str, set[str]]:

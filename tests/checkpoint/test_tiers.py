@@ -6,13 +6,13 @@ at step 40 only. Both processes are killed with SIGKILL after step 70's
 record; every restart below starts from a copy of what they left.
 """
 
-import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flaxstate_testing import processes
+from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
 
 from flaxstate import goodput
 from flaxstate.checkpoint.ledger import read_events
@@ -52,13 +52,7 @@ def killed(tmp_path_factory) -> dict:
     }
     port = processes.free_port()
     workers = [processes.Watched(processes.start("resume.py", config, i, 2, port)) for i in range(2)]
-    try:
-        for worker in workers:
-            worker.wait_for("record 70", timeout=240)
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
-            worker.finish(timeout=30)
+    processes.kill_all_after(workers, "record 70", timeout=240)
     persistent = sorted(int(p.name) for p in (directory / "persistent").iterdir() if p.name.isdigit())
     assert persistent == [PERSISTENT_STEP], persistent
     return {"straight": straight, "directory": directory}
@@ -70,26 +64,9 @@ def restart_copy(killed: dict, tmp_path: Path) -> Path:
     return directory
 
 
-def local_steps(directory: Path, process: int) -> list[int]:
-    part = directory / f"local-{process}" / f"process-{process}"
-    return sorted(int(p.name) for p in part.iterdir() if p.name.isdigit())
-
-
-def assert_same(final: dict, expected: dict) -> None:
-    assert final.keys() == expected.keys()
-    for key, value in expected.items():
-        np.testing.assert_array_equal(final[key], value, err_msg=key)
-
-
-def restored_local_step(output: str) -> int:
-    found = re.search(r"restored step (\d+) from the local tier", output)
-    assert found, output[-3000:]
-    return int(found.group(1))
-
-
 def test_both_processes_killed_resume_from_the_local_tier_bit_for_bit(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
-    common = sorted(set(local_steps(directory, 0)) & set(local_steps(directory, 1)))
+    common = sorted(set(local_steps(directory / "local-0", 0)) & set(local_steps(directory / "local-1", 1)))
     assert common and common[-1] >= 60, common  # newer than the persistent step
     final, outputs = run(directory, 2)
     assert all(restored_local_step(output) == common[-1] for output in outputs[:1]), outputs[0][-3000:]
@@ -103,7 +80,7 @@ def test_both_processes_killed_resume_from_the_local_tier_bit_for_bit(killed, tm
 
 def test_a_replaced_host_falls_back_to_the_persistent_tier_and_says_so(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
-    newer = [step for step in local_steps(directory, 0) if step > PERSISTENT_STEP]
+    newer = [step for step in local_steps(directory / "local-0", 0) if step > PERSISTENT_STEP]
     shutil.rmtree(directory / "local-1")
     final, outputs = run(directory, 2)
     assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
@@ -130,7 +107,7 @@ def test_a_restart_on_one_process_restores_the_persistent_tier(killed, tmp_path)
 
 def test_a_damaged_local_save_falls_back_to_the_newest_step_whole_on_both(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
-    common = sorted(set(local_steps(directory, 0)) & set(local_steps(directory, 1)))
+    common = sorted(set(local_steps(directory / "local-0", 0)) & set(local_steps(directory / "local-1", 1)))
     assert len(common) >= 2, common  # the local writer keeps 3: a save of step 70 may not have finished
     arrays = directory / "local-1" / "process-1" / str(common[-1]) / "arrays.bin"
     with open(arrays, "r+b") as file:
@@ -147,11 +124,11 @@ def test_a_damaged_local_save_falls_back_to_the_newest_step_whole_on_both(killed
 def test_a_new_experiment_does_not_resume_another_run_s_local_tier_and_its_writer_refuses_to_mix(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
     shutil.rmtree(directory / "persistent")  # README's pattern: one local path on each host, a new persistent one
-    before = [local_steps(directory, i) for i in range(2)]
+    before = [local_steps(directory / f"local-{i}", i) for i in range(2)]
     _, outputs = run(directory, 2, expect_success=False)
     assert "the persistent directory is new" in outputs[0], outputs[0][-3000:]
     for output in outputs:
         assert "start 0" in output, output[-3000:]
         assert "holds checkpoints of another run" in output, output[-3000:]
         assert "done" not in output
-    assert [local_steps(directory, i) for i in range(2)] == before
+    assert [local_steps(directory / f"local-{i}", i) for i in range(2)] == before

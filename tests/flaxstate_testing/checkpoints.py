@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,23 @@ def read_beside_a_rotating_writer(directory: str, keep: int, reads: int, each: A
     finally:
         processes.kill(writer.process)
     return steps
+
+
+def assert_same(final: dict, expected: dict) -> None:
+    """Two runs' final states (state-dict path -> array) are equal, bit for bit."""
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(final[key], value, err_msg=key)
+
+
+def restored_local_step(output: str) -> int:
+    """The local step a two-tier restart's primary says it restored."""
+    found = re.search(r"restored step (\d+) from the local tier", output)
+    assert found, output[-3000:]
+    return int(found.group(1))
+
+
+def local_steps(local_dir: Path, process: int) -> list[int]:
+    """The whole steps in a process's own part of a local tier."""
+    part = local_dir / f"process-{process}"
+    return sorted(int(p.name) for p in part.iterdir() if p.name.isdigit())

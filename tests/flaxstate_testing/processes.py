@@ -139,3 +139,14 @@ class Watched:
             raise AssertionError(f"the worker did not exit within {timeout} s:\n{self.output[-4000:]}") from None
         self._reader.join(10)
         return self.process.returncode
+
+
+def kill_all_after(workers: list[Watched], line: str, timeout: float) -> None:
+    """Waits until every worker printed `line`, then kills them all with SIGKILL (whatever happened)."""
+    try:
+        for worker in workers:
+            worker.wait_for(line, timeout=timeout)
+    finally:
+        for worker in workers:
+            kill(worker.process)
+            worker.finish(timeout=30)

@@ -121,7 +121,13 @@ writer = fs.CheckpointFileWriter(
     clock=(lambda: now[0]) if save_steps else time.monotonic,
 )
 logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
-local = fs.CheckpointFileWriter(local_dir, keep=3, per_process=True) if local_dir else (lambda record: record)
+if config.get("hosts"):  # one simulated host a process (FLAXSTATE_HOST, as a cluster whose host names repeat)
+    os.environ["FLAXSTATE_HOST"] = config["hosts"][jax.process_index()]
+local = (
+    fs.CheckpointFileWriter(local_dir, keep=3, per_process=True, peers=config.get("peers", 0))
+    if local_dir
+    else (lambda record: record)
+)
 process = redex.combinator.serial(logger, local, writer)
 for checkpoint in loop:
     if save_steps:

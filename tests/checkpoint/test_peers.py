@@ -1,0 +1,164 @@
+"""Peer copies of the local tier: a lost host's parts come back from the process that keeps them.
+
+Gloo processes on one machine, each given a host of its own (`FLAXSTATE_HOST`),
+each with its own local directory, one shared persistent directory saved at
+step 40 only; the local tier saves every record (10 steps) with `peers=1`.
+All are killed with SIGKILL after step 70's record; each restart below starts
+from a copy of what they left, with local directories deleted as a replaced
+host would have them.
+"""
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flaxstate_testing import processes
+from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
+
+import flaxstate as fs
+from flaxstate.checkpoint import peers
+
+CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
+PERSISTENT_STEP = 40
+
+
+def config_for(directory: Path, n_processes: int, **extra) -> dict:
+    return {
+        **CONFIG,
+        "output_dir": str(directory / "persistent"),
+        "local_dirs": [str(directory / f"local-{i}") for i in range(n_processes)],
+        "out": str(directory / "final.npz"),
+        "save_steps": [PERSISTENT_STEP],
+        "peers": 1,
+        "hosts": [f"host-{i}" for i in range(n_processes)],
+        **extra,
+    }
+
+
+def run(directory: Path, n_processes: int, **extra) -> tuple[dict, list[str]]:
+    port = processes.free_port()
+    config = config_for(directory, n_processes, **extra)
+    workers = [processes.start("resume.py", config, i, n_processes, port) for i in range(n_processes)]
+    outputs = processes.wait_all(workers, timeout=300)
+    return dict(np.load(directory / "final.npz")), outputs
+
+
+def killed_after_70(directory: Path, n_processes: int) -> None:
+    port = processes.free_port()
+    config = config_for(directory, n_processes)
+    workers = [
+        processes.Watched(processes.start("resume.py", config, i, n_processes, port)) for i in range(n_processes)
+    ]
+    processes.kill_all_after(workers, "record 70", timeout=300)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def killed(request, tmp_path_factory) -> dict:
+    """A straight run's final state (with peer copies), and what the killed processes left, for 2 and 4 processes."""
+    n_processes = request.param
+    root = tmp_path_factory.mktemp(f"peers-{n_processes}")
+    straight, _ = run(root / "straight", n_processes)
+    killed_after_70(root / "killed", n_processes)
+    return {"straight": straight, "directory": root / "killed", "n": n_processes}
+
+
+def restart_copy(killed: dict, tmp_path: Path) -> Path:
+    directory = tmp_path / "restart"
+    shutil.copytree(killed["directory"], directory)
+    return directory
+
+
+def kept_copies(directory: Path, holder: int, owner: int) -> list[int]:
+    where = directory / f"local-{holder}" / f"process-{holder}" / "peers" / f"process-{owner}"
+    return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.is_dir() else []
+
+
+def test_who_keeps_whose_parts_is_picked_by_host():
+    ring = peers.plan(["a", "b", "c"], 1)
+    assert ring.rounds == ((1, 2, 0),) and not ring.one_host  # process j's parts kept by j + 1
+    two_hosts = peers.plan(["a", "a", "b", "b"], 1)  # two processes a host: each copy on the other host
+    assert two_hosts.rounds == ((2, 3, 0, 1),)
+    assert peers.plan(["b", "a", "b", "a"], 1).rounds == ((1, 0, 3, 2),)  # by host, not by index
+    assert peers.plan(["a", "b", "c", "d"], 2).rounds == ((1, 2, 3, 0), (2, 3, 0, 1))
+    same = peers.plan(["a", "a"], 1)
+    assert same.one_host and same.rounds == ((1, 0),)
+    with pytest.raises(ValueError, match=r"peers=2 copies .* need at least 3 processes; this run has 2"):
+        peers.plan(["a", "b"], 2)
+    with pytest.raises(ValueError, match=r"peers=2: 4 processes on 2 hosts .* Give peers=1 or fewer"):
+        peers.plan(["a", "a", "b", "b"], 2)
+
+
+def test_peers_beyond_the_processes_or_without_a_local_tier_are_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=r"peers=1 copies of each process's parts need at least 2 processes"):
+        fs.CheckpointFileWriter(tmp_path / "local", per_process=True, peers=1)
+    with pytest.raises(ValueError, match=r"peers=1 keeps copies of each process's local tier; it needs per_process"):
+        fs.CheckpointFileWriter(tmp_path / "persistent", peers=1)
+    with pytest.raises(ValueError, match=r"peers must be a count of copies"):
+        fs.CheckpointFileWriter(tmp_path / "local", per_process=True, peers=-1)
+    assert not (tmp_path / "local").exists() and not (tmp_path / "persistent").exists()
+
+
+def test_a_replaced_host_gets_its_parts_from_its_peer_and_resumes_from_the_local_tier_bit_for_bit(killed, tmp_path):
+    directory, n = restart_copy(killed, tmp_path), killed["n"]
+    # The newest step whole without process 1's directory: the others' own, and process 1's parts as kept by
+    # the next host's process (a kill can land between a process's own save and its copy of its peer's).
+    others = [set(local_steps(directory / f"local-{i}", i)) for i in range(n) if i != 1]
+    newest = max(set.intersection(*others, set(kept_copies(directory, 2 % n, 1))))
+    assert newest > PERSISTENT_STEP
+    shutil.rmtree(directory / "local-1")  # a replaced host
+    final, outputs = run(directory, n)
+    assert restored_local_step(outputs[0]) == newest, outputs[0][-3000:]
+    assert f"process 1's parts of step {newest} come from process {2 % n}'s peer copy" in outputs[0]
+    assert all(f"start {newest}" in output for output in outputs), outputs
+    assert_same(final, killed["straight"])
+    # Its own saves, and its copies of process 0's, go on after the restart.
+    assert local_steps(directory / "local-1", 1)[-1] == kept_copies(directory, 1, 0)[-1] == 100
+
+
+def test_adjacent_lost_hosts_fall_back_to_the_persistent_tier_and_say_why(killed, tmp_path):
+    directory, n = restart_copy(killed, tmp_path), killed["n"]
+    for process in {1, 2 % n}:  # process 1 and the process that keeps its parts (2; 0 of two processes)
+        shutil.rmtree(directory / f"local-{process}")
+    final, outputs = run(directory, n)
+    assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
+    if n == 4:
+        lacking = r"still lacks the parts of process [\d, ]*\b1\b.*neither its own directory nor a peer"
+        assert re.search(lacking, outputs[0]), outputs[0][-3000:]
+    assert all(f"start {PERSISTENT_STEP}" in output for output in outputs), outputs
+    assert_same(final, killed["straight"])
+
+
+def test_a_damaged_peer_copy_is_passed_over_and_set_aside(killed, tmp_path):
+    directory, n = restart_copy(killed, tmp_path), killed["n"]
+    holder = 2 % n
+    others = [set(local_steps(directory / f"local-{i}", i)) for i in range(n) if i != 1]
+    whole = sorted(set.intersection(*others, set(kept_copies(directory, holder, 1))))  # without process 1's own
+    damaged = whole[-1]  # the step a replaced process 1 would otherwise restore
+    arrays = directory / f"local-{holder}" / f"process-{holder}" / "peers" / "process-1" / str(damaged) / "arrays.bin"
+    with open(arrays, "r+b") as file:
+        file.truncate(arrays.stat().st_size // 2)
+    shutil.rmtree(directory / "local-1")
+    final, outputs = run(directory, n)
+    assert "peer copy" in outputs[holder] and "set aside" in outputs[holder], outputs[holder][-3000:]
+    assert arrays.parent.with_name(f"{damaged}.damaged").is_dir()
+    if len(whole) > 1:  # the newest step still whole with the copies left
+        assert restored_local_step(outputs[0]) == whole[-2], outputs[0][-3000:]
+    else:  # where a kill left no older copy
+        assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
+    assert_same(final, killed["straight"])
+
+
+def test_a_changed_process_count_never_uses_peer_copies(killed, tmp_path):
+    directory = restart_copy(killed, tmp_path)
+    fewer = killed["n"] // 2  # process 1's own parts are lost; its peer keeps them, for the old process count
+    shutil.rmtree(directory / "local-1")
+    config = config_for(directory, fewer, peers=1 if fewer > 1 else 0)
+    port = processes.free_port()
+    workers = [processes.start("resume.py", config, i, fewer, port) for i in range(fewer)]
+    outputs = processes.wait_all(workers, timeout=300)
+    assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
+    assert f"saved by process 0 of {killed['n']}, this is process 0 of {fewer}" in outputs[0], outputs[0][-3000:]
+    assert "peer copy" not in outputs[0]
+    assert all(f"start {PERSISTENT_STEP}" in output for output in outputs), outputs
