@@ -6,8 +6,9 @@ the whole state). Alternating rounds, medians, on process 0:
 
 1. save: milliseconds the local writer's call blocks the loop, and until the
    save is on disk (the call and `wait()`), with `peers=0` and `peers=1`; the
-   bytes each process sends its peer a save; and the local tier's bytes on
-   disk;
+   bytes each process sends its peer a save; the peak of the host memory
+   that numpy allocates during a save (`tracemalloc`: the packed buffer, the
+   received copy); and the local tier's bytes on disk;
 2. restore of a replaced host (process 1's local directory deleted before each
    round): `CheckpointFileReader([local, persistent])` with peer copies,
    where process 1's parts come back from process 0, against the persistent
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 
@@ -73,15 +75,19 @@ def worker(args: argparse.Namespace) -> None:
     for writer in writers.values():  # the first record claims the directory (a survey, a collective): not timed
         writer(record(999))
         writer.wait()
+    memory: dict[int, list[float]] = {0: [], 1: []}
     blocks: dict[int, list[float]] = {0: [], 1: []}
     ends: dict[int, list[float]] = {0: [], 1: []}
     for index in range(args.rounds):
         for peers in (0, 1) if index % 2 == 0 else (1, 0):
+            tracemalloc.start()
             start = time.perf_counter()
             writers[peers](record(1000 + index))
             blocks[peers].append(time.perf_counter() - start)
             writers[peers].wait()
             ends[peers].append(time.perf_counter() - start)
+            memory[peers].append(tracemalloc.get_traced_memory()[1] / 2**20)
+            tracemalloc.stop()
     on_disk = {
         peers: sum(f.stat().st_size for f in (root / f"local-{peers}-{me}").rglob("*") if f.is_file()) / 2**20
         for peers in (0, 1)
@@ -111,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
                 {
                     "blocks": {p: median_ms(v) for p, v in blocks.items()},
                     "ends": {p: median_ms(v) for p, v in ends.items()},
+                    "memory": {p: statistics.median(v) for p, v in memory.items()},
                     "disk": on_disk,
                     "sent": 4 * n * 4 / 2**20,
                     "restores": {name: median_ms(v) for name, v in restores.items()},
@@ -159,13 +166,15 @@ def main() -> None:
         f"persistent tier in {Path(persistent).parent}, "
         f"{args.rounds} alternating rounds, medians on process 0\n"
     )
-    print("| local writer | ms the call blocks | ms to on disk | MiB sent to the peer | local tier on disk, MiB |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| local writer | ms the call blocks | ms to on disk | MiB sent to the peer | peak host MiB a save allocates "
+        "| local tier on disk, MiB |\n|---|---:|---:|---:|---:|---:|"
+    )
     for peers in ("0", "1"):
         sent = found["sent"] if peers == "1" else 0
         print(
             f"| peers={peers} | {found['blocks'][peers]:.1f} | {found['ends'][peers]:.1f} | {sent:.0f} | "
-            f"{found['disk'][peers]:.0f} |"
+            f"{found['memory'][peers]:.0f} | {found['disk'][peers]:.0f} |"
         )
     print("\n| restore of a replaced host (its local directory gone) | ms |\n|---|---:|")
     for name, value in found["restores"].items():
