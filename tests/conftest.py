@@ -6,6 +6,10 @@ from pathlib import Path
 # The tests run on the CPU. With libtpu installed (the test extra's jax[tpu], for fs.plan's TPU targets) JAX
 # would also try to start a TPU on this machine and print libtpu's complaints; TPU plans need no TPU backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes /tmp/libtpu_lockfile for the life of a process: a second process that loads it (another test
+# run on this machine, a worker) fails "Internal error when accessing libtpu multi-process lockfile". The
+# TPU plans compile only, on no TPU, so the tests (and their workers, which inherit this) may share it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
+from jax.experimental import multihost_utils
 from jax.experimental.array_serialization import serialization
 
 from flaxstate import background, locations, tree_paths
@@ -125,6 +126,10 @@ class ObjectStore(saving.SaveSlot):
             raise CheckpointError(_replaced(self.directory, step))
         flat = tree_paths.flatten(dict(state_dict))
         header = {**to_json(dict(meta)), "format_version": FORMAT_VERSION, "time": time.time()}
+        if jax.process_count() > 1:
+            # No process writes into <step>/ before the primary's claim has removed unfinished saves' folders
+            # (it would take another process's save in progress for one). orbax's save syncs likewise.
+            multihost_utils.sync_global_devices(f"flaxstate: the s3:// save of step {step}")
         self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header))
 
     def _write(self, step: int, flat: Mapping[str, Any], header: dict[str, Any]) -> None:
