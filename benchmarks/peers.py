@@ -1,19 +1,24 @@
 """Peer copies of the local tier: what `peers=1` costs a save, and what it saves a replaced host at its restart.
 
 Two gloo processes on this machine (one CPU device each, each given a host of
-its own), a replicated state of about `--mib` MiB (so each process's parts are
-the whole state). Alternating rounds, medians, on process 0:
+its own), each holding about `--mib` MiB of the state: a sharded state of
+2 x `--mib` MiB (half on each process: its parts need a copy), and a
+replicated one of `--mib` MiB (data parallelism: each process's parts are the
+other's, so `peers=1` copies nothing). Alternating rounds, medians, on
+process 0:
 
 1. save: milliseconds the local writer's call blocks the loop, and until the
-   save is on disk (the call and `wait()`), with `peers=0` and `peers=1`; the
-   bytes each process sends its peer a save; the peak of the host memory
-   that numpy allocates during a save (`tracemalloc`: the packed buffer, the
-   received copy); and the local tier's bytes on disk;
+   save is on disk (the call and `wait()`): the sharded state with `peers=0`
+   and `peers=1`, the replicated one with `peers=1`; the bytes each process
+   sends its peer a save; the peak of the host memory that numpy allocates
+   during a save (`tracemalloc`: the packed buffer, the received copy); and
+   the local tier's bytes on disk;
 2. restore of a replaced host (process 1's local directory deleted before each
-   round): `CheckpointFileReader([local, persistent])` with peer copies,
-   where process 1's parts come back from process 0, against the persistent
-   tier's restore (`CheckpointFileReader(persistent)`, on this machine's
-   disk: a real persistent tier is a network filesystem or a bucket, slower).
+   round): `CheckpointFileReader([local, persistent])`, where process 1's
+   parts come back from process 0 (its peer copy, or its own step where the
+   state is replicated), against the persistent tier's restore
+   (`CheckpointFileReader(persistent)`, on this machine's disk: a real
+   persistent tier is a network filesystem or a bucket, slower).
 
     python benchmarks/peers.py [--rounds 5] [--mib 200]
 """
@@ -33,6 +38,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
+WRITERS = ("sharded, peers=0", "sharded, peers=1", "replicated, peers=1")
+RESTORES = ("sharded: peer copy", "sharded: persistent", "replicated: replica's step", "replicated: persistent")
+
 
 def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
@@ -51,75 +59,89 @@ def worker(args: argparse.Namespace) -> None:
 
     import flaxstate as fs
 
-    root = Path(args.root)
-    replicated = NamedSharding(Mesh(np.asarray(jax.devices()), ("devices",)), PartitionSpec())
-    n = args.mib * 2**20 // 4 // 4  # four float32 arrays
+    root, me = Path(args.root), jax.process_index()
+    mesh = Mesh(np.asarray(jax.devices()), ("devices",))
+    n = args.mib * 2**20 // 4 // 4  # four float32 arrays of a process's MiB
 
-    def make(fill: float) -> fs.InferenceState:  # replicated on both processes, its step included
-        params = {f"w{i}": jnp.full((n,), fill * i, jnp.float32) for i in range(4)}
-        return jax.jit(lambda: fs.InferenceState.create({"params": params}), out_shardings=replicated)()
+    def make(layout: str, fill: float) -> fs.InferenceState:  # its step included
+        spec = PartitionSpec("devices") if layout == "sharded" else PartitionSpec()
+        size = 2 * n if layout == "sharded" else n
+        params = {f"w{i}": jnp.full((size,), fill * i, jnp.float32) for i in range(4)}
+        create = lambda: fs.InferenceState.create({"params": params})  # noqa: E731
+        layouts = jax.tree.map(
+            lambda leaf: NamedSharding(mesh, spec if leaf.ndim else PartitionSpec()), jax.eval_shape(create)
+        )
+        return jax.jit(create, out_shardings=layouts)()
 
-    state, template = make(1.0), make(0.0)
+    states = {layout: make(layout, 1.0) for layout in ("sharded", "replicated")}
+    templates = {layout: make(layout, 0.0) for layout in ("sharded", "replicated")}
 
-    def record(step: int, run_id: str = "bench") -> fs.Checkpoint:
+    def record(layout: str, step: int) -> fs.Checkpoint:
         return fs.Checkpoint(
-            state=state, grads=None, loss=0.0, n_completed_steps=1, elapsed_time=1.0,
-            step=step, rng=jax.random.key(0), run_id=run_id,
+            state=states[layout], grads=None, loss=0.0, n_completed_steps=1, elapsed_time=1.0,
+            step=step, rng=jax.random.key(0), run_id="bench",
         )  # fmt: skip
 
-    me = jax.process_index()
+    def local_dir(name: str) -> Path:
+        return root / f"local-{WRITERS.index(name)}-{me}"
+
     writers = {
-        peers: fs.CheckpointFileWriter(root / f"local-{peers}-{me}", keep=2, per_process=True, peers=peers)
-        for peers in (0, 1)
+        name: fs.CheckpointFileWriter(local_dir(name), keep=2, per_process=True, peers=int(name[-1]))
+        for name in WRITERS
     }
-    for writer in writers.values():  # the first record claims the directory (a survey, a collective): not timed
-        writer(record(999))
+    for name, writer in writers.items():  # the first record claims the directory (a survey, a collective): not timed
+        writer(record(name.split(",")[0], 999))
         writer.wait()
-    memory: dict[int, list[float]] = {0: [], 1: []}
-    blocks: dict[int, list[float]] = {0: [], 1: []}
-    ends: dict[int, list[float]] = {0: [], 1: []}
+    memory: dict[str, list[float]] = {name: [] for name in WRITERS}
+    blocks: dict[str, list[float]] = {name: [] for name in WRITERS}
+    ends: dict[str, list[float]] = {name: [] for name in WRITERS}
     for index in range(args.rounds):
-        for peers in (0, 1) if index % 2 == 0 else (1, 0):
+        for name in WRITERS if index % 2 == 0 else WRITERS[::-1]:
             tracemalloc.start()
             start = time.perf_counter()
-            writers[peers](record(1000 + index))
-            blocks[peers].append(time.perf_counter() - start)
-            writers[peers].wait()
-            ends[peers].append(time.perf_counter() - start)
-            memory[peers].append(tracemalloc.get_traced_memory()[1] / 2**20)
+            writers[name](record(name.split(",")[0], 1000 + index))
+            blocks[name].append(time.perf_counter() - start)
+            writers[name].wait()
+            ends[name].append(time.perf_counter() - start)
+            memory[name].append(tracemalloc.get_traced_memory()[1] / 2**20)
             tracemalloc.stop()
     on_disk = {
-        peers: sum(f.stat().st_size for f in (root / f"local-{peers}-{me}").rglob("*") if f.is_file()) / 2**20
-        for peers in (0, 1)
+        name: sum(f.stat().st_size for f in local_dir(name).rglob("*") if f.is_file()) / 2**20 for name in WRITERS
     }
+    copied = {name: any((local_dir(name) / f"process-{me}" / "peers").rglob("arrays.bin")) for name in WRITERS}
     for writer in writers.values():
         writer.close()
 
     # A replaced host: process 1's local directory is gone before each restore.
-    local, persistent = root / f"local-1-{me}", Path(args.persistent)
-    with fs.CheckpointFileWriter(persistent, ledger=False) as writer:
-        writer(record(1))  # older than the local steps: the two-tier read takes the local one
-    restores: dict[str, list[float]] = {"peer copy": [], "persistent": []}
+    persistent = {layout: Path(args.persistent) / layout for layout in ("sharded", "replicated")}
+    for layout, directory in persistent.items():
+        with fs.CheckpointFileWriter(directory, ledger=False) as writer:
+            writer(record(layout, 1))  # older than the local steps: the two-tier read takes the local one
+    restores: dict[str, list[float]] = {name: [] for name in RESTORES}
     for index in range(args.rounds):
-        for name in ("peer copy", "persistent") if index % 2 == 0 else ("persistent", "peer copy"):
+        for name in RESTORES if index % 2 == 0 else RESTORES[::-1]:
+            layout = name.split(":")[0]
+            local = local_dir(f"{layout}, peers=1")
             if me == 1:
                 shutil.rmtree(local / "process-1", ignore_errors=True)
             multihost_utils.sync_global_devices("replaced")
-            reader = fs.CheckpointFileReader([local, persistent] if name == "peer copy" else persistent)
+            reader = fs.CheckpointFileReader(
+                persistent[layout] if "persistent" in name else [local, persistent[layout]]
+            )
             start = time.perf_counter()
-            restored = reader.restore(template)
+            restored = reader.restore(templates[layout])
             jax.block_until_ready(restored.params)
             restores[name].append(time.perf_counter() - start)
-            assert float(restored.params["w3"][0]) == 3.0
+            assert float(multihost_utils.process_allgather(restored.params["w3"], tiled=True)[-1]) == 3.0
     if me == 0:
         print(
             json.dumps(
                 {
-                    "blocks": {p: median_ms(v) for p, v in blocks.items()},
-                    "ends": {p: median_ms(v) for p, v in ends.items()},
-                    "memory": {p: statistics.median(v) for p, v in memory.items()},
+                    "blocks": {name: median_ms(v) for name, v in blocks.items()},
+                    "ends": {name: median_ms(v) for name, v in ends.items()},
+                    "memory": {name: statistics.median(v) for name, v in memory.items()},
                     "disk": on_disk,
-                    "sent": 4 * n * 4 / 2**20,
+                    "sent": {name: 4 * n * 4 / 2**20 if copied[name] else 0 for name in WRITERS},
                     "restores": {name: median_ms(v) for name, v in restores.items()},
                 }
             )
@@ -161,25 +183,22 @@ def main() -> None:
     import jax
 
     print(
-        f"jax {jax.__version__}, 2 gloo processes on this machine ({os.cpu_count()} CPUs), a replicated state of "
-        f"{args.mib} MiB (each process's parts: the whole state), local tiers in {Path(root).parent}, the "
-        f"persistent tier in {Path(persistent).parent}, "
-        f"{args.rounds} alternating rounds, medians on process 0\n"
+        f"jax {jax.__version__}, 2 gloo processes on this machine ({os.cpu_count()} CPUs), {args.mib} MiB of the "
+        f"state on each process, local tiers in {Path(root).parent}, the persistent tier in "
+        f"{Path(persistent).parent}, {args.rounds} alternating rounds, medians on process 0\n"
     )
     print(
-        "| local writer | ms the call blocks | ms to on disk | MiB sent to the peer | peak host MiB a save allocates "
-        "| local tier on disk, MiB |\n|---|---:|---:|---:|---:|---:|"
+        "| state, local writer | ms the call blocks | ms to on disk | MiB sent to the peer | peak host MiB a save "
+        "allocates | local tier on disk, MiB |\n|---|---:|---:|---:|---:|---:|"
     )
-    for peers in ("0", "1"):
-        sent = found["sent"] if peers == "1" else 0
+    for name in WRITERS:
         print(
-            f"| peers={peers} | {found['blocks'][peers]:.1f} | {found['ends'][peers]:.1f} | {sent:.0f} | "
-            f"{found['memory'][peers]:.0f} | {found['disk'][peers]:.0f} |"
+            f"| {name} | {found['blocks'][name]:.1f} | {found['ends'][name]:.1f} | {found['sent'][name]:.0f} | "
+            f"{found['memory'][name]:.0f} | {found['disk'][name]:.0f} |"
         )
-    print("\n| restore of a replaced host (its local directory gone) | ms |\n|---|---:|")
+    print("\n| restore of a replaced host (its local directory gone): from | ms |\n|---|---:|")
     for name, value in found["restores"].items():
-        what = "local tier, its parts from the peer's copy" if name == "peer copy" else "persistent tier (disk)"
-        print(f"| {what} | {value:.1f} |")
+        print(f"| {name} | {value:.1f} |")
 
 
 if __name__ == "__main__":

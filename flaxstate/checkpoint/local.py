@@ -76,6 +76,18 @@ def _index(where: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
     return [list(part.indices(size)[:2]) for part, size in zip(where, shape, strict=True)]
 
 
+def held_parts(flat: Mapping[str, Any]) -> dict[str, list[Index]]:
+    """Where each distinct part that this process holds sits in its global array, by path (no data is read)."""
+    held: dict[str, list[Index]] = {}
+    for path, value in flat.items():
+        if isinstance(value, jax.Array):
+            indices = {json.dumps(_index(shard.index, value.shape)) for shard in value.addressable_shards}
+            held[path] = [json.loads(index) for index in sorted(indices)]
+        else:
+            held[path] = [[[0, size] for size in np.shape(value)]]
+    return held
+
+
 def host_parts(value: Any) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index, np.ndarray]]]:
     """An array's global shape, dtype and the distinct parts this process holds, as numpy.
 
@@ -148,12 +160,34 @@ class LocalStore(saving.SaveSlot):
         """
         self.wait()
         saved = step in self.steps()
-        if self._peers is not None:  # all refuse together, before the collective that moves the parts
-            saved = any(collectives.allgather_json(saved))
-        if saved:
-            raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
         flat = tree_paths.flatten(dict(state_dict))
-        header = {
+        header = self._header(meta)
+        if self._peers is None:
+            if saved:
+                raise self.refuse_replacing(step)
+            self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, None, []))
+            return
+        # One collective: all refuse together (before the one that moves the parts), and learn who holds what.
+        offers = collectives.allgather_json([saved, peers.fingerprint(held_parts(flat))])
+        if any(saved for saved, _ in offers):
+            raise self.refuse_replacing(step)
+        plan, me = self._peers, jax.process_index()
+        replicated = peers.replicated_elsewhere([held for _, held in offers], plan.hosts, len(plan.rounds))
+        packed = None
+        received: list[tuple[int, jax.Array | None]] = [(owner, None) for owner in plan.sources(me)]
+        if not all(replicated):  # every process sends its parts to its peers now (in the record's order)
+            packed = pack_step(flat, header)
+            buffer = np.zeros(0, np.uint8) if replicated[me] else peers.pack(*packed)
+            moved = [
+                (owner, peers.send(buffer, holders))
+                for owner, holders in zip(plan.sources(me), plan.rounds, strict=True)
+            ]
+            received = [(owner, None if replicated[owner] else arrived) for owner, arrived in moved]
+        self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, packed, received))
+
+    def _header(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """The meta that a local step stores besides its arrays: the record's, and where it was saved."""
+        return {
             **to_json(dict(meta)),
             "format_version": FORMAT_VERSION,
             "time": time.time(),
@@ -161,26 +195,24 @@ class LocalStore(saving.SaveSlot):
             "processes": jax.process_count(),
             "devices": [device.id for device in jax.local_devices()],
         }
-        if self._peers is None:
-            self._pending = saving.BackgroundSave(
-                step, lambda: _write_step(self.directory, step, flat, header, self._keep)
-            )
-            return
-        # Every process sends its parts to its peers now (a collective, in the record's order); the save's
-        # thread writes them and the parts it received.
-        meta, chunks = pack_step(flat, header)
-        buffer = peers.pack(meta, chunks)
-        me = jax.process_index()
-        received = [(holders.index(me), peers.send(buffer, holders)) for holders in self._peers.rounds]
-        self._pending = saving.BackgroundSave(step, lambda: self._write_with_copies(step, meta, chunks, received))
 
-    def _write_with_copies(
-        self, step: int, meta: dict[str, Any], chunks: list[np.ndarray], received: list[tuple[int, jax.Array]]
+    def _write(
+        self,
+        step: int,
+        flat: Mapping[str, Any],
+        header: dict[str, Any],
+        packed: tuple[dict[str, Any], list[np.ndarray]] | None,
+        received: list[tuple[int, jax.Array | None]],
     ) -> None:
-        write_packed(self.directory, step, meta, chunks, self._keep)
+        """Writes this process's step, then the copies it keeps (`None`: the owner's parts are replicated elsewhere)."""
+        write_packed(self.directory, step, *(packed or pack_step(flat, header)), self._keep)
         for owner, arrived in received:
-            copy_meta, body = peers.unpack(np.asarray(arrived))
             where = peers.copies_directory(self.directory, owner)
+            if arrived is None:  # no copy needed: none kept either, so that no stale copy outlives its use
+                for old in _steps(where):
+                    _remove(where, old)
+                continue
+            copy_meta, body = peers.unpack(np.asarray(arrived))
             for old in _steps(where):  # another run's copies, and this run's from a history a restart left
                 if old >= step or _run_of(where / str(old)) != copy_meta.get("run_id"):
                     _remove(where, old)
@@ -370,6 +402,15 @@ def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer:
     return None
 
 
+def needed_parts(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, list[Index]]:
+    """The distinct parts of each array that this process's devices hold under the template's shardings, by path."""
+    needed = {}
+    for path, target in _wanted(template, with_optimizer).items():
+        indices = {json.dumps(index) for index in _needed(target)}
+        needed[path] = [json.loads(index) for index in sorted(indices)]
+    return needed
+
+
 def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
     """A step's meta and `arrays.bin`'s bytes as chunks (no copy): this process's distinct parts, 64-byte aligned."""
     arrays: dict[str, Any] = {}
@@ -388,12 +429,6 @@ def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str
             offset += data.nbytes
         arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
     return {**header, "arrays": arrays, "bytes": offset}, chunks
-
-
-def _write_step(directory: Path, step: int, flat: Mapping[str, Any], header: dict[str, Any], keep: int | None) -> None:
-    """Packs and writes this process's step (see `write_packed`)."""
-    meta, chunks = pack_step(flat, header)
-    write_packed(directory, step, meta, chunks, keep)
 
 
 def write_packed(

@@ -123,7 +123,7 @@ class ObjectStore(saving.SaveSlot):
         """
         self.wait()
         if step in self._listed:  # no request here: the loop must not wait on the bucket
-            raise CheckpointError(_replaced(self.directory, step))
+            raise self.refuse_replacing(step)
         flat = tree_paths.flatten(dict(state_dict))
         header = {**to_json(dict(meta)), "format_version": FORMAT_VERSION, "time": time.time()}
         if jax.process_count() > 1:
@@ -137,7 +137,7 @@ class ObjectStore(saving.SaveSlot):
         primary = jax.process_index() == 0
         locations.forget_listings(step_dir)
         if (step_dir / COMMIT).exists():
-            raise CheckpointError(_replaced(self.directory, step))
+            raise self.refuse_replacing(step)
         shards, wholes = [], []
         for number, value in enumerate(flat.values()):
             if isinstance(value, jax.Array) and not value.is_fully_addressable:
@@ -400,10 +400,6 @@ def _read_wholes(step_dir: Path, numbers: list[int]) -> list[np.ndarray]:
     opening = [ts.open(_array_spec(step_dir, number), open=True) for number in numbers]
     reading = [opened.result().read() for opened in opening]
     return [np.asarray(read.result()) for read in reading]
-
-
-def _replaced(directory: Path, step: int) -> str:
-    return f"{directory} already holds step {step}; a saved checkpoint is never replaced."
 
 
 def is_object_store(directory: Path) -> bool:

@@ -18,11 +18,18 @@ each process, dispatched where the record's save is (every process in the
 same order) and awaited by the save's own thread. A process's host is
 `FLAXSTATE_HOST` where set (tests, or a cluster whose host names repeat),
 else `socket.gethostname()`.
+
+Parts that data-parallel replicas already hold are not copied: a process
+whose parts are exactly those of processes on `peers` other hosts (pure data
+parallelism over hosts, or the replicas of a sharded model) sends no copy,
+and a restart takes its parts from such a replica's own step instead. Under
+pure data parallelism the save then moves nothing at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -56,10 +63,12 @@ class PeerPlan:
         rounds: one permutation of the processes a copy.
         one_host: every process is on one host (the copies survive a lost
             directory, not a lost host).
+        hosts: each process's host.
     """
 
     rounds: tuple[tuple[int, ...], ...]
     one_host: bool
+    hosts: tuple[str, ...] = ()
 
     def sources(self, index: int) -> list[int]:
         """The processes whose parts `index` keeps, one a round."""
@@ -97,7 +106,28 @@ def plan(hosts: list[str], peers: int) -> PeerPlan:
     rounds = tuple(
         tuple(order[(position[owner] + r * stride) % count] for owner in range(count)) for r in range(1, peers + 1)
     )
-    return PeerPlan(rounds, one_host)
+    return PeerPlan(rounds, one_host, tuple(hosts))
+
+
+def replicated_elsewhere(fingerprints: list[str], hosts: tuple[str, ...], peers: int) -> tuple[bool, ...]:
+    """Whether each process's parts are all held by processes on at least `peers` other hosts (it needs no copy).
+
+    Args:
+        fingerprints: each process's `fingerprint` of the parts it holds.
+        hosts: each process's host.
+        peers: the copies each process's parts must survive in.
+    """
+    return tuple(
+        len({host for other, host in zip(fingerprints, hosts, strict=True) if other == mine and host != hosts[j]})
+        >= peers
+        for j, mine in enumerate(fingerprints)
+    )
+
+
+def fingerprint(parts: dict[str, Any]) -> str:
+    """A digest of which parts a process holds (`{path: [index, ...]}`): equal where two processes hold the same."""
+    ordered = {path: sorted(indices) for path, indices in sorted(parts.items())}
+    return hashlib.sha256(json.dumps(ordered).encode()).hexdigest()
 
 
 def plan_for_this_run(peers: int, owner: str) -> PeerPlan:

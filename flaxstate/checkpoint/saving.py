@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from flaxstate import background, locations
 from flaxstate.checkpoint import damage
-from flaxstate.checkpoint.errors import CheckpointSaveError
+from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.steps import VANISHING_SECONDS
 
 
@@ -121,6 +121,10 @@ class SaveSlot:
 
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
         raise NotImplementedError
+
+    def refuse_replacing(self, step: int) -> CheckpointError:
+        """The error of a save of a step that this store holds already (nothing saved is ever replaced)."""
+        return CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
 
     def prune_aside(self, suffix: str, keep: int) -> list[Path]:
         """Removes all but the `keep` steps set aside last as `<step><suffix>`; returns those removed."""

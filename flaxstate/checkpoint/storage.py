@@ -120,7 +120,7 @@ class CheckpointStore(saving.SaveSlot):
         """
         self.wait()
         if step in self._manager.all_steps():
-            raise CheckpointError(f"{self.directory} already holds step {step}; a saved checkpoint is never replaced.")
+            raise self.refuse_replacing(step)
         items = {
             **formats.CURRENT.save_items(state_dict, ocp.args.PyTreeSave),
             META: ocp.args.JsonSave(to_json({**meta, "format_version": formats.CURRENT.version, "time": time.time()})),

@@ -16,10 +16,12 @@ mesh, a damaged local step, a local step of another run, or a persistent
 step as new.
 
 With peer copies (`flaxstate.checkpoint.peers`), a step also counts as whole
-when a process that lacks it has its parts kept by another process: those
-parts move back to it (one collective a round), it writes them into its own
-directory, and all read the step as usual. The primary names each process
-whose parts came from a peer.
+when a process that lacks it has its parts kept by another process: a peer's
+copy of them, or a data-parallel replica's own step (a process whose devices
+need exactly the parts that the lacking process's need). Those parts move
+back to it (one collective a round), it writes them into its own directory
+as its own, and all read the step as usual. The primary names each process
+whose parts came from a peer, and which.
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ class LocalStep:
     store: LocalStore
     step: int
     meta: dict[str, Any] | None
-    transfers: tuple[tuple[int, int], ...] = ()
-    """(holder, owner): each process whose parts come from a peer's copy, and that peer."""
+    transfers: tuple[tuple[int, bool, int], ...] = ()
+    """(holder, as a copy, owner): each process whose parts come from a peer, that peer, and whether from its copy
+    (else from its own step, a data-parallel replica's)."""
 
 
 def _offer(
@@ -202,6 +205,7 @@ def agreed_local_step(
         {
             "held": [[s, meta.get("run_id")] for s, meta in held.items()],
             "copies": _offer_copies(store, step) if template is not None else {},
+            "needs": peers.fingerprint(local.needed_parts(template, with_optimizer)) if template is not None else None,
             "note": note,
             "persistent": persistent_newest,
             "run": persistent_run,
@@ -221,8 +225,22 @@ def agreed_local_step(
         }
         for owner in range(len(offers))
     ]
+    replicas = [  # replicas[owner]: the processes whose devices need exactly the parts that owner's do
+        [
+            k
+            for k, other in enumerate(offers)
+            if k != owner and offer["needs"] is not None and other["needs"] == offer["needs"]
+        ]
+        for owner, offer in enumerate(offers)
+    ]
+
+    def sources(owner: int, pair: tuple[Any, ...]) -> list[tuple[int, bool]]:
+        """Who keeps owner's parts of `pair`, other than owner: (process, whether as a peer copy)."""
+        copies = [(k, True) for k in kept[owner].get(pair, [])]
+        return copies + [(k, False) for k in replicas[owner] if pair in owned[k]]
+
     candidates = set().union(*owned, *(set(copies) for copies in kept))
-    whole = {pair for pair in candidates if all(pair in owned[j] or kept[j].get(pair) for j in range(len(offers)))}
+    whole = {pair for pair in candidates if all(pair in owned[j] or sources(j, pair) for j in range(len(offers)))}
     if not whole:
         notes = "; ".join(f"process {i}: {offer['note']}" for i, offer in enumerate(offers) if offer["note"])
         held_steps = "; ".join(
@@ -231,13 +249,13 @@ def agreed_local_step(
             if offer["held"]
         )
         why = f"no local step is whole on every process ({notes or held_steps})"
-        if any(kept):
+        if any(kept) and len(offers) > 1:
             newest_pair = max(candidates)
-            lost = [j for j in range(len(offers)) if newest_pair not in owned[j] and not kept[j].get(newest_pair)]
+            lost = [j for j in range(len(offers)) if newest_pair not in owned[j] and not sources(j, newest_pair)]
             why += (
                 f"; counting peer copies, step {newest_pair[0]} still lacks the parts of process "
-                f"{', '.join(map(str, lost))}: neither its own directory nor a peer keeps them (more hosts "
-                "lost than copies kept)"
+                f"{', '.join(map(str, lost))}: neither its own directory nor a peer keeps them, as a copy or "
+                "a replica's own step (more hosts lost than copies kept)"
             )
         return Agreement(None, why, passed_over, persistent)
     ours = {pair for pair in whole if pair[1] == run}
@@ -249,11 +267,11 @@ def agreed_local_step(
         why = f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}"
         return Agreement(None, why, False, persistent)
     transfers = tuple(
-        (kept[owner][newest_pair][0], owner) for owner in range(len(offers)) if newest_pair not in owned[owner]
+        (*sources(owner, newest_pair)[0], owner) for owner in range(len(offers)) if newest_pair not in owned[owner]
     )
     chosen = LocalStep(store, newest, held.get(newest), transfers)
     if transfers:
-        why = f"step {newest} is whole in the local tiers, counting peer copies"
+        why = f"step {newest} is whole in the local tiers, counting the parts that peers keep"
     else:
         why = f"step {newest} is whole in every process's local tier"
     return Agreement(chosen, why, False, persistent)
@@ -271,24 +289,30 @@ def _bring_back(chosen: LocalStep) -> LocalStep:
     me, meta = jax.process_index(), chosen.meta
     pending = list(chosen.transfers)
     while pending:  # rounds in which no process sends or receives twice
-        batch: list[tuple[int, int]] = []
-        for holder, owner in pending:
-            if all(holder not in pair and owner not in pair for pair in batch):
-                batch.append((holder, owner))
-        pending = [pair for pair in pending if pair not in batch]
+        batch: list[tuple[int, bool, int]] = []
+        for holder, as_copy, owner in pending:
+            if all(holder not in (h, o) and owner not in (h, o) for h, _, o in batch):
+                batch.append((holder, as_copy, owner))
+        pending = [transfer for transfer in pending if transfer not in batch]
         destination = list(range(jax.process_count()))
         buffer = np.zeros(0, np.uint8)
-        for holder, owner in batch:
+        for holder, as_copy, owner in batch:
             destination[holder] = owner
-            if holder == me:
-                copy_meta, body = local.read_packed(
-                    peers.copies_directory(chosen.store.directory, owner) / str(chosen.step)
-                )
-                buffer = peers.pack(copy_meta, [body])
-            say("process %d's parts of step %d come from process %d's peer copy.", owner, chosen.step, holder)
+            if holder == me:  # its copy of owner's parts, or its own step (whose parts owner's devices need)
+                directory = peers.copies_directory(chosen.store.directory, owner) if as_copy else chosen.store.directory
+                stored, body = local.read_packed(directory / str(chosen.step))
+                buffer = peers.pack(stored, [body])
+            held_as = "peer copy" if as_copy else "own step (a data-parallel replica)"
+            say("process %d's parts of step %d come from process %d's %s.", owner, chosen.step, holder, held_as)
         received = peers.send(buffer, tuple(destination))
-        if any(owner == me for _, owner in batch):
+        if any(owner == me for _, _, owner in batch):
             meta, body = peers.unpack(np.asarray(received))
+            meta = {**meta, "process_index": me, "devices": [device.id for device in jax.local_devices()]}
+            if (chosen.store.directory / str(chosen.step)).is_dir():  # its own, which it could not offer: damaged
+                aside = chosen.store.set_aside(chosen.step)
+                logger.warning(
+                    "process %d's own step %d could not be restored; set aside as %s.", me, chosen.step, aside
+                )
             local.write_packed(chosen.store.directory, chosen.step, meta, [body], None)
     assert meta is not None
     return dataclasses.replace(chosen, meta=meta)

@@ -235,6 +235,7 @@ def test_two_tiers_local_disks_and_a_bucket_over_two_processes(bucket, tmp_path)
     """Local tiers on disk, the persistent one in the bucket; both processes killed, one host replaced."""
     config = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 200}
     config |= {"local_dirs": [str(tmp_path / f"local-{i}") for i in range(2)], "save_steps": [30]}
+    config |= {"sharded": True}  # each process its half: a replaced host's parts are on no other (no replica)
 
     def start(output_dir: str, **extra) -> list[processes.Watched]:
         config_run = {**config, "output_dir": output_dir, "out": str(tmp_path / "final.npz"), **extra}

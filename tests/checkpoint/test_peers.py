@@ -5,7 +5,10 @@ each with its own local directory, one shared persistent directory saved at
 step 40 only; the local tier saves every record (10 steps) with `peers=1`.
 All are killed with SIGKILL after step 70's record; each restart below starts
 from a copy of what they left, with local directories deleted as a replaced
-host would have them.
+host would have them. The model is sharded over the processes (each holds its
+share of the hidden units), so that each process's parts need a copy; under
+pure data parallelism (`replicas`) no copy is kept, and a replica's own step
+serves instead.
 """
 
 import re
@@ -27,10 +30,12 @@ PERSISTENT_STEP = 40
 def config_for(directory: Path, n_processes: int, **extra) -> dict:
     return {
         **CONFIG,
+        "sharded": True,
         "output_dir": str(directory / "persistent"),
         "local_dirs": [str(directory / f"local-{i}") for i in range(n_processes)],
         "out": str(directory / "final.npz"),
         "save_steps": [PERSISTENT_STEP],
+        "wait_saved": True,
         "peers": 1,
         "hosts": [f"host-{i}" for i in range(n_processes)],
         **extra,
@@ -45,9 +50,9 @@ def run(directory: Path, n_processes: int, **extra) -> tuple[dict, list[str]]:
     return dict(np.load(directory / "final.npz")), outputs
 
 
-def killed_after_70(directory: Path, n_processes: int) -> None:
+def killed_after_70(directory: Path, n_processes: int, **extra) -> None:
     port = processes.free_port()
-    config = config_for(directory, n_processes)
+    config = config_for(directory, n_processes, **extra)
     workers = [
         processes.Watched(processes.start("resume.py", config, i, n_processes, port)) for i in range(n_processes)
     ]
@@ -162,3 +167,52 @@ def test_a_changed_process_count_never_uses_peer_copies(killed, tmp_path):
     assert f"saved by process 0 of {killed['n']}, this is process 0 of {fewer}" in outputs[0], outputs[0][-3000:]
     assert "peer copy" not in outputs[0]
     assert all(f"start {PERSISTENT_STEP}" in output for output in outputs), outputs
+
+
+def test_replicated_parts_need_no_copy():
+    same, other = "a" * 64, "b" * 64
+    hosts = ("h0", "h0", "h1", "h1")
+    # Pure data parallelism over two hosts: every process's parts are on the other host too.
+    assert peers.replicated_elsewhere([same] * 4, hosts, 1) == (True,) * 4
+    assert peers.replicated_elsewhere([same] * 4, hosts, 2) == (False,) * 4  # two copies need three hosts
+    # FSDP within a host, replicas across hosts: process 0's shard is process 2's.
+    assert peers.replicated_elsewhere([same, other, same, other], hosts, 1) == (True,) * 4
+    # Replicas only on the same host survive no lost host.
+    assert peers.replicated_elsewhere([same, same, other, "c" * 64], hosts, 1) == (False,) * 4
+    assert peers.fingerprint({"w": [[[0, 2]], [[2, 4]]]}) == peers.fingerprint({"w": [[[2, 4]], [[0, 2]]]})
+    assert peers.fingerprint({"w": [[[0, 2]]]}) != peers.fingerprint({"w": [[[2, 4]]]})
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> dict:
+    """Two data-parallel processes on two hosts with peers=1: a straight run, and what the killed ones left."""
+    root = tmp_path_factory.mktemp("replicas")
+    straight, _ = run(root / "straight", 2, sharded=False)
+    killed_after_70(root / "killed", 2, sharded=False)
+    return {"straight": straight, "directory": root / "killed", "n": 2}
+
+
+def test_data_parallel_replicas_keep_no_copies_and_a_replaced_host_restores_from_a_replica(replicas, tmp_path):
+    directory = restart_copy(replicas, tmp_path)
+    for process in range(2):  # each holds the whole state, as the other host does: nothing was copied
+        assert local_steps(directory / f"local-{process}", process)
+        assert kept_copies(directory, process, 1 - process) == []
+    newest = local_steps(directory / "local-0", 0)[-1]
+    assert newest > PERSISTENT_STEP
+    shutil.rmtree(directory / "local-1")  # a replaced host
+    final, outputs = run(directory, 2, sharded=False)
+    assert restored_local_step(outputs[0]) == newest, outputs[0][-3000:]
+    assert f"process 1's parts of step {newest} come from process 0's own step (a data-parallel replica)" in outputs[0]
+    assert all(f"start {newest}" in output for output in outputs), outputs
+    assert_same(final, replicas["straight"])
+    assert local_steps(directory / "local-1", 1)[-1] == 100 and kept_copies(directory, 0, 1) == []
+
+
+def test_both_replicas_lost_fall_back_to_the_persistent_tier(replicas, tmp_path):
+    directory = restart_copy(replicas, tmp_path)
+    for process in range(2):
+        shutil.rmtree(directory / f"local-{process}")
+    final, outputs = run(directory, 2, sharded=False)
+    assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
+    assert all(f"start {PERSISTENT_STEP}" in output for output in outputs), outputs
+    assert_same(final, replicas["straight"])

@@ -16,6 +16,25 @@ class MLP(nn.Module):
         return nn.Dense(1)(x)[:, 0]
 
 
+class ShardedMLP(nn.Module):
+    """`MLP` with its hidden units named by the logical axis `hidden` (`SHARDED_RULES` shards them over `fsdp`)."""
+
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, "hidden"))
+        bias = nn.with_logical_partitioning(nn.initializers.zeros, ("hidden",))
+        x = nn.tanh(nn.Dense(self.width, kernel_init=kernel, bias_init=bias)(x))
+        out = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("hidden", None))
+        out_bias = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
+        return nn.Dense(1, kernel_init=out, bias_init=out_bias)(x)[:, 0]
+
+
+SHARDED_RULES = (("batch", "fsdp"), ("hidden", "fsdp"))
+"""`ShardedMLP`'s axes on a mesh with one axis, `fsdp`: each device holds its share of the hidden units."""
+
+
 class BatchNormNet(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -1,7 +1,8 @@
 """Trains with checkpoints and resumes from the newest one; prints each record as it is saved.
 
 For the preemption tests it can also slow its data down, send itself SIGTERM
-right after a save was started, and time-limit its writer.
+right after a save was started, and time-limit its writer. With `sharded`,
+the MLP's hidden units are sharded over a mesh of every process's devices.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import redex  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
 
-model = toy.BatchNormNet() if config.get("width") is None else toy.MLP(width=config["width"])
+if config.get("width") is None:
+    model = toy.BatchNormNet()
+else:
+    model = (toy.ShardedMLP if config.get("sharded") else toy.MLP)(width=config["width"])
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)) if config.get("sharded") else None
 global_batches = toy.batches(64, config.get("global_batch", 8), seed=1)
 x = np.concatenate([b[0] for b in global_batches])
 y = np.concatenate([b[1] for b in global_batches])
@@ -110,6 +116,8 @@ loop = fs.TrainLoop(
     stdout=False,
     handle_preemption=config.get("handle_preemption", True),
     hang_timeout=config.get("hang_timeout", "auto"),
+    mesh=mesh,
+    axis_rules=toy.SHARDED_RULES if mesh is not None else None,
 )
 print("start", loop.step, flush=True)
 now = [0.0]
@@ -135,12 +143,17 @@ for checkpoint in loop:
     if config.get("outside_sleep"):
         time.sleep(config["outside_sleep"])  # the caller's own time between records
     process(checkpoint)
+    if config.get("wait_saved") and save_steps and checkpoint.step in save_steps:
+        writer.wait()  # the persistent step is committed before a kill can land
     requested = ["requested"] if checkpoint.requested else []
     print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", *requested, flush=True)
     if checkpoint.step == config.get("sigterm_after_save"):
         os.kill(os.getpid(), signal.SIGTERM)  # the save runs in the background now
 final = loop.state
+flat = fs.tree_paths.flatten(final.state_dict())
+if mesh is not None:  # the whole of each array, on every process
+    flat = multihost_utils.process_allgather(flat, tiled=True)
 if jax.process_index() == 0:
-    flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(final.state_dict()).items()}
+    flat = {k: np.asarray(v) for k, v in flat.items()}
     np.savez(Path(config["out"]), **flat)
 print("done", loop.step, flush=True)
