@@ -337,7 +337,7 @@ def _global_batch(task: TrainTask, batch: Any) -> Any:
 
 def _check_batch(batch: Any, where: Any, n_microbatches: int) -> None:
     size = int(np.shape(jax.tree.leaves(batch)[0])[0])
-    parts = where.batch_layout.n_parts if hasattr(where, "batch_layout") else where.mesh.size
+    parts = where.batch_layout.n_parts
     if size % (parts * n_microbatches):
         raise ValueError(
             f"plan: the global batch of {size} examples does not split into the {parts} parts of the batch's "

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -23,57 +22,28 @@ from flaxstate import goodput
 from flaxstate.checkpoint import ledger
 
 
-class Launched:
+class Launched(processes.Watched):
     """`flaxstate launch ARGS -- python SCRIPT` in a subprocess, its output read line by line as it comes."""
 
     def __init__(self, tmp_path, script: str, *args: str, n_processes: int = 2) -> None:
         path = tmp_path / "script.py"
         path.write_text(textwrap.dedent(script))
         command = [sys.executable, "-m", "flaxstate", "launch", "--processes", str(n_processes), *args]
-        self.process = subprocess.Popen(
-            [*command, "--", sys.executable, str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=processes.worker_env(),
-            cwd=tmp_path,
-            start_new_session=True,
+        super().__init__(
+            subprocess.Popen(
+                [*command, "--", sys.executable, str(path)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=processes.worker_env(),
+                cwd=tmp_path,
+                start_new_session=True,
+            )
         )
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
 
     def wait_for(self, text: str, count: int = 1, timeout: float = 120) -> list[str]:
         """Waits until `count` lines contain `text`; returns them."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while len(found := [line for line in self.lines if text in line]) < count:
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise AssertionError(f"no {count} lines with {text!r}:\n{self.output[-4000:]}")
-                if self.process.poll() is not None:  # ended: its last lines come within a moment
-                    deadline = min(deadline, time.monotonic() + 1)
-                self._changed.wait(0.2)
-            return found
-
-    def finish(self, timeout: float = 120) -> int:
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the launcher did not exit within {timeout} s:\n{self.output[-4000:]}") from None
-        time.sleep(0.2)  # the reader takes the last lines
-        return code
+        return self.lines_with(text, count, timeout)
 
     def kill(self) -> None:
         processes.kill(self.process)

@@ -31,6 +31,7 @@ file, or the sessions of the newest run in the order they started.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -225,7 +226,7 @@ class Ledger:
                     self._syncer = _Syncer(self._file.sync)
                 else:
                     self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  open for the writer's life
-                    self._syncer = _Syncer(_fsync(self._file.fileno()))
+                    self._syncer = _Syncer(functools.partial(os.fsync, self._file.fileno()))
             self._file.write(line)
             self._file.flush()
             if sync:
@@ -247,10 +248,6 @@ class Ledger:
                 pass
             self._file.close()
             self._file = None
-
-
-def _fsync(fd: int) -> Callable[[], None]:
-    return lambda: os.fsync(fd)
 
 
 class _SessionObject:

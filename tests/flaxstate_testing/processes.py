@@ -107,7 +107,7 @@ class Watched:
     def _read(self) -> None:
         for line in self.process.stdout:
             with self._changed:
-                self.lines.append(line)
+                self.lines.append(line.rstrip("\n"))
                 self._changed.notify_all()
         with self._changed:
             self._ended = True
@@ -115,7 +115,18 @@ class Watched:
 
     @property
     def output(self) -> str:
-        return "".join(self.lines)
+        return "".join(f"{line}\n" for line in self.lines)
+
+    def lines_with(self, text: str, count: int = 1, timeout: float = 120) -> list[str]:
+        """Waits until `count` lines contain `text`, and returns them; kills the worker and fails at the deadline."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(found := [line for line in self.lines if text in line]) < count:
+                if time.monotonic() > deadline or self._ended:
+                    kill(self.process)
+                    raise AssertionError(f"no {count} lines with {text!r}:\n{self.output[-4000:]}")
+                self._changed.wait(0.2)
+            return found
 
     def wait_for(self, text: str, timeout: float) -> None:
         """Waits until a line starts with `text`; kills the worker and fails if it ends or times out first."""
@@ -128,7 +139,7 @@ class Watched:
                     raise AssertionError(f"no line {text!r} from the worker within {timeout} s:\n{self.output[-4000:]}")
                 self._changed.wait(min(left, 1.0))
 
-    def finish(self, timeout: float) -> int:
+    def finish(self, timeout: float = 120) -> int:
         """Waits for the worker to exit (killed and failed at the deadline); returns its exit status."""
         try:
             self.process.wait(timeout=timeout)
