@@ -12,9 +12,10 @@ still finish on tensorstore's threads: asyncio reports each as "Task
 exception was never retrieved", and each completion into orbax's closed
 event loop as `RuntimeError: Event loop is closed` (and a read that a Ctrl-C
 stopped as its coroutine's exception, and an event loop whose construction
-it stopped as an `AttributeError` from the loop's `__del__`) through
-`sys.unraisablehook`. A failed save logs every failed array write at ERROR
-with a traceback through absl (about 330 lines for a small state).
+or close it stopped halfway as an `AttributeError` or a `ValueError` from
+the loop's `__del__`, which closes it again) through `sys.unraisablehook`.
+A failed save logs every failed array write at ERROR with a traceback
+through absl (about 330 lines for a small state).
 `quiet_orbax()` keeps one line of ours for each, and orbax's own reports in
 the log at DEBUG; it is installed by the first `CheckpointStore`, not at import.
 """
@@ -117,9 +118,10 @@ def _late_completion_hook(previous: Any) -> Any:
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
         late = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-        # An event loop of orbax's whose construction a Ctrl-C stopped: its __del__ finds no self-pipe.
+        # An event loop of orbax's whose construction or close a Ctrl-C stopped halfway: its __del__
+        # closes it again and finds no self-pipe (AttributeError) or a closed one (ValueError: fd -1).
         late = late or (
-            isinstance(error, AttributeError)
+            isinstance(error, AttributeError | ValueError)
             and getattr(unraisable.object, "__qualname__", "") == "BaseEventLoop.__del__"
         )
         # A read abandoned by a stopped restore: its coroutine closed (GeneratorExit), interrupted or damaged.
