@@ -35,9 +35,9 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,8 @@ ALIGN = 64
 Index = list[list[int]]
 """A part's place in its global array: `[start, stop]` of each dimension."""
 
+T = TypeVar("T")
+
 
 def process_directory(local_dir: str | Path, process_index: int | None = None) -> Path:
     """The directory of one process's local steps: `local_dir/process-<index>` (this process's by default)."""
@@ -81,8 +83,7 @@ def held_parts(flat: Mapping[str, Any]) -> dict[str, list[Index]]:
     held: dict[str, list[Index]] = {}
     for path, value in flat.items():
         if isinstance(value, jax.Array):
-            indices = {json.dumps(_index(shard.index, value.shape)) for shard in value.addressable_shards}
-            held[path] = [json.loads(index) for index in sorted(indices)]
+            held[path] = [index for index, _ in _distinct_shards(value)]
         else:
             held[path] = [[[0, size] for size in np.shape(value)]]
     return held
@@ -95,13 +96,23 @@ def host_parts(value: Any) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index,
     whole; a `jax.Array` gives its addressable shards, each place once.
     """
     if isinstance(value, jax.Array):
-        parts: dict[str, tuple[Index, np.ndarray]] = {}
-        for shard in value.addressable_shards:
-            index = _index(shard.index, value.shape)
-            parts.setdefault(json.dumps(index), (index, np.asarray(shard.data)))
-        return tuple(value.shape), np.dtype(value.dtype), list(parts.values())
+        parts = [(index, np.asarray(shard.data)) for index, shard in _distinct_shards(value)]
+        return tuple(value.shape), np.dtype(value.dtype), parts
     array = np.asarray(value)
     return array.shape, array.dtype, [([[0, size] for size in array.shape], array)]
+
+
+def _distinct(indexed: Iterable[tuple[Index, T]]) -> list[tuple[Index, T]]:
+    """Each index once, with its first item, in an order that every process shares (the order of its JSON)."""
+    first: dict[str, tuple[Index, T]] = {}
+    for index, item in indexed:
+        first.setdefault(json.dumps(index), (index, item))
+    return [first[key] for key in sorted(first)]
+
+
+def _distinct_shards(value: jax.Array) -> list[tuple[Index, Any]]:
+    """This process's shards of an array, each place once, with where they sit in the global array."""
+    return _distinct((_index(shard.index, value.shape), shard) for shard in value.addressable_shards)
 
 
 def _contains(outer: Index, inner: Index) -> bool:
@@ -404,11 +415,10 @@ def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer:
 
 def needed_parts(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, list[Index]]:
     """The distinct parts of each array that this process's devices hold under the template's shardings, by path."""
-    needed = {}
-    for path, target in _wanted(template, with_optimizer).items():
-        indices = {json.dumps(index) for index in _needed(target)}
-        needed[path] = [json.loads(index) for index in sorted(indices)]
-    return needed
+    return {
+        path: [index for index, _ in _distinct((index, None) for index in _needed(target))]
+        for path, target in _wanted(template, with_optimizer).items()
+    }
 
 
 def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:

@@ -68,7 +68,7 @@ class PeerPlan:
 
     rounds: tuple[tuple[int, ...], ...]
     one_host: bool
-    hosts: tuple[str, ...] = ()
+    hosts: tuple[str, ...]
 
     def sources(self, index: int) -> list[int]:
         """The processes whose parts `index` keeps, one a round."""

@@ -249,7 +249,7 @@ def agreed_local_step(
             if offer["held"]
         )
         why = f"no local step is whole on every process ({notes or held_steps})"
-        if any(kept) and len(offers) > 1:
+        if any(kept):
             newest_pair = max(candidates)
             lost = [j for j in range(len(offers)) if newest_pair not in owned[j] and not sources(j, newest_pair)]
             why += (

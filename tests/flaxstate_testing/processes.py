@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 TESTS = Path(__file__).parents[1]
@@ -119,25 +120,23 @@ class Watched:
 
     def lines_with(self, text: str, count: int = 1, timeout: float = 120) -> list[str]:
         """Waits until `count` lines contain `text`, and returns them; kills the worker and fails at the deadline."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while len(found := [line for line in self.lines if text in line]) < count:
-                if time.monotonic() > deadline or self._ended:
-                    kill(self.process)
-                    raise AssertionError(f"no {count} lines with {text!r}:\n{self.output[-4000:]}")
-                self._changed.wait(0.2)
-            return found
+        return self._wait_until(lambda line: text in line, count, f"{count} lines with {text!r}", timeout)
 
     def wait_for(self, text: str, timeout: float) -> None:
         """Waits until a line starts with `text`; kills the worker and fails if it ends or times out first."""
+        self._wait_until(lambda line: line.startswith(text), 1, f"line {text!r}", timeout)
+
+    def _wait_until(self, matches: Callable[[str], bool], count: int, what: str, timeout: float) -> list[str]:
+        """Waits until `count` lines match, and returns them; kills the worker and fails if it ends first."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while not any(line.startswith(text) for line in self.lines):
+            while len(found := [line for line in self.lines if matches(line)]) < count:
                 left = deadline - time.monotonic()
                 if self._ended or left <= 0:
                     kill(self.process)
-                    raise AssertionError(f"no line {text!r} from the worker within {timeout} s:\n{self.output[-4000:]}")
+                    raise AssertionError(f"no {what} from the worker within {timeout} s:\n{self.output[-4000:]}")
                 self._changed.wait(min(left, 1.0))
+            return found
 
     def finish(self, timeout: float = 120) -> int:
         """Waits for the worker to exit (killed and failed at the deadline); returns its exit status."""
