@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -51,8 +52,10 @@ RULES = (
     ("heads", "model"),
     ("kv", None),
     ("vocab", "model"),
+    ("layers", None),
 )
-"""Logical axes to mesh axes: the batch over data and fsdp, FSDP over embed, tensor parallelism over the rest."""
+"""Logical axes to mesh axes: the batch over data and fsdp, FSDP over embed, tensor parallelism over the rest
+(`layers`, the stacked blocks' axis under `--scan-layers`, on no mesh axis)."""
 
 MESH_AXES = ("data", "fsdp", "model")
 
@@ -83,6 +86,12 @@ class Config:
     """Transformer blocks."""
     dtype: str = "float32"
     """The activations' and matrix products' dtype (float32 or bfloat16); parameters and the optimizer stay float32."""
+    attention: Literal["flax", "xla", "cudnn"] = "flax"
+    """flax's dot_product_attention (the scores materialised), or jax.nn.dot_product_attention by XLA or by
+    cuDNN's fused kernel (a GPU, bfloat16)."""
+    scan_layers: bool = False
+    """The blocks as one nn.scan over stacked parameters (compiled once, not once a layer); another checkpoint
+    layout."""
     learning_rate: float = 3e-3
     """AdamW's learning rate."""
     steps_per_checkpoint: int = 100
@@ -133,8 +142,11 @@ class Block(nn.Module):
             )(h)
             for _ in range(3)
         )
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        attended = nn.dot_product_attention(q, k, v, mask=mask)
+        if c.attention == "flax":
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+            attended = nn.dot_product_attention(q, k, v, mask=mask)
+        else:  # (batch, tokens, heads, head_dim), as jax's BTNH layout
+            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
         x = x + nn.DenseGeneral(
             c.embed, axis=(-2, -1), use_bias=False, kernel_init=_init(("heads", "kv", "embed")), dtype=dtype
         )(attended)
@@ -145,6 +157,16 @@ class Block(nn.Module):
             nn.gelu(h)
         )
         return x + h
+
+
+class ScannedBlock(nn.Module):
+    """A `Block` as `nn.scan` takes it: (carry, input) to (carry, output)."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return Block(self.config)(x), None
 
 
 class Transformer(nn.Module):
@@ -159,8 +181,18 @@ class Transformer(nn.Module):
         x = nn.Embed(VOCAB, c.embed, embedding_init=_init(("vocab", "embed")), dtype=dtype)(tokens)
         position = self.param("position", _init((None, "embed")), (c.seq_len, c.embed))
         x = x + position[: tokens.shape[1]].astype(dtype)
-        for _ in range(c.layers):
-            x = Block(c)(x)
+        if c.scan_layers:
+            stack = nn.scan(
+                ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=c.layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = stack(c, name="layers")(x, None)
+        else:
+            for _ in range(c.layers):
+                x = Block(c)(x)
         x = nn.RMSNorm(scale_init=_init(("embed",), nn.initializers.ones), dtype=dtype)(x)
         return nn.Dense(VOCAB, use_bias=False, kernel_init=_init(("embed", "vocab")), dtype=dtype)(x)
 

@@ -33,7 +33,7 @@ from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.locations import is_url, run_directory
-from flaxstate.training.progress import format_bytes
+from flaxstate.records import format_bytes
 
 
 class UsageError(Exception):

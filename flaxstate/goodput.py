@@ -90,6 +90,15 @@ def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
     return sessions
 
 
+PEAKS = ("host_memory_peak", "device_memory_peak")
+"""The memory peaks a report gives (bytes, `None` where no record knew them): a session's records' highest."""
+
+
+def _peak(values: Iterable[Any]) -> int | None:
+    known = [int(value) for value in values if value is not None]
+    return max(known) if known else None
+
+
 def _productive(record: dict[str, Any]) -> float:
     return max(float(record["elapsed"]) - float(record["compile"]) - float(record["idle"]), 0.0)
 
@@ -132,6 +141,7 @@ def _account(session: _Session, resumed_at: int | None, down_time: float) -> dic
         "processes": session.start.get("processes"),
         "devices": session.start.get("devices"),
         "device_kind": session.start.get("device_kind"),
+        **{name: _peak(record.get(name) for record in session.records) for name in PEAKS},
         **{name: buckets[name] for name in BUCKETS},
     }
 
@@ -145,8 +155,8 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     Returns:
         `{"sessions": [...], "total": {...}}`: each session (oldest first) and
         the total with `wall_time`, `goodput`, `productive`, `lost_steps` and
-        each of `BUCKETS` in seconds. A session's `wall_time` includes the
-        down time before it.
+        each of `BUCKETS` in seconds, and the memory `PEAKS` in bytes. A
+        session's `wall_time` includes the down time before it.
     """
     events = list(events)
     sessions = _sessions(events)
@@ -177,8 +187,13 @@ def _total(accounts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "lost_steps": sum(account["lost_steps"] for account in accounts),
         "steps": sum(account["steps"] for account in accounts),
         "preemptions": sum(account["preemptions"] for account in accounts),
+        **{name: _peak(account[name] for account in accounts) for name in PEAKS},
         **{name: sum(account[name] for account in accounts) for name in BUCKETS},
     }
+
+
+def _bytes(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**30:,.2f} GiB"
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -199,6 +214,10 @@ def format_report(summary: dict[str, Any]) -> str:
     rows.append(["steps trained", *[str(account["steps"]) for _, account in columns]])
     rows.append(["lost steps", *[str(account["lost_steps"]) for _, account in columns]])
     rows.append(["preemptions", *[str(account["preemptions"]) for _, account in columns]])
+    for name in PEAKS:
+        if any(account[name] is not None for _, account in columns):
+            label = name.replace("_", " ").replace("memory peak", "memory, peak")
+            rows.append([label, *[_bytes(account[name]) for _, account in columns]])
     widths = [max(len(row[index]) for row in rows) for index in range(len(header))]
     lines = [
         "  ".join(

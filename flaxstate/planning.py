@@ -36,10 +36,10 @@ from flax.core import DenyList
 from jax.sharding import Mesh
 
 from flaxstate import tree_paths
+from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
 from flaxstate.training.program import Program
-from flaxstate.training.progress import format_bytes
 from flaxstate.training.task import TrainTask
 
 GiB = 2**30
@@ -72,7 +72,11 @@ class Plan:
             temporaries), `code` (generated code) and `total`.
         device_memory: a device's memory in bytes, or `None` where unknown.
         fits: whether `total` fits in `device_memory` (`None` where unknown).
-        flops_per_step: XLA's FLOPs of one global step (all devices), or `None`.
+        flops_per_step: the model FLOPs of one global step (all devices): its
+            matrix products, counted from the traced program, the same for
+            every target (`flaxstate.training.throughput.model_flops`).
+        xla_flops_per_step: XLA's count for this target's compiled program,
+            or `None` (a program the target refused, or a backend with none).
         largest: the largest arrays a device holds: (state-dict path, bytes), largest first.
         advice: for a plan that does not fit, its biggest contributors and how to shard them.
     """
@@ -87,6 +91,7 @@ class Plan:
     flops_per_step: float | None
     largest: list[tuple[str, int]]
     advice: str | None = None
+    xla_flops_per_step: float | None = None
 
     def step_seconds(self, mfu: float, peak_flops_per_device: float | None = None) -> float | None:
         """The seconds a step takes at a model FLOPs utilisation `mfu` (0-1), where the peak is known.
@@ -208,7 +213,8 @@ def plan(
     one_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=_batch_sharding(where, False)), global_batch
     )
-    flops = program.flops_per_step(one_batch, rng_data) if refused_temp is None else None
+    flops = program.flops_per_step(one_batch, rng_data)
+    xla_flops = program.xla_flops_per_step(one_batch, rng_data) if refused_temp is None else None
 
     sizes = _state_bytes(state)
     per_device = {
@@ -241,6 +247,7 @@ def plan(
         device_memory=device_memory,
         fits=fits,
         flops_per_step=flops,
+        xla_flops_per_step=xla_flops,
         largest=largest,
     )
     if fits is False:

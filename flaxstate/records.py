@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -51,6 +52,45 @@ def bound_note(data_fraction: float, idle_fraction: float) -> str:
     if idle_fraction > BOUND:
         return f"host-bound: the devices idle {idle_fraction:.0%} of the time, {data_fraction:.0%} waiting for data"
     return ""
+
+
+_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def format_bytes(size: int) -> str:
+    """Returns a byte count in the largest unit that keeps it at or above 1 (1024-based).
+
+    Example:
+        >>> format_bytes(3 * 2**30 // 2)
+        '1.5 GB'
+    """
+    if size < 1024:
+        return f"{size} B"
+    power = min(int(math.log(size, 1024)), len(_UNITS) - 1)
+    return f"{size / 1024**power:.1f} {_UNITS[power]}"
+
+
+MEMORY_FIELDS = ("device_memory_peak", "host_memory", "host_memory_peak")
+"""A record's memory figures, in bytes (`None` where unknown)."""
+
+
+def memory_note(device_peak: int | None, host: int | None, host_peak: int | None) -> str:
+    """What a record says of memory (the figures that are known), e.g. for the logger's line.
+
+    Example:
+        >>> memory_note(2**33, 3 * 2**30, 4 * 2**30)
+        'host 3.0 GB (peak 4.0 GB), devices peak 8.0 GB'
+        >>> memory_note(None, 3 * 2**30, None)
+        'host 3.0 GB'
+        >>> memory_note(None, None, None)
+        ''
+    """
+    parts = []
+    if host is not None:
+        parts.append(f"host {format_bytes(host)}" + (f" (peak {format_bytes(host_peak)})" if host_peak else ""))
+    if device_peak is not None:
+        parts.append(f"devices peak {format_bytes(device_peak)}")
+    return ", ".join(parts)
 
 
 SLOW_PROCESS = 0.2
@@ -126,9 +166,14 @@ class Timing:
             (`flaxstate.training.waiting`); compilation is not counted. More
             than half of `elapsed_time` with little `data_time` means the run
             is host-bound.
-        flops_per_step: the FLOPs of one global training step (all devices),
-            from XLA's cost analysis of the compiled update
-            (`flaxstate.training.throughput`); `None` where unknown.
+        flops_per_step: the model FLOPs of one global training step (all
+            devices): its matrix products counted from the program before any
+            backend rewrote it, the same on every backend, or the count given
+            to `TrainLoop(flops_per_step=...)` (`flaxstate.training.throughput`);
+            `None` where unknown. `mfu` uses it.
+        xla_flops_per_step: XLA's cost analysis of the compiled update (all
+            devices): elementwise work included, and on a GPU an undercount;
+            `None` where the backend gives none.
         batch_size: the global batch's examples a step (all processes).
         n_devices: the devices the step runs on (all processes').
         peak_flops: the devices' dense peak FLOP/s, all of them together;
@@ -152,6 +197,7 @@ class Timing:
     outside_time: float = 0.0
     process_waits: tuple[tuple[float, float, float], ...] = ()
     flops_per_step: float | None = None
+    xla_flops_per_step: float | None = None
     batch_size: int | None = None
     n_devices: int | None = None
     peak_flops: float | None = None
@@ -226,6 +272,13 @@ class Checkpoint:
             (`Timing`); each of its fields reads as an attribute of the record
             too (`record.data_time` is `record.timing.data_time`), and
             `Checkpoint(...)` and `dataclasses.replace` take them by name.
+        device_memory_peak: the bytes in use at the devices' peak, summed over
+            this process's devices (`jax.Device.memory_stats()`), the highest
+            since the process started (JAX keeps no other); `None` where the
+            backend reports none (a CPU). See `flaxstate.training.memory`.
+        host_memory: this process's resident host memory in bytes when the
+            record was made (`None` where the system says nothing).
+        host_memory_peak: this process's peak resident host memory in bytes since it started.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -254,6 +307,9 @@ class Checkpoint:
     session: Session | None = None
     requested: bool = False
     timing: Timing = dataclasses.field(default_factory=lambda: Timing())
+    device_memory_peak: int | None = None
+    host_memory: int | None = None
+    host_memory_peak: int | None = None
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -285,6 +341,11 @@ class Checkpoint:
     def flops_per_step(self) -> float | None:
         """`timing.flops_per_step`."""
         return self.timing.flops_per_step
+
+    @property
+    def xla_flops_per_step(self) -> float | None:
+        """`timing.xla_flops_per_step`."""
+        return self.timing.xla_flops_per_step
 
     @property
     def batch_size(self) -> int | None:

@@ -11,7 +11,7 @@ import jax
 from tensorboardX import SummaryWriter as _EventWriter
 
 from flaxstate.locations import run_directory
-from flaxstate.records import Checkpoint, bound_note, slow_process_note
+from flaxstate.records import MEMORY_FIELDS, Checkpoint, bound_note, memory_note, slow_process_note
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
@@ -54,6 +54,8 @@ class SummaryLogger:
         if checkpoint.batch_size and checkpoint.elapsed_time > 0:
             mfu = f", MFU {checkpoint.mfu:.1%}" if checkpoint.mfu is not None else ""
             waits = f", {checkpoint.examples_per_second:,.0f} examples/s{mfu}" + waits
+        memory = memory_note(checkpoint.device_memory_peak, checkpoint.host_memory, checkpoint.host_memory_peak)
+        waits += f", {memory}" if memory else ""
         if checkpoint.compile_time >= 0.05 * checkpoint.elapsed_time > 0:
             waits += f", compiling {checkpoint.compile_time:.1f} s (not in the speeds)"
         bound = bound_note(data, idle)
@@ -72,7 +74,9 @@ class SummaryWriter:
     `train/idle_fraction` (the shares of the record's time that the devices
     waited for the training data, and for the host at all), and where the
     record knows them `train/examples_per_second`, `train/tflops_per_device`
-    and `train/mfu`; `train/compile_seconds` where the record compiled; and
+    and `train/mfu`; `train/compile_seconds` where the record compiled;
+    `memory/device_memory_peak`, `memory/host_memory` and
+    `memory/host_memory_peak` in bytes where known; and
     `train/goodput`, this process's running goodput: the records' productive
     time (`Checkpoint.productive_time`) over the wall time since the process
     started (`Checkpoint.session`). The run's whole account, across restarts,
@@ -115,6 +119,9 @@ class SummaryWriter:
                     self._writer.add_scalar(f"train/{name}", value, global_step=int(checkpoint.step))
             if checkpoint.compile_time > 0:
                 self._writer.add_scalar("train/compile_seconds", checkpoint.compile_time, int(checkpoint.step))
+        for name in MEMORY_FIELDS:
+            if (value := getattr(checkpoint, name)) is not None:
+                self._writer.add_scalar(f"memory/{name}", value, global_step=int(checkpoint.step))
         self._productive += checkpoint.productive_time
         if checkpoint.session is not None:
             wall = time.time() - checkpoint.session.started

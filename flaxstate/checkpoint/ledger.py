@@ -44,7 +44,7 @@ from typing import IO, Any
 import jax
 
 from flaxstate.locations import as_path, is_url
-from flaxstate.records import Checkpoint
+from flaxstate.records import MEMORY_FIELDS, Checkpoint
 
 FILENAME = "goodput.jsonl"
 SESSIONS = "goodput-sessions"
@@ -159,6 +159,7 @@ class Ledger:
                 "idle": checkpoint.idle_time,
                 "outside": checkpoint.outside_time,
                 "preempted": checkpoint.preempted,
+                **{name: getattr(checkpoint, name) for name in MEMORY_FIELDS},
             }
         )
 

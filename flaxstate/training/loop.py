@@ -29,7 +29,7 @@ from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, startup
 from flaxstate.training.interrupts import Signals
-from flaxstate.training.options import Schedule, check_peak_flops, check_record_memory
+from flaxstate.training.options import Schedule, check_flops_per_step, check_peak_flops, check_record_memory
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.recording import Recorder
@@ -85,6 +85,7 @@ class TrainLoop:
         partitioning: Partitioning | None = None,
         record_memory: str = "host",
         peak_flops_per_device: float | str | None = None,
+        flops_per_step: float | str | Callable[[Any], float] | None = None,
         handle_preemption: bool = True,
         hang_timeout: HangTimeout = "auto",
         stdout: bool = True,
@@ -121,6 +122,11 @@ class TrainLoop:
             peak_flops_per_device: one device's peak FLOP/s, for records' MFU (a
                 number, or a string of one: YAML 1.1 reads 989e12 as "989e12"); by
                 default the known dense bfloat16 peak (`flaxstate.training.throughput`).
+            flops_per_step: the FLOPs of one global training step, for records'
+                MFU: a number, or a function of the global batch's shapes (a
+                tree of `jax.ShapeDtypeStruct`s like a batch) returning one;
+                by default the model's count of the step's matrix products
+                (`flaxstate.training.throughput.model_flops`).
             handle_preemption: on SIGTERM (to any process), stop at the next
                 dispatch boundary and yield a last record with `preempted=True`.
             hang_timeout: seconds without progress after which the watchdog writes
@@ -142,6 +148,7 @@ class TrainLoop:
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         record_memory = check_record_memory(record_memory)
         peak_flops_per_device = check_peak_flops(peak_flops_per_device)
+        flops_per_step = check_flops_per_step(flops_per_step)
         init_names, apply_names = startup.rng_names(collections)
         where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
         self._progress = ProgressDisplay(stdout)
@@ -172,6 +179,7 @@ class TrainLoop:
             n_microbatches=n_microbatches,
             state=begun.state,
             rng=begun.rng,
+            given_flops=flops_per_step,
         )
         self._recorder = Recorder.create(
             placement=where,
@@ -336,6 +344,6 @@ class TrainLoop:
             final=self.step >= self.n_steps,
             preempted=preempted,
             requested=self._signals.take_request(),
-            flops_per_step=self._runner.flops_per_step,
+            flops=self._runner.flops_per_step,
             outside=outside,
         )

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from flaxstate.training import copies
+from flaxstate.training import copies, throughput
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -77,6 +78,19 @@ def check_record_memory(record_memory: str) -> str:
             "devices (faster to make, room for the state twice)."
         )
     return record_memory
+
+
+def check_flops_per_step(
+    flops_per_step: float | str | Callable[[Any], float] | None,
+) -> float | Callable[[Any], float] | None:
+    """Returns `flops_per_step` checked: `None`, a function, or a positive number (a string of one parsed).
+
+    Raises:
+        ValueError: a value that is neither a function nor a positive finite number.
+    """
+    if flops_per_step is None or callable(flops_per_step):
+        return flops_per_step
+    return throughput.checked_flops(flops_per_step, "TrainLoop flops_per_step")
 
 
 def check_peak_flops(peak_flops_per_device: float | str | None) -> float | None:

@@ -35,6 +35,8 @@ class Program:
         rng_impl: the loop key's implementation (the programs take its raw data).
         counted_step: with microbatches, the step with their loop written
             out (`unrolled`), whose lowering counts every microbatch's FLOPs.
+        given_flops: the user's count of a step's FLOPs (`TrainLoop(flops_per_step=...)`):
+            a number, or a function of the global batch's shapes; `None` to count the model's.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class Program:
         state: PyTree,
         rng_impl: Any,
         counted_step: Callable[..., Any] | None = None,
+        given_flops: float | Callable[[PyTree], float] | None = None,
     ) -> None:
         self._placement = placement
         self._train_step = train_step
@@ -59,7 +62,9 @@ class Program:
         self._rng_impl = rng_impl
         self._updates: dict[tuple[int, bool], Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
+        self._given_flops = given_flops
         self._flops: Any = _UNKNOWN
+        self._xla_flops: Any = _UNKNOWN
 
     @classmethod
     def build(
@@ -72,6 +77,7 @@ class Program:
         n_microbatches: int,
         state: PyTree,
         rng: jax.Array,
+        given_flops: float | Callable[[PyTree], float] | None = None,
     ) -> Program:
         """The programs of `task`'s step on `placement`, for `state` (placed) and the run's key `rng`.
 
@@ -79,6 +85,7 @@ class Program:
             rng_names: the rng collections the model takes in training.
             mutable: the collections the update may change.
             n_microbatches: M microbatches a step (see `step.microbatched`).
+            given_flops: the user's count of a step's FLOPs, or `None` (see the class).
         """
         train_step, fenced_step, counted_step = (
             step.make_train_step(
@@ -95,6 +102,7 @@ class Program:
             state,
             jax.random.key_impl(rng),
             counted_step if n_microbatches > 1 else None,
+            given_flops,
         )
 
     @property
@@ -120,22 +128,48 @@ class Program:
         return self._updates[key]
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
-        """The FLOPs of one global step, from XLA's cost analysis of the one-step update (computed once).
+        """The model FLOPs of one global step (computed once): the user's count, else the model's.
 
-        XLA counts a loop's body once, so with microbatches the count is
-        scaled by the ratio of two lowerings' counts (not compiled): the
-        step with the microbatches' loop written out, over the step as it
-        runs.
+        The model's count is `throughput.model_flops` of the one-step update
+        as traced (not compiled, so the same on every backend): every
+        microbatch, every device's part.
 
         Args:
             batch, rng_data: what the update takes beside the state (arrays or
                 `jax.ShapeDtypeStruct`s: only their shapes and dtypes count).
+                A `given_flops` function is called with the batch's
+                `jax.ShapeDtypeStruct`s.
+
+        Raises:
+            ValueError: a `given_flops` function that returns no positive finite number, naming what it returned.
+        """
+        if self._flops is _UNKNOWN:
+            if self._given_flops is None:
+                update: Any = self.update(1)  # a jax.jit object
+                self._flops = throughput.model_flops(update.trace(self._abstract_leaves, batch, rng_data).jaxpr)
+            elif callable(self._given_flops):
+                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+                self._flops = throughput.checked_flops(self._given_flops(shapes), "TrainLoop flops_per_step(batch)")
+            else:
+                self._flops = float(self._given_flops)
+        return self._flops
+
+    def xla_flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
+        """XLA's FLOPs of one global step, from its cost analysis of the compiled one-step update (computed once).
+
+        XLA counts a loop's body once, so with microbatches the count is
+        scaled by the ratio of two lowerings' counts (not compiled): the
+        step with the microbatches' loop written out, over the step as it
+        runs. Compiles the one-step update, as its first dispatch would.
+
+        Args:
+            batch, rng_data: as `flops_per_step` takes them.
 
         Returns:
             the one-device program's count times the devices, or `None`
             where XLA gives none (see `flaxstate.training.throughput`).
         """
-        if self._flops is _UNKNOWN:
+        if self._xla_flops is _UNKNOWN:
             update: Any = self.update(1)  # a jax.jit object
             lowered = update.lower(self._abstract_leaves, batch, rng_data)
             per_device = throughput.flops_of(lowered.compile())
@@ -143,8 +177,8 @@ class Program:
                 program = step.update_program(self._counted_step, 1, self._treedef, self._rng_impl, False)
                 counted: Any = self._placement.compile_update(program, self._shardings, False, False)
                 per_device *= throughput.loop_factor(lowered, counted.lower(self._abstract_leaves, batch, rng_data))
-            self._flops = None if per_device is None else per_device * self._placement.mesh.size
-        return self._flops
+            self._xla_flops = None if per_device is None else per_device * self._placement.mesh.size
+        return self._xla_flops
 
     def gradients(self) -> Callable[..., Any]:
         """The compiled `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import math
 import sys
 from typing import Any
 
@@ -14,17 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from flaxstate.records import Checkpoint, bound_note
 
-_UNITS = ("B", "kB", "MB", "GB", "TB")
 SPEED_WINDOW = 5
 """The bar's speed is the steps the devices completed over the last this many records' training time."""
-
-
-def format_bytes(size: int) -> str:
-    """Returns a byte count in the largest unit that keeps it at or above 1 (1024-based)."""
-    if size < 1024:
-        return f"{size} B"
-    power = min(int(math.log(size, 1024)), len(_UNITS) - 1)
-    return f"{size / 1024**power:.1f} {_UNITS[power]}"
 
 
 def count_parameters(params: Any) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from jax.tree_util import PyTreeDef
 
 from flaxstate.records import Checkpoint, Session, Timing
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import copies, multihost, startup, throughput
+from flaxstate.training import copies, memory, multihost, startup, throughput
 from flaxstate.training.data import DataStream
 from flaxstate.training.placement import Placement
 from flaxstate.training.progress import ProgressDisplay
@@ -78,6 +78,8 @@ class Recorder:
     n_devices: int
     peak_flops: float | None
     skipped_damaged: tuple[str, ...]
+    local_devices: tuple[jax.Device, ...] = ()
+    """This process's devices of the mesh, whose memory a record reports."""
     last_loss: float = math.nan
     """The newest loss trained: a record of a segment that trained no step carries it again."""
 
@@ -113,6 +115,7 @@ class Recorder:
             n_devices=len(devices),
             peak_flops=throughput.peak_flops(peak_flops_per_device, devices),
             skipped_damaged=() if begun.restored is None else begun.restored.skipped_damaged,
+            local_devices=tuple(device for device in devices if device.process_index == jax.process_index()),
         )
 
     def make(
@@ -124,7 +127,7 @@ class Recorder:
         final: bool,
         preempted: bool,
         requested: bool,
-        flops_per_step: float | None,
+        flops: tuple[float | None, float | None],
         outside: float,
     ) -> Checkpoint:
         """The record of a segment, the loop's live state at `step` (a collective in multi-process runs).
@@ -135,7 +138,7 @@ class Recorder:
                 as its device view).
             step, final, preempted: the record's step, and whether it ends the run, or a preemption notice does.
             requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
-            flops_per_step: XLA's count of a step's FLOPs, or `None`.
+            flops: the model's and XLA's counts of a step's FLOPs (either `None` where unknown).
             outside: seconds between the previous record's return and this segment's training.
         """
         self.last_loss = self.last_loss if trained.loss is None else trained.loss
@@ -166,11 +169,15 @@ class Recorder:
                 compile_time=trained.compile,
                 outside_time=outside,
                 process_waits=process_waits,
-                flops_per_step=flops_per_step,
+                flops_per_step=flops[0],
+                xla_flops_per_step=flops[1],
                 batch_size=self.batch_size,
                 n_devices=self.n_devices,
                 peak_flops=self.peak_flops,
             ),
+            device_memory_peak=memory.device_peak(self.local_devices),
+            host_memory=memory.host_resident(),
+            host_memory_peak=memory.host_peak(),
             device_state=functools.partial(self.views.lookup, host_state),
         )
         self.progress.record(record)

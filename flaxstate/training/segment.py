@@ -143,9 +143,12 @@ class SegmentRunner:
         """Whether a batch of a new shape can fail to split (else any size divides, and the first is checked)."""
 
     @property
-    def flops_per_step(self) -> float | None:
-        """The FLOPs of one global step (`Program.flops_per_step`), once a segment has counted them."""
-        return self._program.flops_per_step(self._global_batch, self.rng_data) if self._flops_counted else None
+    def flops_per_step(self) -> tuple[float | None, float | None]:
+        """The model's and XLA's FLOPs of one global step (`Program`), once a segment has counted them."""
+        if not self._flops_counted:
+            return None, None
+        batch, rng_data = self._global_batch, self.rng_data
+        return self._program.flops_per_step(batch, rng_data), self._program.xla_flops_per_step(batch, rng_data)
 
     def train(self, sizes: Sequence[int], total: int) -> Trained:
         """Trains dispatches of `sizes` steps each (or up to a preemption notice) of a run of `total` steps.
@@ -171,6 +174,7 @@ class SegmentRunner:
             if not self._flops_counted:  # compiles the one-step update ahead of its first dispatch
                 self._watchdog.enter(Phase.COMPILING_ONE_STEP)
                 self._program.flops_per_step(self._global_batch, self.rng_data)
+                self._program.xla_flops_per_step(self._global_batch, self.rng_data)
                 self._flops_counted = True
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads = self._dispatch_until(sizes, total, segment)

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxstate.global_batches import GlobalBatches
-from flaxstate.records import CheckpointFile
+from flaxstate.records import CheckpointFile, format_bytes
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, multihost, scaling
 from flaxstate.training.data import DataStream
 from flaxstate.training.placement import Placement
-from flaxstate.training.progress import ProgressDisplay, count_parameters, format_bytes
+from flaxstate.training.progress import ProgressDisplay, count_parameters
 from flaxstate.training.task import TrainTask
 
 

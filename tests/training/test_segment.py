@@ -39,7 +39,8 @@ def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs():
     assert trained.loss is not None and np.isfinite(trained.loss)
     assert jax.tree.structure(trained.grads) == jax.tree.structure(MODEL.init(jax.random.key(0), X)["params"])
     assert 0 <= trained.compile <= trained.elapsed and trained.waits.idle >= 0
-    assert trainer.flops_per_step is not None and trainer.flops_per_step > 0
+    model_flops, xla_flops = trainer.flops_per_step
+    assert model_flops is not None and model_flops > 0 and xla_flops is not None and xla_flops > 0
     again = trainer.train([1], total=10)
     assert trainer.step == 6 and again.n_steps == 1 and again.loss < trained.loss
 
