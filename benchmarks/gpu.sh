@@ -44,16 +44,19 @@ step() {  # step SECONDS TITLE COMMAND...
     echo "(exit ${PIPESTATUS[0]}, $((SECONDS - start)) s)" | tee -a "$LOG"
 }
 
-step 30 "device" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; \
+step 20 "device" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; \
     $PY -c 'import jax, flax, optax, orbax.checkpoint as o, flaxstate; print(jax.__version__, jax.devices(), flax.__version__, optax.__version__, o.__version__)'"
-GPT125="--embed 768 --heads 12 --head-dim 64 --mlp 3072 --layers 12 --seq-len 1024"
-GPT350="--embed 1024 --heads 16 --head-dim 64 --mlp 4096 --layers 24 --seq-len 1024"
-step 150 "LM, GPT-2 small's shape, bfloat16" $PY benchmarks/sharded.py $GPT125 --batch-size 32 --dtype bfloat16 \
-    --rounds 6 --steps 20 --per-dispatch 1
-step 100 "loop overhead" $PY benchmarks/loop_overhead.py --rounds 5
-step 60 "checkpoint" $PY benchmarks/checkpoint.py --rounds 3
-step 90 "tiers" $PY benchmarks/tiers.py --rounds 3
-step 50 "memory" $PY benchmarks/memory.py --rounds 3
-step 120 "LM, GPT-2 medium's shape, bfloat16" $PY benchmarks/sharded.py $GPT350 --batch-size 16 --dtype bfloat16 \
-    --rounds 5 --steps 10 --per-dispatch 1 --no-plan
+GPT125="--embed 768 --heads 12 --head-dim 64 --mlp 3072 --layers 12 --seq-len 1024 --dtype bfloat16"
+GPT350="--embed 1024 --heads 16 --head-dim 64 --mlp 4096 --layers 24 --seq-len 1024 --dtype bfloat16"
+FAST="--attention cudnn --scan-layers"
+step 80 "model FLOPs with cuDNN's attention, transfers between records, the host's time a step" $PY benchmarks/gpu_checks.py
+step 100 "LM, GPT-2 small's shape, batch 32, cuDNN attention, nn.scan: flaxstate alone in its process" \
+    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only flaxstate
+step 70 "LM, the same: the hand-written loop alone in its process" \
+    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only hand-written --no-plan
+step 100 "loop overhead (order rotated every round, 3 runs)" $PY benchmarks/loop_overhead.py --rounds 5 --runs 3 \
+    --models tiny,small
+step 80 "LM, GPT-2 medium's shape, batch 16, cuDNN attention, nn.scan: flaxstate alone" \
+    $PY benchmarks/sharded.py $GPT350 $FAST --batch-size 16 --rounds 4 --steps 10 --only flaxstate --no-plan
+step 50 "checkpoint" $PY benchmarks/checkpoint.py --rounds 3
 echo "total $SECONDS s" | tee -a "$LOG"

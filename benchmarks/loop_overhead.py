@@ -1,9 +1,11 @@
 """flaxstate's TrainLoop against hand-written loops and the seed's flax_extra loop.
 
 Same model, data, optimizer and devices in one process; the contenders run in
-alternating rounds of the same number of steps, each round ending with the
-host waiting for the devices; the table gives median microseconds a step and
-the throughput ratio to the hand-written pmap loop, the hand-written jit loop
+rounds of the same number of steps, in an order that rotates every round,
+each round ending with the host waiting for the devices; each ratio is the
+median over rounds of the two contenders' times in the same round, measured
+`--runs` times (the table gives the median and the spread over runs). The
+table gives median microseconds a step and the throughput ratio to the hand-written pmap loop, the hand-written jit loop
 and the hand-written jit loop of the same K. flaxstate makes a record a round
 (a host copy of the state, the loss, the last step's gradients), or, in the
 rows "run() per call", ends a run each round (`for c in loop.run(n)`, a
@@ -11,7 +13,7 @@ notebook cell's habit). The rows "a record a round" are the hand-written jit
 loop doing the same copy and read, which tells the loop's own cost from a
 record's (raise `--steps` to space the records out).
 
-    python benchmarks/loop_overhead.py [--rounds 7] [--steps 400] [--models tiny,small,larger]
+    python benchmarks/loop_overhead.py [--rounds 7] [--runs 3] [--steps 400] [--models tiny,small,larger]
 """
 
 from __future__ import annotations
@@ -242,18 +244,36 @@ def flax_extra_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runn
     return run
 
 
-def measure(runners: dict[str, Runner], rounds: int, steps: int) -> dict[str, float]:
-    """Median microseconds a step of each runner over alternating rounds (after a warm-up)."""
+def measure(runners: dict[str, Runner], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Microseconds a step of each runner, a value a round, after a warm-up.
+
+    The order rotates every round (round r starts with the r-th runner), so
+    no contender always runs after the same one: a contender's place in a
+    fixed order moved its ratio by up to 15% in a crowded process.
+    """
     for run in runners.values():
         run(steps)
+    names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(rounds):
-        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
-        for name in order:
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
             runners[name](steps)
             times[name].append((time.perf_counter() - start) / steps * 1e6)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def ratio(baseline: list[float], times: list[float]) -> float:
+    """The median over rounds of the baseline's time over this runner's (its throughput relative to the baseline)."""
+    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
+
+
+def spread(values: list[float]) -> str:
+    """'median (min-max)' of a ratio over runs."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}x"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
@@ -261,10 +281,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=400, help="steps a round, small model (larger: a tenth)")
     parser.add_argument("--models", default="tiny,small,larger", help="which of tiny, small, larger to run")
+    parser.add_argument("--runs", type=int, default=3, help="measurements of every ratio (their spread is shown)")
     args = parser.parse_args()
     print(
         f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
-        f"{args.rounds} alternating rounds"
+        f"{args.runs} runs of {args.rounds} rounds, the order rotated every round; ratios: the median over runs "
+        "of each run's median over rounds (min-max over runs)"
     )
     configs = {
         # Host-bound: the step's own work is a few microseconds, so this row measures what each
@@ -288,21 +310,22 @@ def main() -> None:
             "flaxstate TrainLoop, K=10": flaxstate_runner(model, data, 10, steps),
             "flaxstate TrainLoop, K=10, run() per call": flaxstate_runner(model, data, 10, steps, per_call=True),
         }
-        medians = measure(runners, args.rounds, steps)
-        pmap = medians["hand-written pmap, K=1"]
-        jit = medians["hand-written jit, K=1"]
-        jit_k10 = medians["hand-written jit + scan, K=10"]
-        rows += [
-            (title, name, us, pmap / us, jit / us, (jit_k10 if "K=10" in name else jit) / us)
-            for name, us in medians.items()
-        ]
+        runs = [measure(runners, args.rounds, steps) for _ in range(args.runs)]
+        for name in runners:
+            same_k = "hand-written jit + scan, K=10" if "K=10" in name else "hand-written jit, K=1"
+            us = statistics.median(statistics.median(run[name]) for run in runs)
+            ratios = [
+                [ratio(run[baseline], run[name]) for run in runs]
+                for baseline in ("hand-written pmap, K=1", "hand-written jit, K=1", same_k)
+            ]
+            rows.append((title, name, us, *(spread(values) for values in ratios)))
     print(
         "\n| model | loop | us/step (median) | throughput vs hand-written pmap K=1 | vs hand-written jit K=1 "
         "| vs hand-written jit, same K |"
         "\n|---|---|---:|---:|---:|---:|"
     )
     for title, name, us, pmap_ratio, jit_ratio, same_k_ratio in rows:
-        print(f"| {title} | {name} | {us:.1f} | {pmap_ratio:.2f}x | {jit_ratio:.2f}x | {same_k_ratio:.2f}x |")
+        print(f"| {title} | {name} | {us:.1f} | {pmap_ratio} | {jit_ratio} | {same_k_ratio} |")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activations' dtype")
     parser.add_argument("--per-dispatch", type=int, default=1, help="flaxstate's n_steps_per_dispatch")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the devices' peak, for MFU")
+    parser.add_argument("--attention", default="flax", choices=("flax", "xla", "cudnn"), help="the example's")
+    parser.add_argument("--scan-layers", action="store_true", help="the blocks under nn.scan")
+    parser.add_argument(
+        "--only", choices=("flaxstate", "hand-written"), help="one contender, alone in this process (no ratio)"
+    )
     parser.add_argument("-v", action="store_true", help="print every round")
     args = parser.parse_args()
     config = lm.Config(
@@ -133,6 +138,8 @@ def main() -> None:
         mlp=args.mlp,
         layers=args.layers,
         dtype=args.dtype,
+        attention=args.attention,
+        scan_layers=args.scan_layers,
     )
     mesh = lm.make_mesh(args.mesh)
     model = lm.Transformer(config)
@@ -152,33 +159,42 @@ def main() -> None:
             batch=batches[0],
             n_steps_per_dispatch=args.per_dispatch,
         )
-    loop = fs.TrainLoop(
-        init=model.init,
-        task=task,
-        rng=0,
-        n_steps=10**9,
-        n_steps_per_checkpoint=args.steps,
-        n_steps_per_dispatch=args.per_dispatch,
-        record_memory=args.record_memory,
-        peak_flops_per_device=args.peak_tflops * 1e12 if args.peak_tflops else None,
-        stdout=False,
-        mesh=mesh,
-        axis_rules=lm.RULES,
-    )
-    loop.next_checkpoint()  # compiled and warm
-    stats = jax.devices()[0].memory_stats()
-    flaxstate_peak = stats and stats.get("peak_bytes_in_use")  # before the hand-written loop exists
-    hand = HandWritten(model, config, mesh, batches[0][0][:1])
-    rounds = itertools.cycle([batches[: args.steps], batches[args.steps :]])
-    hand.run(next(rounds))
-    records_mfu: list[float] = []
+    shapes = jax.eval_shape(model.init, jax.random.key(0), batches[0][0][:1])["params"]
+    n_params = sum(leaf.size for leaf in jax.tree.leaves(nn.unbox(shapes)))
+    contenders = {}
+    records: list = []
+    flaxstate_peak = None
+    if args.only != "hand-written":
+        loop = fs.TrainLoop(
+            init=model.init,
+            task=task,
+            rng=0,
+            n_steps=10**9,
+            n_steps_per_checkpoint=args.steps,
+            n_steps_per_dispatch=args.per_dispatch,
+            record_memory=args.record_memory,
+            peak_flops_per_device=args.peak_tflops * 1e12 if args.peak_tflops else None,
+            stdout=False,
+            mesh=mesh,
+            axis_rules=lm.RULES,
+        )
+        started = time.perf_counter()
+        loop.next_checkpoint()  # compiled and warm
+        print(f"flaxstate's first record (compiling included): {time.perf_counter() - started:.1f} s")
+        stats = jax.devices()[0].memory_stats()
+        flaxstate_peak = stats and stats.get("peak_bytes_in_use")  # before the hand-written loop exists
 
-    def flaxstate_round() -> None:
-        mfu = loop.next_checkpoint().mfu
-        if mfu is not None:
-            records_mfu.append(mfu)
+        def flaxstate_round() -> None:
+            records.append(loop.next_checkpoint())
 
-    contenders = {"flaxstate TrainLoop": flaxstate_round, "hand-written jax.jit": lambda: hand.run(next(rounds))}
+        contenders["flaxstate TrainLoop"] = flaxstate_round
+    if args.only != "flaxstate":
+        started = time.perf_counter()
+        hand = HandWritten(model, config, mesh, batches[0][0][:1])
+        rounds = itertools.cycle([batches[: args.steps], batches[args.steps :]])
+        hand.run(next(rounds))
+        print(f"the hand-written loop's first round (compiling included): {time.perf_counter() - started:.1f} s")
+        contenders["hand-written jax.jit"] = lambda: hand.run(next(rounds))
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for index in range(args.rounds):
         for name in list(contenders) if index % 2 == 0 else list(reversed(contenders)):
@@ -187,7 +203,6 @@ def main() -> None:
             times[name].append((time.perf_counter() - start) / args.steps)
     if args.v:
         print({name: [round(x * 1e3, 1) for x in values] for name, values in times.items()})
-    n_params = sum(leaf.size for leaf in jax.tree.leaves(hand.params))
     tokens = config.batch_size * config.seq_len
     device = jax.devices()[0].device_kind
     peak = args.peak_tflops or PEAK_TFLOPS[args.dtype].get(device)
@@ -203,15 +218,24 @@ def main() -> None:
         + (" MFU |" if peak else "")
     )
     print("|---|---:|---:|---:|" + ("---:|" if peak else ""))
-    hand = times["hand-written jax.jit"]
+    hand = times.get("hand-written jax.jit")
     for name, values in times.items():
         median = statistics.median(values)
-        ratio = statistics.median(h / v for h, v in zip(hand, values, strict=True))  # each round's pair
+        ratio = statistics.median(h / v for h, v in zip(hand, values, strict=True)) if hand else None  # each round's
         mfu = f" {6 * n_params * tokens / median / (peak * 1e12):.1%} |" if peak else ""
-        print(f"| {name} | {median * 1e3:.2f} | {tokens / median:,.0f} | {ratio:.3f}x |{mfu}")
-    if records_mfu:
-        median_mfu = statistics.median(records_mfu)
-        print(f"\nMFU flaxstate's records report (XLA's FLOPs, dense bf16 peak): median {median_mfu:.1%}")
+        shown = "-" if ratio is None else f"{ratio:.3f}x"
+        print(f"| {name} | {median * 1e3:.2f} | {tokens / median:,.0f} | {shown} |{mfu}")
+    if records:
+        record = records[-1]
+        six_nd = 6 * n_params * tokens
+        print(
+            f"\nflaxstate's records: model FLOPs a step {record.flops_per_step:.4g} "
+            f"({record.flops_per_step / six_nd:.3f}x "
+            f"6ND = {six_nd:.4g}), XLA's {record.xla_flops_per_step or float('nan'):.4g}; MFU median "
+            + (f"{statistics.median(r.mfu for r in records):.1%}" if record.mfu is not None else "unknown")
+            + f"; device peak {(record.device_memory_peak or 0) / 2**30:.2f} GiB, host {record.host_memory / 2**30:.2f}"
+            f" GiB (peak {record.host_memory_peak / 2**30:.2f})"
+        )
     if plan is not None and flaxstate_peak:
         total = plan.per_device["total"]
         print(
