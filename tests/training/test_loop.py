@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import redex
 from flaxstate_testing import loops, processes, toy
 
 import flaxstate as fs
+from flaxstate.training import segment
 
 MODEL = toy.BatchNormNet()
 MLP = toy.MLP()
@@ -400,3 +402,41 @@ def test_a_records_time_runs_until_the_devices_finish_its_steps():
     record = loop.next_checkpoint()
     wall = time.perf_counter() - start
     assert 0.8 * wall <= record.elapsed_time <= wall
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 4])
+def test_the_host_never_waits_for_the_devices_between_records(tmp_path, per_dispatch):
+    """With a slow step, the host draws each batch while the devices still compute the last dispatch.
+
+    A loop that waited on the devices anywhere between two records (a loss read, a flag, a copy) would
+    find its newest state ready at every draw. Writers and an evaluation run at the records.
+    """
+    model = HeavyMLP()
+    holder = {}
+    computing = []
+
+    def watched(batches):
+        while True:
+            for batch in batches:
+                loop = holder.get("loop")
+                if loop is not None and loop._runner.leaves:
+                    computing.append(not loop._runner.leaves[0].is_ready())
+                yield batch
+
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=watched(toy.batches(4, 8)))
+    loop = fs.TrainLoop(
+        model.init, task, rng=0, n_steps=72, n_steps_per_checkpoint=24, n_steps_per_dispatch=per_dispatch, stdout=False
+    )
+    chain = redex.combinator.serial(
+        fs.EvalLoop(fs.EvalTask(apply=model.apply, metrics={"mse": toy.mse}, data=toy.batches(2, 8)), rng=0, n_steps=2),
+        fs.CheckpointFileWriter(tmp_path / "run"),
+    )
+    chain(loop.next_checkpoint())  # compiled
+    holder["loop"] = loop
+    for record in loop:
+        chain(record)
+    assert len(computing) == 48
+    # Only the draws before a segment's first dispatch (PREFETCH dispatches' batches) find the record's state,
+    # which the record waited for; every later draw overlaps the devices' work.
+    ready = computing.count(False)
+    assert ready <= 2 * segment.PREFETCH * per_dispatch, f"{ready} of 48 draws found the devices done"
