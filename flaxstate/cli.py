@@ -76,6 +76,19 @@ def command_ls(args: argparse.Namespace) -> None:
             ]
         )
     print(_table(rows))
+    peaks = _memory_peaks(args.dir)
+    if peaks:
+        print(f"memory at its peak over the run: {peaks}")
+
+
+def _memory_peaks(run_dir: Path) -> str:
+    """The run's memory peaks from its goodput ledger ("" where it keeps none)."""
+    try:
+        total = goodput.report(ledger.run_events(run_dir))["total"]
+    except (FileNotFoundError, OSError):
+        return ""
+    sizes = {"host": total.get("host_memory_peak"), "devices": total.get("device_memory_peak")}
+    return ", ".join(f"{name} {format_bytes(size)}" for name, size in sizes.items() if size is not None)
 
 
 def _axes(axes: tuple[str | None, ...] | None) -> str:

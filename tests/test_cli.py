@@ -17,7 +17,9 @@ def test_ls_lists_checkpoints_per_writer_with_metrics(digits_run, capsys):
     assert cli.main(["ls", str(output_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["writer", "step", "time", "eval/acc", "eval/loss", "train/loss", "bytes", "best"]
-    rows = [line.split() for line in lines[1:]]
+    *table, peaks = lines
+    assert peaks.startswith("memory at its peak over the run: host ") and peaks.endswith("MB")  # the ledger's
+    rows = [line.split() for line in table[1:]]
     assert [(row[0], row[1]) for row in rows[:2]] == [("newest", "20"), ("newest", "40")]
     best = [row for row in rows if row[0] == "lowest-eval-loss"]
     assert best and best[-1][-1] == "*"

@@ -8,7 +8,7 @@ import pytest
 from flaxstate_testing import loops, toy
 
 import flaxstate as fs
-from flaxstate import goodput
+from flaxstate import cli, goodput
 from flaxstate.checkpoint import ledger
 from flaxstate.records import format_bytes
 from flaxstate.training import memory
@@ -30,7 +30,7 @@ class Holding:
             yield batch
 
 
-def test_records_report_the_host_memory_that_the_data_iterator_holds_and_no_device_figure_on_a_cpu(tmp_path):
+def test_records_report_the_host_memory_that_the_data_iterator_holds_and_no_device_figure_on_a_cpu(tmp_path, capsys):
     data = Holding(hold=256, at=6)
     loop = loops.make_loop(data, n_steps=12, every=4)
     before, after, last = (loop.next_checkpoint() for _ in range(3))
@@ -52,6 +52,9 @@ def test_records_report_the_host_memory_that_the_data_iterator_holds_and_no_devi
     assert report["total"]["host_memory_peak"] == after.host_memory_peak
     assert report["total"]["device_memory_peak"] is None
     assert "host memory, peak" in goodput.format_report(report)
+    cli.main(["ls", str(tmp_path / "run")])
+    shown = capsys.readouterr().out
+    assert f"memory at its peak over the run: host {format_bytes(after.host_memory_peak)}" in shown
 
 
 def test_the_devices_peak_is_their_sum_and_none_where_any_reports_none():
