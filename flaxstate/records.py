@@ -279,6 +279,17 @@ class Checkpoint:
         host_memory: this process's resident host memory in bytes when the
             record was made (`None` where the system says nothing).
         host_memory_peak: this process's peak resident host memory in bytes since it started.
+        evaluation_cut_short: `{group: (batches evaluated, batches asked)}`
+            of each evaluation that a preemption notice stopped early (an
+            `EvalLoop` evaluates no batch of a preempted record, and stops
+            at its next batch when a notice comes while it evaluates), so
+            that the writers after it save in time; its metrics are the mean
+            over the batches evaluated (none: the group is left out).
+        preemption_noticed: whether this process has received a preemption
+            notice since the record was made (SIGTERM; one process's loop
+            only), for an evaluation to stop early; `None` for records made
+            by hand and under several processes, whose evaluations must all
+            run the same batches.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
@@ -310,6 +321,8 @@ class Checkpoint:
     device_memory_peak: int | None = None
     host_memory: int | None = None
     host_memory_peak: int | None = None
+    evaluation_cut_short: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    preemption_noticed: Callable[[], bool] | None = dataclasses.field(default=None, repr=False, compare=False)
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property

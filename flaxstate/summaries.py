@@ -62,6 +62,8 @@ class SummaryLogger:
         slow = slow_process_note(checkpoint.process_waits)
         bound = f"{bound}  {slow}".strip() if slow else bound
         stopped = "  preempted: the last record" if checkpoint.preempted else ""
+        for group, (done, asked) in checkpoint.evaluation_cut_short.items():
+            stopped += f"  {group} cut short by the preemption notice: {done} of {asked} batches"
         line = f"step {checkpoint.step}: {values}  ({speed:.1f} steps/s{waits}){'  ' + bound if bound else ''}{stopped}"
         print(line, file=self._stream or sys.stdout, flush=True)
         return checkpoint

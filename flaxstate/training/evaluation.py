@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,12 +141,20 @@ class EvalLoop:
         the parameters and mutable collections (never the optimizer state)
         are put on the devices for this call.
 
+        A preemption notice stops it early, so that the writers after it save
+        in time (`Checkpoint.evaluation_cut_short` says so): a preempted
+        record is not evaluated, and a notice that comes while it evaluates
+        (one process's loop) stops it before its next batch.
+
         Args:
             checkpoint: a record of `TrainLoop` (or a summary, whose metrics are kept).
 
         Returns:
             the record with the evaluation's metrics.
         """
+        noticed = checkpoint.preemption_noticed
+        if checkpoint.preempted:
+            return self._cut_short(checkpoint, None, 0)
         record_state = checkpoint.device_state() if checkpoint.device_state is not None else None
         if record_state is None:
             record_state = checkpoint.state
@@ -168,6 +177,8 @@ class EvalLoop:
         state = jax.device_put(needed, shardings)  # the loop's own device arrays stay where they are
         totals, n_examples = None, 0
         for index in range(self._n_steps):
+            if noticed is not None and noticed():
+                return self._cut_short(checkpoint, totals, n_examples, index)
             batch = batching.normalize(self._next_batch(), "EvalTask")
             self._placement.check_batch(batch, "EvalTask")
             size = self._placement.global_batch_size(int(np.shape(batch[0][0])[0]))
@@ -178,6 +189,15 @@ class EvalLoop:
             n_examples += size
         metrics = {name: float(value) / n_examples for name, value in jax.device_get(totals).items()}
         return checkpoint.with_metrics({self._group: metrics, "train": {"loss": checkpoint.loss}})
+
+    def _cut_short(self, checkpoint: Checkpoint, totals: Any, n_examples: int, n_done: int = 0) -> Summary:
+        """The record with the means of the batches evaluated (if any) and the cut noted."""
+        metrics: dict[str, dict[str, float]] = {"train": {"loss": checkpoint.loss}}
+        if totals is not None and n_examples:
+            metrics[self._group] = {name: float(value) / n_examples for name, value in jax.device_get(totals).items()}
+        summary = checkpoint.with_metrics(metrics)
+        cut = {**summary.evaluation_cut_short, self._group: (n_done, self._n_steps)}
+        return dataclasses.replace(summary, evaluation_cut_short=cut)
 
     def _compiled_for(self, state: InferenceState) -> tuple[Any, Callable[..., Any]]:
         """The state's shardings and the evaluation compiled with them, made once per structure and shapes.

@@ -169,6 +169,14 @@ class Signals:
         """At a dispatch boundary: hands a noted SIGINT over (raising `KeyboardInterrupt` by default)."""
         self._hand_over(self._previous.get(signal.SIGINT))
 
+    def noticed_here(self) -> bool:
+        """Whether this process's own handler has seen a preemption notice (one process; `False` otherwise).
+
+        Under several processes a notice reaches one process first: work that all
+        must do alike (an evaluation's collectives) cannot stop on it alone.
+        """
+        return self.preempted and not self._sync_point and jax.process_count() == 1
+
     @property
     def preemption_taken(self) -> bool:
         """Whether the loop made its preempted record (it has ended)."""

@@ -189,6 +189,7 @@ class TrainLoop:
             begun=begun,
             progress=self._progress,
             peak_flops_per_device=peak_flops_per_device,
+            preemption_noticed=self._signals.noticed_here,
         )
         self._runner = SegmentRunner(
             program=self._program,

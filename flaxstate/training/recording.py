@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -80,6 +81,8 @@ class Recorder:
     skipped_damaged: tuple[str, ...]
     local_devices: tuple[jax.Device, ...] = ()
     """This process's devices of the mesh, whose memory a record reports."""
+    preemption_noticed: Callable[[], bool] | None = None
+    """Whether a preemption notice has come since (`Checkpoint.preemption_noticed`)."""
     last_loss: float = math.nan
     """The newest loss trained: a record of a segment that trained no step carries it again."""
 
@@ -94,6 +97,7 @@ class Recorder:
         begun: startup.Start,
         progress: ProgressDisplay,
         peak_flops_per_device: float | None,
+        preemption_noticed: Callable[[], bool] | None = None,
     ) -> Recorder:
         """The recorder of a run that `begun` starts on `placement`, with `look`'s data and batch size.
 
@@ -101,6 +105,7 @@ class Recorder:
             shardings: the state's shardings.
             record_memory: where records hold their copy (`copies.RECORD_MEMORIES`).
             peak_flops_per_device: one device's peak FLOP/s, or `None` to look the devices up.
+            preemption_noticed: whether a preemption notice has come (records carry it for an evaluation).
         """
         devices = list(placement.mesh.devices.flat)
         return cls(
@@ -116,6 +121,7 @@ class Recorder:
             peak_flops=throughput.peak_flops(peak_flops_per_device, devices),
             skipped_damaged=() if begun.restored is None else begun.restored.skipped_damaged,
             local_devices=tuple(device for device in devices if device.process_index == jax.process_index()),
+            preemption_noticed=preemption_noticed if jax.process_count() == 1 else None,
         )
 
     def make(
@@ -178,6 +184,7 @@ class Recorder:
             device_memory_peak=memory.device_peak(self.local_devices),
             host_memory=memory.host_resident(),
             host_memory_peak=memory.host_peak(),
+            preemption_noticed=self.preemption_noticed,
             device_state=functools.partial(self.views.lookup, host_state),
         )
         self.progress.record(record)

@@ -184,3 +184,22 @@ def test_the_preempted_record_is_the_last_and_the_previous_handler_is_put_back()
     assert last.data_position["n_batches"] == last.step  # the batches drawn ahead are not counted
     assert loop.next_checkpoint() is None and loop.step == last.step
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_during_a_slow_evaluation_stops_it_at_its_next_batch_and_saves_the_preempted_step(tmp_path):
+    """A notice during an evaluation of 40 batches of 0.5 s: at most the batch in flight runs, then the writers save."""
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), slow_eval=0.5)
+    worker = processes.Watched(processes.start("resume", config))
+    worker.wait_for("eval batch 2", timeout=120)
+    worker.process.send_signal(signal.SIGTERM)  # during the evaluation at step 20, before the record is saved
+    assert worker.finish(timeout=60) == 0, worker.output
+    batches = [int(n) for n in re.findall(r"^eval batch (\d+)$", worker.output, flags=re.MULTILINE)]
+    assert max(batches) <= 4, batches  # the batch drawn when the notice came, and at most one more
+    cut = re.findall(r"^evaluation of (\d+) cut short: (\d+) of 40$", worker.output, flags=re.MULTILINE)
+    # The record of step 20: the batches drawn were evaluated (the last may be drawn, not evaluated); then the
+    # preempted record at the same step, not evaluated at all.
+    assert [step for step, _ in cut] == ["20", "20"] and len(batches) - 1 <= int(cut[0][1]) <= len(batches), cut
+    assert cut[1][1] == "0"
+    assert preempted_steps(worker.output) == [20] and "record 30" not in worker.output
+    assert newest_step(run_dir) == 20

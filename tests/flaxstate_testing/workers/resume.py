@@ -137,6 +137,27 @@ local = (
     else (lambda record: record)
 )
 process = redex.combinator.serial(logger, local, writer)
+if config.get("slow_eval"):  # an evaluation of 40 batches, `slow_eval` seconds each, at the record of step 20
+
+    def slow_eval_data():
+        for index in range(10**6):
+            time.sleep(config["slow_eval"])
+            print("eval batch", index % 40, flush=True)
+            yield toy.batches(1, 8, seed=2)[0]
+
+    evaluate = fs.EvalLoop(
+        fs.EvalTask(apply=model.apply, metrics={"mse": toy.mse}, data=slow_eval_data()), rng=0, n_steps=40
+    )
+    train_only = process
+
+    def process(record):
+        if record.step == 20 or record.preempted:
+            record = evaluate(record)
+            for group, (done, asked) in record.evaluation_cut_short.items():
+                print(f"evaluation of {record.step} cut short: {done} of {asked}", flush=True)
+        return train_only(record)
+
+
 for checkpoint in loop:
     if save_steps:
         now[0] = 100.0 * sum(step <= checkpoint.step for step in save_steps)
