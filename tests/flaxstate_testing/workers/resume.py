@@ -153,7 +153,7 @@ if config.get("slow_eval"):  # an evaluation of 40 batches, `slow_eval` seconds 
     def process(record):
         if record.step == 20 or record.preempted:
             record = evaluate(record)
-            for group, (done, asked) in record.evaluation_cut_short.items():
+            for done, asked in record.evaluation_cut_short.values():
                 print(f"evaluation of {record.step} cut short: {done} of {asked}", flush=True)
         return train_only(record)
 
