@@ -242,13 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     starter.add_argument("--processes", type=int, default=None, help="default: one a local GPU, else 1")
     starter.add_argument("--max-restarts", type=int, default=3)
     starter.add_argument("--grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL (default 30)")
-    starter.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command of each process")
+    starter.add_argument(
+        "program", metavar="command", nargs=argparse.REMAINDER, help="-- then the command of each process"
+    )
     starter.set_defaults(run=command_launch)
     return parser
 
 
 def command_launch(args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
         return launch.launch(command, args.processes, args.max_restarts, args.grace)
     except ValueError as error:

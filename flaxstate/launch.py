@@ -18,9 +18,14 @@ With no GPU the launcher also sets `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`
 (unless it is set), so that CPU processes can talk.
 
 Signals to the launcher: SIGTERM (a preemption of the whole job) is
-forwarded to every process, which save and exit 0, and the launcher exits
-with their status without restarting; the first Ctrl-C is forwarded as
-SIGINT, a second stops them all (SIGKILL).
+forwarded to every process of the round running or starting, which save and
+exit 0; no round starts after it, processes still running `grace` seconds
+after it are killed, and the launcher exits with their status. The first
+Ctrl-C is forwarded as SIGINT, a second stops them all (SIGKILL).
+
+Each process runs in a process group of its own, and the launcher signals
+the whole group of every process it started, failed or not, at a restart and
+at the end: a crashed trainer's data-loader workers do not outlive it.
 """
 
 from __future__ import annotations
@@ -140,6 +145,10 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
         if self.grace < 0:
             raise ValueError(f"--grace must be 0 or more seconds, got {self.grace}.")
+        program = self.command[0]
+        found = os.access(program, os.X_OK) if os.sep in program else shutil.which(program) is not None
+        if not found:
+            raise ValueError(f"no such program: {program}")
 
 
 class Launcher:
@@ -157,6 +166,8 @@ class Launcher:
         self._processes: list[subprocess.Popen[str]] = []
         self._readers: list[threading.Thread] = []
         self._preempted = False
+        self._preempted_at: float | None = None
+        """When the preemption notice came (monotonic), for the grace after it."""
         self._interrupts = 0
         self._gpus = local_gpus()
 
@@ -175,6 +186,9 @@ class Launcher:
         try:
             restarts = 0
             while True:
+                if self._preempted:  # a notice between two rounds: none starts
+                    self.say("preempted before the processes started again; not restarting.")
+                    return 0
                 failed = self._run_once(restarts)
                 if failed is None:
                     return 0
@@ -234,19 +248,27 @@ class Launcher:
             reader.start()
             self._processes.append(process)
             self._readers.append(reader)
+            if self._preempted:  # the notice came while this round started: it reaches this process too
+                self._signal_group(process, signal.SIGTERM)
         failed: tuple[int, int] | None = None
         while failed is None:
             codes = [process.poll() for process in self._processes]
             failed = next(((index, code) for index, code in enumerate(codes) if code is not None and code != 0), None)
             if failed is None and all(code == 0 for code in codes):
                 break
+            if self._preempted_at is not None and time.monotonic() > self._preempted_at + self.config.grace:
+                self.say(f"processes still running {self.config.grace:g} s after the preemption: killed.")
+                self._signal_all(signal.SIGKILL)
+                self._preempted_at = None  # once
             if failed is None:
                 time.sleep(0.05)
         if failed is not None and not self._preempted:
             self._stop_all(self.config.grace)
-        else:
-            for process in self._processes:
-                process.wait()
+        elif self._preempted_at is not None:  # the others have until the notice's grace ends
+            self._stop_all(max(self._preempted_at + self.config.grace - time.monotonic(), 0.0), term=False)
+        for process in self._processes:
+            process.wait()
+        self._signal_all(signal.SIGKILL)  # what the processes left behind in their groups
         for reader in self._readers:
             reader.join(timeout=10)
         return failed
@@ -259,17 +281,22 @@ class Launcher:
                 self._out.flush()
 
     def _signal_all(self, number: int) -> None:
+        """Signals the process group of every process of the round, those that ended too (their children)."""
         for process in self._processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, number)
-                except ProcessLookupError:
-                    pass
+            self._signal_group(process, number)
 
-    def _stop_all(self, grace: float) -> None:
-        """SIGTERM to every running process, SIGKILL to those still running after `grace` seconds."""
+    @staticmethod
+    def _signal_group(process: subprocess.Popen[str], number: int) -> None:
+        try:
+            os.killpg(process.pid, number)
+        except (ProcessLookupError, PermissionError):  # the group is gone
+            pass
+
+    def _stop_all(self, grace: float, term: bool = True) -> None:
+        """SIGTERM to every process (`term`), SIGKILL to those still running after `grace` seconds."""
         if grace > 0:
-            self._signal_all(signal.SIGTERM)
+            if term:
+                self._signal_all(signal.SIGTERM)
             deadline = time.monotonic() + grace
             while any(process.poll() is None for process in self._processes) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -279,6 +306,8 @@ class Launcher:
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self._preempted = True
+        if self._preempted_at is None:
+            self._preempted_at = time.monotonic()
         self._signal_all(signal.SIGTERM)
 
     def _on_sigint(self, signum: int, frame: object) -> None:

@@ -146,6 +146,80 @@ def test_sigterm_to_the_launcher_is_forwarded_and_nothing_restarts(tmp_path):
     assert not any("restart" in line for line in launched.lines)
 
 
+AFTER_A_FAILURE = """
+    import os, signal, sys, time
+    index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
+    if restarts == "0":
+        if index == "1":
+            sys.exit(3)
+        time.sleep(600)
+    signal.signal(signal.SIGTERM, lambda *_: (print("saved at SIGTERM", index, flush=True), sys.exit(0)))
+    print("round", restarts, "ready", index, flush=True)
+    time.sleep(20)
+    print("trained to the end", index, flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+def test_a_sigterm_just_after_a_restart_began_reaches_the_new_round_or_stops_it_from_starting(tmp_path, delay):
+    launched = Launched(tmp_path, AFTER_A_FAILURE, "--grace", "0.2")
+    launched.wait_for("restart 1 of 3")
+    time.sleep(delay)  # before, while or after the new round starts
+    launched.process.send_signal(signal.SIGTERM)
+    status = launched.finish(timeout=60)
+    assert not any("trained to the end" in line for line in launched.lines), launched.output
+    assert not any("restart 2" in line for line in launched.lines), launched.output
+    # Each new process either saved at the notice or was ended by it before it could install its handler.
+    assert status in (0, 128 + signal.SIGTERM), launched.output
+
+
+CHILDREN = """
+    import os, subprocess, sys, time
+    index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
+    if restarts == "0":
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a data loader's worker
+        print("child", index, worker.pid, flush=True)
+        time.sleep(0.5)
+        if index == "1":
+            os._exit(3)  # crashes, its worker left running
+        time.sleep(600)
+    print("again", index, flush=True)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_the_children_of_a_crashed_process_and_of_the_others_are_stopped_at_a_restart(tmp_path):
+    launched = Launched(tmp_path, CHILDREN, "--grace", "1")
+    children = [int(line.split()[3]) for line in launched.wait_for("] child ", count=2)]
+    assert launched.finish() == 0, launched.output
+    assert {"[0] again 0", "[1] again 1"} <= set(launched.lines)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is delivered at once; the reaping by init may lag
+    assert not [pid for pid in children if alive(pid)], launched.output
+
+
+def test_a_process_that_ignores_the_forwarded_sigterm_is_killed_after_the_grace(tmp_path):
+    script = """
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", os.environ["FLAXSTATE_PROCESS_ID"], flush=True)
+        time.sleep(600)
+    """
+    launched = Launched(tmp_path, script, "--grace", "1")
+    launched.wait_for("] ready ", count=2)
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.finish(timeout=60) == 128 + signal.SIGKILL, launched.output
+    assert any("still running 1 s after the preemption: killed" in line for line in launched.lines), launched.output
+
+
 def test_ctrl_c_is_forwarded_once_and_a_second_stops_them_all(tmp_path):
     script = """
         import os, signal, time
@@ -170,6 +244,8 @@ def test_ctrl_c_is_forwarded_once_and_a_second_stops_them_all(tmp_path):
         (["--processes", "0", "--", "true"], "--processes must be at least 1, got 0"),
         (["--processes", "2"], "flaxstate launch needs a command"),
         (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more"),
+        (["--", "no-such-program", "--flag"], "flaxstate launch: no such program: no-such-program\n"),
+        (["--", "./not-here.py"], "flaxstate launch: no such program: ./not-here.py\n"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_starts(args, message):
