@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import train_state, tree_paths
+from flaxstate import settings, train_state, tree_paths
 from flaxstate.checkpoint import damage, steps, stores, tiers
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.errors import CheckpointError
@@ -101,8 +101,13 @@ class CheckpointFileReader:
                     f"CheckpointFileReader's tiers [{str(dirs[0])!r}, {str(dirs[1])!r}] {overlap}: "
                     + tiers.tiers_apart_advice()
                 )
-        self.target = target
-        self.step = step
+        owner = type(self).__name__
+        self.target = settings.optional_callable(owner, "target", target)
+        self.step = settings.optional_count(owner, "step", step)
+        if rename is not None and not isinstance(rename, Mapping):
+            raise ValueError(
+                f"{owner} rename must be a dict of {{old regex: new}} state-dict paths, or None; got {rename!r}."
+            )
         self.rename = rename
 
     def __repr__(self) -> str:
@@ -354,7 +359,8 @@ class _BestReader(CheckpointFileReader):
         if not isinstance(output_dir, str | Path):
             raise ValueError(f"{type(self).__name__} reads one run directory, not tiers; got {output_dir!r}.")
         super().__init__(output_dir, target=target, step=step, rename=rename)
-        self.metric, self.group = metric, group
+        self.metric = settings.text(type(self).__name__, "metric", metric)
+        self.group = settings.text(type(self).__name__, "group", group)
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
 
     def _repr_extra(self) -> str:

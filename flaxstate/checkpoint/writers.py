@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxstate import environment
+from flaxstate import environment, settings
 from flaxstate.checkpoint import claims, stores
 from flaxstate.checkpoint import peers as peer_copies
 from flaxstate.checkpoint.best import BestPolicy, Mode
@@ -96,10 +96,14 @@ class _Writer:
         per_process: bool = False,
         peers: int = 0,
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}.")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be a positive number of seconds or None, got {every_seconds}.")
+        owner = description.split("(", 1)[0]
+        keep = settings.count(owner, "keep", keep)
+        every_seconds = settings.optional_seconds(owner, "every_seconds", every_seconds)
+        overwrite = settings.flag(owner, "overwrite", overwrite)
+        ledger = settings.flag(owner, "ledger", ledger)
+        per_process = settings.flag(owner, "per_process", per_process)
+        if not callable(clock):
+            raise ValueError(f"{owner} clock must be a function returning seconds, got {clock!r}.")
         self.output_dir = output_dir
         """The run's directory."""
         directory = stores.store_directory(output_dir, per_process=per_process, subdir=subdir)
@@ -389,6 +393,8 @@ class _BestWriter(_Writer):
         metadata: Any = None,
         overwrite: bool = False,
     ) -> None:
+        metric = settings.text(type(self).__name__, "metric", metric)
+        group = settings.text(type(self).__name__, "group", group)
         self.metric, self.group = metric, group
         self.policy = BestPolicy(metric=metric, group=group, mode=self.mode)
         description = f"{type(self).__name__}({str(output_dir)!r}, metric={metric!r}, group={group!r}, keep={keep})"

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from flaxstate import sharding
+from flaxstate import settings, sharding
 from flaxstate.records import Checkpoint, Summary
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import InferenceState
@@ -99,8 +99,14 @@ class EvalLoop:
                 mesh axis the mesh does not have.
             TypeError: `rng` is neither a key nor an int.
         """
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int | np.integer) or n_steps < 1:
-            raise ValueError(f"EvalLoop n_steps must be an int of at least 1, got {n_steps!r}.")
+        n_steps = settings.count("EvalLoop", "n_steps", n_steps)
+        group = settings.text("EvalLoop", "group", group)
+        use_ema = settings.flag("EvalLoop", "use_ema", use_ema)
+        if isinstance(rng_collections, str) or not all(isinstance(name, str) for name in rng_collections):
+            raise ValueError(
+                f"EvalLoop rng_collections must be a list of rng collection names, e.g. ['dropout']; "
+                f"got {rng_collections!r}."
+            )
         if not task.metrics:
             raise ValueError("EvalTask.metrics is empty; give at least one {name: metric} to evaluate.")
         self._task = task

@@ -23,7 +23,7 @@ import jax
 from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
-from flaxstate import background, sharding
+from flaxstate import background, settings, sharding
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
@@ -143,6 +143,8 @@ class TrainLoop:
             TypeError: `rng` is neither a key nor an int.
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
+        handle_preemption = settings.flag("TrainLoop", "handle_preemption", handle_preemption)
+        stdout = settings.flag("TrainLoop", "stdout", stdout)
         n_microbatches = self._schedule.n_microbatches  # checked
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread

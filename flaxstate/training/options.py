@@ -12,16 +12,12 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from flaxstate import settings
 from flaxstate.training import copies, throughput
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        least = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
-        raise ValueError(f"TrainLoop {name} must be {least}, got {value!r}.")
-    return int(value)
+    return settings.count("TrainLoop", name, value, minimum)
 
 
 @dataclasses.dataclass(frozen=True)

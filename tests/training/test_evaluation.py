@@ -36,5 +36,5 @@ def test_an_int_rng_is_a_seed_and_anything_else_is_refused_naming_eval_loop():
 
 @pytest.mark.parametrize("n_steps", [0, -1, 1.5, True])
 def test_n_steps_must_be_a_positive_int(n_steps):
-    with pytest.raises(ValueError, match=f"EvalLoop n_steps must be an int of at least 1, got {n_steps!r}"):
+    with pytest.raises(ValueError, match=f"EvalLoop n_steps must be a positive int, got {n_steps!r}"):
         fs.EvalLoop(task(), 0, n_steps=n_steps)

@@ -1,0 +1,68 @@
+"""Checks of the settings that users pass, often read from a config file: each error names the setting, the value
+found (with its type) and what the setting takes, before any work is done.
+
+A YAML or JSON config gives strings where a number was meant (`keep: "3"`),
+and YAML 1.1 reads `1e3` as a string: the writers, readers and loops refuse
+them here with one line instead of a `TypeError` deep inside a comparison.
+
+Example:
+    >>> count("CheckpointFileWriter", "keep", "3")
+    Traceback (most recent call last):
+    ...
+    ValueError: CheckpointFileWriter keep must be a positive int, got '3' (a str).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def _refuse(owner: str, name: str, value: Any, takes: str) -> ValueError:
+    return ValueError(f"{owner} {name} must be {takes}, got {value!r} (a {type(value).__name__}).")
+
+
+def count(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as an int of at least `minimum` (a bool or a string is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise _refuse(owner, name, value, "a positive int" if minimum == 1 else f"an int of at least {minimum}")
+    return int(value)
+
+
+def optional_count(owner: str, name: str, value: Any, minimum: int = 0) -> int | None:
+    """`None`, or `value` as an int of at least `minimum`."""
+    return None if value is None else count(owner, name, value, minimum)
+
+
+def optional_seconds(owner: str, name: str, value: Any) -> float | None:
+    """`None`, or `value` as a positive finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise _refuse(owner, name, value, "a positive number of seconds or None")
+    return float(value)
+
+
+def flag(owner: str, name: str, value: Any) -> bool:
+    """`value`, which must be a bool (a string such as "false" is refused: it would read as true)."""
+    if not isinstance(value, bool | np.bool_):
+        raise _refuse(owner, name, value, "True or False")
+    return bool(value)
+
+
+def text(owner: str, name: str, value: Any) -> str:
+    """`value`, which must be a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise _refuse(owner, name, value, "a non-empty string")
+    return value
+
+
+def optional_callable(owner: str, name: str, value: Any) -> Callable[..., Any] | None:
+    """`None`, or `value`, which must be callable."""
+    if value is not None and not callable(value):
+        raise _refuse(owner, name, value, "a function, or None")
+    return value
