@@ -64,10 +64,19 @@ def check_free(directory: Path, *, description: str, output_dir: Path, per_proce
     """
     key = locations.key(directory)
     first = _OPEN.get(key)
-    if first is not None:
+    if first is not None and first.busy:
         raise CheckpointError(
-            f"{directory} is already written by {first!r}; two writers on one directory would save the "
-            "same steps twice. Give each writer its own directory, or close() the first one."
+            f"{directory} is already written by {first!r}, which is saving a record now; two writers on one "
+            "directory would save the same steps twice. Give each writer its own directory, or close() the first one."
+        )
+    if first is not None:  # idle: a notebook cell that makes its writer, run again
+        first.hand_over(description)
+        logger.warning(
+            "%s takes over %s from %r, made before in this process and idle (a notebook cell run again?); that "
+            "writer refuses records from now on.",
+            description,
+            directory,
+            first,
         )
     for other in list(_OPEN.values()):
         if other.per_process != per_process:  # one writer a local tier, the other persistent

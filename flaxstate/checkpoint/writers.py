@@ -122,6 +122,9 @@ class _Writer:
         self._keep = keep
         self._last_save_time = self._clock()
         self._saved_step: int | None = None
+        self.busy = False
+        """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
+        self._replaced_by: str | None = None
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 0:
             raise ValueError(f"{description}: peers must be a count of copies (0, 1, ...), got {peers!r}.")
         if peers and not per_process:
@@ -167,6 +170,31 @@ class _Writer:
                 and the writer was not made with `overwrite=True`.
             CheckpointSaveError: this save or the previous one failed, naming the step.
         """
+        if self._replaced_by is not None:
+            raise CheckpointError(
+                f"{self!r} was replaced by {self._replaced_by}, made later in this process on the same directory "
+                "(a notebook cell run again, or a second loop): it saves nothing more. Give the record to the new "
+                "writer, or give each loop's writer its own directory."
+            )
+        self.busy = True
+        try:
+            return self._save_record(checkpoint)
+        finally:
+            self.busy = False
+
+    def hand_over(self, successor: str) -> None:
+        """Gives the directory to a new writer of this process: waits for the pending save, then refuses records.
+
+        Args:
+            successor: the new writer's description, for the refusal.
+
+        Raises:
+            CheckpointSaveError: the pending save failed (the new writer is not made).
+        """
+        self.close()
+        self._replaced_by = successor
+
+    def _save_record(self, checkpoint: Checkpoint) -> Checkpoint:
         last = checkpoint.final or checkpoint.preempted
         held = self._holds(checkpoint)
         if not held and not self._claimed:  # at the first record, saved or not: the ledger writes after it

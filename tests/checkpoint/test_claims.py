@@ -72,10 +72,12 @@ def test_a_per_process_directory_sets_this_run_ahead_aside_keeping_at_most_keep(
             claims.claim(store, record(5), overwrite=False, keep=1, writer="w")
 
 
-def test_the_registry_refuses_a_second_writer_and_overlapping_tiers_naming_both(tmp_path):
+def test_the_registry_refuses_a_second_writer_of_a_busy_one_and_overlapping_tiers_naming_both(tmp_path):
     with fs.CheckpointFileWriter(tmp_path / "persistent") as first:
-        with pytest.raises(fs.CheckpointError, match="is already written by CheckpointFileWriter"):
+        first.busy = True  # as while a call saves a record (another thread's)
+        with pytest.raises(fs.CheckpointError, match="is already written by CheckpointFileWriter.*saving a record now"):
             claims.check_free(first.directory, description="second", output_dir=first.directory, per_process=False)
+        first.busy = False
         inside = tmp_path / "persistent" / "local"
         with pytest.raises(fs.CheckpointError, match="overlap: the local tier .* is inside the persistent tier"):
             claims.check_free(inside, description="local", output_dir=inside, per_process=True)

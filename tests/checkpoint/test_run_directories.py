@@ -83,16 +83,24 @@ def test_a_run_resumed_from_an_earlier_step_does_not_mix_two_histories(tmp_path)
     assert fs.CheckpointFileReader(tmp_path).read(fs.CheckpointFile(fresh_state(), 0)).step == 6
 
 
-def test_a_second_writer_on_one_directory_is_refused_at_construction(tmp_path):
+def test_a_second_writer_on_one_directory_takes_over_from_the_idle_first_which_then_refuses(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="flaxstate")
+    loop = make_loop(MODEL.init, n_steps=8)
     first = fs.CheckpointFileWriter(tmp_path, keep=2)
-    with pytest.raises(fs.CheckpointError, match=f"{tmp_path} is already written by CheckpointFileWriter"):
-        fs.CheckpointFileWriter(tmp_path)
-    with pytest.raises(fs.CheckpointError, match="already written"):
-        fs.CheckpointFileWriter(tmp_path / "." / "")  # the same directory, spelled differently
+    first(loop.next_checkpoint())  # step 2, saving in the background
+    second = fs.CheckpointFileWriter(tmp_path)  # a notebook cell run again
+    assert saved_steps(tmp_path) == [2]  # the first's save was waited for
+    assert f"takes over {tmp_path} from CheckpointFileWriter" in caplog.text and "idle" in caplog.text
+    with pytest.raises(fs.CheckpointError, match=r"was replaced by CheckpointFileWriter\(.*saves nothing more"):
+        first(loop.next_checkpoint())
+    third = fs.CheckpointFileWriter(tmp_path / "." / "", keep=2)  # the same directory, spelled differently
+    with pytest.raises(fs.CheckpointError, match="was replaced by"):
+        second(loop.next_checkpoint())
+    third(loop.next_checkpoint())
     # The best writers keep their own subdirectories: they do not collide with it.
     fs.LowestCheckpointFileWriter(tmp_path, metric="loss").close()
-    first.close()
-    fs.CheckpointFileWriter(tmp_path).close()  # released: a new writer may write it
+    third.close()
+    assert saved_steps(tmp_path) == [2, 8]
 
 
 def meta_file(step_dir):

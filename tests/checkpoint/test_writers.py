@@ -277,14 +277,9 @@ try:
     print("CLOSED")
 except KeyboardInterrupt:
     print("INTERRUPTED CLOSE")
-try:
+try:  # takes over from the idle writer once its save ends: the save's failure is reported here
     fs.CheckpointFileWriter({str(tmp_path)!r})
-    print("A SECOND WRITER WHILE THE SAVE RUNS")
-except fs.CheckpointError as error:
-    print("SECOND WRITER REFUSED", "already written by" in str(error))
-try:
-    writer.close()
-    print("CLOSED WITHOUT AN ERROR")
+    print("A SECOND WRITER DESPITE THE FAILED SAVE")
 except fs.CheckpointSaveError as error:
     print("REPORTED", error)
 fs.CheckpointFileWriter({str(tmp_path)!r}).close()
@@ -294,5 +289,5 @@ print("REOPENED")
     lines = output.splitlines()
     assert "INTERRUPTED []" in lines and "WAITED [2]" in lines, output
     assert "INTERRUPTED CLOSE" in lines, output
-    assert "SECOND WRITER REFUSED True" in lines and "REOPENED" in lines, output  # released once the save ended
+    assert "REOPENED" in lines, output  # released once the save ended
     assert any(line.startswith("REPORTED saving the checkpoint of step 4") for line in lines), output
