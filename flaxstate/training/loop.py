@@ -148,69 +148,75 @@ class TrainLoop:
         n_microbatches = self._schedule.n_microbatches  # checked
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
-        record_memory = check_record_memory(record_memory)
-        peak_flops_per_device = check_peak_flops(peak_flops_per_device)
-        flops_per_step = check_flops_per_step(flops_per_step)
-        init_names, apply_names = startup.rng_names(collections)
-        where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
-        self._progress = ProgressDisplay(stdout)
-        self._signals = Signals(handle_preemption)
-        look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)
-        phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
-        with self._watchdog.watching(phase):
-            begun = startup.start(
-                init=init,
-                task=task,
-                rng=rng,
+        try:
+            record_memory = check_record_memory(record_memory)
+            peak_flops_per_device = check_peak_flops(peak_flops_per_device)
+            flops_per_step = check_flops_per_step(flops_per_step)
+            init_names, apply_names = startup.rng_names(collections)
+            where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
+            self._progress = ProgressDisplay(stdout)
+            self._signals = Signals(handle_preemption)
+            look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)
+            phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
+            with self._watchdog.watching(phase):
+                begun = startup.start(
+                    init=init,
+                    task=task,
+                    rng=rng,
+                    placement=where,
+                    look=look,
+                    init_names=init_names,
+                    progress=self._progress,
+                )
+            self._run_id = begun.run_id
+            self._restored_step = begun.restored_step
+            self._check_ema_decays = task.check_ema_decays
+            self._check_ema_decays(
+                begun.restored_step or 0, n_steps
+            )  # a schedule's bad decay fails before any training
+            self._ema_checked = n_steps
+            """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
+            self._program = Program.build(
                 placement=where,
-                look=look,
-                init_names=init_names,
-                progress=self._progress,
+                task=task,
+                rng_names=apply_names,
+                mutable=mutable_collections,
+                n_microbatches=n_microbatches,
+                state=begun.state,
+                rng=begun.rng,
+                given_flops=flops_per_step,
             )
-        self._run_id = begun.run_id
-        self._restored_step = begun.restored_step
-        self._check_ema_decays = task.check_ema_decays
-        self._check_ema_decays(begun.restored_step or 0, n_steps)  # a schedule's bad decay fails before any training
-        self._ema_checked = n_steps
-        """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
-        self._program = Program.build(
-            placement=where,
-            task=task,
-            rng_names=apply_names,
-            mutable=mutable_collections,
-            n_microbatches=n_microbatches,
-            state=begun.state,
-            rng=begun.rng,
-            given_flops=flops_per_step,
-        )
-        self._recorder = Recorder.create(
-            placement=where,
-            shardings=self._program.shardings,
-            record_memory=record_memory,
-            look=look,
-            begun=begun,
-            progress=self._progress,
-            peak_flops_per_device=peak_flops_per_device,
-            preemption_noticed=self._signals.noticed_here,
-        )
-        self._runner = SegmentRunner(
-            program=self._program,
-            placement=where,
-            data=look.data,
-            signals=self._signals,
-            progress=self._progress,
-            n_microbatches=n_microbatches,
-            state=begun.state,
-            rng=begun.rng,
-            watchdog=self._watchdog,
-            global_batch=look.global_batch,
-            loss_scaling=task.loss_scale is not None,
-        )
-        self._made: Checkpoint | None = None
-        """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
-        self._outside: float | None = None
-        """Seconds between the previous record's return (or the start) and the next record's training."""
-        self._returned_at = time.perf_counter()
+            self._recorder = Recorder.create(
+                placement=where,
+                shardings=self._program.shardings,
+                record_memory=record_memory,
+                look=look,
+                begun=begun,
+                progress=self._progress,
+                peak_flops_per_device=peak_flops_per_device,
+                preemption_noticed=self._signals.noticed_here,
+            )
+            self._runner = SegmentRunner(
+                program=self._program,
+                placement=where,
+                data=look.data,
+                signals=self._signals,
+                progress=self._progress,
+                n_microbatches=n_microbatches,
+                state=begun.state,
+                rng=begun.rng,
+                watchdog=self._watchdog,
+                global_batch=look.global_batch,
+                loss_scaling=task.loss_scale is not None,
+            )
+            self._made: Checkpoint | None = None
+            """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
+            self._outside: float | None = None
+            """Seconds between the previous record's return (or the start) and the next record's training."""
+            self._returned_at = time.perf_counter()
+        except BaseException:  # a failed construction leaves no thread behind (a notebook keeps its traceback)
+            self._watchdog.close()
+            raise
 
     @property
     def step(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import importlib.util
 import sys
 from typing import Any
 
@@ -23,6 +24,18 @@ def count_parameters(params: Any) -> tuple[int, int]:
     return sum(int(leaf.size) for leaf in leaves), sum(int(leaf.size) * leaf.dtype.itemsize for leaf in leaves)
 
 
+def _console() -> Console:
+    """rich's console on stdout; in a notebook without ipywidgets (rich's live display there), plain text.
+
+    rich would warn at every training cell ('install "ipywidgets" for Jupyter support'); the `notebook`
+    extra installs it.
+    """
+    console = Console(file=sys.stdout)
+    if console.is_jupyter and importlib.util.find_spec("ipywidgets") is None:
+        console = Console(file=sys.stdout, force_jupyter=False)
+    return console
+
+
 class ProgressDisplay:
     """A live progress bar (step, steps/s, MFU where known, last loss, ETA) that stays silent when disabled.
 
@@ -37,7 +50,7 @@ class ProgressDisplay:
         self._enabled = enabled and jax.process_index() == 0
         self._progress: Progress | None = None
         self._task: Any = None
-        self._console = Console(file=sys.stdout)
+        self._console = _console()
         self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=SPEED_WINDOW)
 
     def log(self, message: str) -> None:

@@ -13,6 +13,7 @@ beside the restored one.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 import uuid
@@ -210,6 +211,28 @@ def start(
     return begun
 
 
+def check_init_call(model_init: Callable[..., Any], rngs: dict[str, Any], sample: tuple[Any, ...]) -> None:
+    """Refuses an `init` that cannot take the loop's call, `init(rngs, *the first batch's inputs)`, naming both.
+
+    Raises:
+        TypeError: the call and what `init` takes.
+    """
+    try:
+        signature = inspect.signature(model_init)
+    except (TypeError, ValueError):  # a callable without a signature (a C function): let the call speak
+        return
+    try:
+        signature.bind(rngs, *sample)
+    except TypeError as error:
+        inputs = ", ".join(f"an array of shape {tuple(np.shape(x))}" for x in sample)
+        raise TypeError(
+            f"TrainLoop calls init(rngs, *the first batch's inputs), here init({{{', '.join(map(repr, rngs))}}}, "
+            f"{inputs}), but {getattr(model_init, '__qualname__', model_init)!r} takes {signature}: {error}. Give a "
+            "linen module's init (model.init), the init of fs.nnx_functions(model), or a function of "
+            "(rngs, *inputs); input_sample= sets the inputs."
+        ) from None
+
+
 def state_maker(
     model_init: Callable[..., Any], task: TrainTask, init_names: tuple[str, ...]
 ) -> Callable[..., FlaxOptimTrainState]:
@@ -217,6 +240,7 @@ def state_maker(
 
     def create(rng: jax.Array, *sample: Any) -> FlaxOptimTrainState:
         rngs = {name: jax.random.fold_in(rng, index) for index, name in enumerate(init_names)}
+        check_init_call(model_init, rngs, sample)
         return FlaxOptimTrainState.create(task.optimizer, model_init(rngs, *sample), _loss_scale(task), task.ema_decay)
 
     return create
