@@ -1,16 +1,19 @@
 """A writer's claims on its directory: one open writer a directory, and one run's history in it.
 
 Before a writer opens its store, `check_free` refuses a directory that
-another open writer of this process writes, and a local tier that overlaps
-an open persistent one. At its first record, `claim` surveys the directory
+another open writer of this process is saving to, takes it over from an idle
+one (a notebook cell run again: the old writer then refuses records), and
+refuses a local tier that overlaps an open persistent one. At its first record, `claim` surveys the directory
 (`survey`: each step's meta, read once) and applies the rules that both
 tiers share:
 
 - damaged steps (those the run's reader skipped, or whose meta is damage)
   are set aside (`<step>.damaged`, files kept): they are no other run's;
-- steps of another run are refused, naming how to resume that run or
-  where else to write, unless the writer has `overwrite=True` (they are
-  removed);
+- steps of another run are refused in a shared directory, naming how to
+  resume that run or where else to write, unless the writer has
+  `overwrite=True` (they are removed); in a per-process store (a local tier
+  that a new experiment shares with an old one) they are stale cache of
+  another run, and are set aside (`<step>.other-run`, at most `keep` kept);
 - this run's steps at or after the record's step (a run resumed from an
   earlier step) are refused in a shared directory (two histories would
   mix); in a per-process store they were left by a restart that fell back
@@ -18,8 +21,7 @@ tiers share:
   `keep` kept).
 
 A shared store (one directory of every process) is changed by the primary
-process only; in a per-process store every process claims its own part, and
-all refuse if one must (one small collective).
+process only; in a per-process store every process claims its own part.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from flaxstate import collectives, locations
+from flaxstate import locations
 from flaxstate.checkpoint import steps, tiers
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.local import LocalStore
@@ -43,6 +45,10 @@ from flaxstate.locations import as_path
 from flaxstate.records import Checkpoint
 
 logger = logging.getLogger("flaxstate")
+
+OTHER_RUN = ".other-run"
+"""The suffix a local writer gives another run's steps that it finds in its directory: the persistent directory
+defines the run, and a local tier shared by experiments (README's `/dev/shm/run`) holds another's stale cache."""
 
 SUPERSEDED = ".superseded"
 """The suffix a local writer gives this run's steps that a restart from an older persistent step passed over."""
@@ -203,21 +209,29 @@ def _claim_per_process(
 ) -> None:
     """A local tier: every process checks its own part, and all refuse if one must.
 
-    This run's steps at or after the record's (left by a run that restored
-    an older persistent step) are set aside, not refused: the restart that
-    fell back to the persistent tier goes on.
+    Neither is refused: the persistent directory defines the run, and the
+    reader never restores a local step of another run. Another run's steps
+    (a new experiment beside an old one's local tier) are set aside as
+    `<step>.other-run` (removed with `overwrite`), and this run's steps at or
+    after the record's (left by a restart that restored an older persistent
+    step) as `<step>.superseded`; at most `keep` of each are kept.
     """
-    refusal = _refusal(store.directory, checkpoint, found, []) if found.others and not overwrite else None
-    refusals = collectives.allgather_json(refusal)
-    if any(refusals):
-        raise CheckpointError(
-            "\n".join(f"process {i}: {text}" for i, text in enumerate(refusals) if text)
-            if jax.process_count() > 1
-            else str(refusal)
-        )
-    if found.others:
+    if found.others and overwrite:
         logger.warning("%r: overwrite=True, removing steps %s of %s.", writer, found.others, store.directory)
         store.delete(found.others)
+    elif found.others:
+        runs = sorted({found.run_of[step] for step in found.others})
+        moved = [store.set_aside(step, OTHER_RUN) for step in found.others]
+        logger.warning(
+            "%r: steps %s are of another run (%s), not this one (%s, whose persistent directory defines it); they "
+            "are set aside as %s.",
+            writer,
+            found.others,
+            ", ".join(runs),
+            checkpoint.run_id,
+            ", ".join(path.name for path in moved),
+        )
+        _prune(store, OTHER_RUN, keep, writer)
     if isinstance(store, LocalStore):  # copies of other processes' steps from the history this restart left
         dropped = store.drop_copies_from(checkpoint.step)
         if dropped:
@@ -232,14 +246,19 @@ def _claim_per_process(
             checkpoint.step,
             ", ".join(path.name for path in moved),
         )
-        pruned = store.prune_aside(SUPERSEDED, keep)
-        if pruned:
-            logger.warning(
-                "%r: removed the oldest steps set aside (%s kept at most): %s.",
-                writer,
-                keep,
-                ", ".join(path.name for path in pruned),
-            )
+        _prune(store, SUPERSEDED, keep, writer)
+
+
+def _prune(store: Store, suffix: str, keep: int, writer: Any) -> None:
+    """Removes the oldest steps set aside with `suffix` beyond `keep`, in one line."""
+    pruned = store.prune_aside(suffix, keep)
+    if pruned:
+        logger.warning(
+            "%r: removed the oldest steps set aside (%s kept at most): %s.",
+            writer,
+            keep,
+            ", ".join(path.name for path in pruned),
+        )
 
 
 def _refusal(directory: Path, checkpoint: Checkpoint, found: Survey, ahead: list[int]) -> str:

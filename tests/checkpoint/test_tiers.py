@@ -128,14 +128,17 @@ def test_a_damaged_local_save_is_set_aside_and_its_parts_come_from_the_replica(k
     assert (directory / "local-1" / "process-1" / f"{common[-1]}.damaged").is_dir()
 
 
-def test_a_new_experiment_does_not_resume_another_run_s_local_tier_and_its_writer_refuses_to_mix(killed, tmp_path):
+def test_a_new_experiment_beside_another_run_s_local_tier_sets_its_steps_aside_and_trains_through(killed, tmp_path):
     directory = restart_copy(killed, tmp_path)
     shutil.rmtree(directory / "persistent")  # README's pattern: one local path on each host, a new persistent one
     before = [local_steps(directory / f"local-{i}", i) for i in range(2)]
-    _, outputs = run(directory, 2, expect_success=False)
+    final, outputs = run(directory, 2)
     assert "the persistent directory is new" in outputs[0], outputs[0][-3000:]
     for output in outputs:
-        assert "start 0" in output, output[-3000:]
-        assert "holds checkpoints of another run" in output, output[-3000:]
-        assert "done" not in output
-    assert [local_steps(directory / f"local-{i}", i) for i in range(2)] == before
+        assert "start 0" in output and "done" in output, output[-3000:]
+        assert "are of another run" in output and ".other-run" in output, output[-3000:]  # one line a process
+    for index in range(2):
+        folder = directory / f"local-{index}" / f"process-{index}"
+        aside = sorted(path.name for path in folder.iterdir() if "other-run" in path.name)
+        assert aside and len(aside) <= 3 and {int(name.split(".")[0]) for name in aside} <= set(before[index]), aside
+    assert_same(final, killed["straight"])  # trained from step 0, as a run never stopped
