@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -255,6 +256,10 @@ def plan(
     return plan_
 
 
+ALLOW_MULTIPLE = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+"""libtpu's variable that lets a process load it while another holds its lockfile."""
+
+
 def target_devices(target: str) -> list[Any]:
     """The devices of a target (see the module).
 
@@ -285,9 +290,20 @@ def target_devices(target: str) -> list[Any]:
         ) from error
     from jax.experimental import topologies
 
+    # A plan only compiles: it never opens a chip. libtpu's lockfile guards the chips, and any JAX process that
+    # loaded libtpu holds it for life, so without this a plan beside a training process (or a notebook that
+    # imported jax[tpu]) failed. A value the user set is kept.
+    os.environ.setdefault(ALLOW_MULTIPLE, "1")
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=target).devices)
-    except Exception as error:  # libtpu's own error: an unknown name or shape
+    except Exception as error:  # libtpu's own error: its lockfile held, or an unknown name or shape
+        if "lockfile" in str(error):
+            raise ValueError(
+                f"another process holds libtpu (its multi-process lockfile: {str(error).splitlines()[0][:160]}), "
+                f"so the plan for {target!r} cannot load it. A plan only compiles: set {ALLOW_MULTIPLE}=1 in this "
+                f"process before JAX starts (it is {os.environ.get(ALLOW_MULTIPLE)!r} here), or run the other "
+                "process with JAX_PLATFORMS=cpu if it needs no TPU."
+            ) from error
         raise ValueError(
             f"libtpu does not know the TPU topology {target!r} ({str(error).splitlines()[0][:200]}); "
             "known ones look like 'v5e:2x2', 'v5e:4x4', 'v5e:16x16', 'v5p:2x2x1', 'v5p:4x4x4', 'v4:2x2x1', "
