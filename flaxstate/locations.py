@@ -146,19 +146,41 @@ def _check_bucket(path: object, text: str, owner: str) -> None:
         tried = f"the emulator at {emulator} (STORAGE_EMULATOR_HOST)" if emulator else "Google Cloud Storage"
         credentials = "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS"
         create = f"gcloud storage buckets create gs://{bucket}"
+    unsigned = scheme == "s3" and not _aws_credentials()
+    no_credentials = (
+        f"{owner} got {text!r}, and no AWS credentials were found, so {tried} cannot be asked whether the bucket "
+        f"{bucket!r} exists (unsigned, it answers as if it did not): set AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE for a profile of ~/.aws/credentials (aws configure writes one)."
+    )
     try:
         exists = epath.Path(f"{scheme}://{bucket}").exists()
     except Exception as error:  # the clients raise their own errors: credentials, network, permissions
+        if unsigned:
+            raise ValueError(no_credentials) from error
         raise ValueError(
             f"{owner} got {text!r}, and the bucket {bucket!r} could not be reached at {tried}: "
             f"{type(error).__name__}: {error}. Check the credentials ({credentials}) and the network, "
             "before any training."
         ) from error
+    if not exists and unsigned:
+        raise ValueError(no_credentials)
     if not exists:
         raise ValueError(
             f"{owner} got {text!r}, and the bucket {bucket!r} does not exist at {tried} (or these credentials "
             f"cannot see it): create it ({create}) or give another."
         )
+
+
+def _aws_credentials() -> bool:
+    """Whether botocore finds AWS credentials (variables, a profile, instance metadata...) as s3fs will."""
+    try:
+        import botocore.session
+    except ImportError:  # s3fs not installed: its own error says so later
+        return True
+    try:
+        return botocore.session.get_session().get_credentials() is not None
+    except Exception:  # noqa: BLE001 - a broken profile: let the client's own error speak
+        return True
 
 
 def as_path(directory: str | os.PathLike[str]) -> Path:

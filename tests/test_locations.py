@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from flaxstate_testing import processes
 
 import flaxstate as fs
 from flaxstate.locations import as_path, local_path, scheme_of
@@ -66,3 +67,24 @@ def test_the_command_line_refuses_a_url_naming_it_and_exits_2(tmp_path):
     )
     assert done.returncode == 2 and "'az://my-bucket/run1'" in done.stderr and "not to az:// URLs" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_s3_bucket_without_any_aws_credentials_names_the_variables_not_a_missing_bucket(tmp_path, monkeypatch):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata asked for: nothing leaves
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{processes.free_port()}")  # nothing listens there
+    with pytest.raises(ValueError, match="no AWS credentials were found") as raised:
+        fs.CheckpointFileWriter("s3://existing-bucket/run")
+    assert "AWS_ACCESS_KEY_ID" in str(raised.value) and "AWS_PROFILE" in str(raised.value)
+    assert "does not exist" not in str(raised.value)

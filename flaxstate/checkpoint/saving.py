@@ -181,12 +181,19 @@ class SaveSlot:
             self._pending = None
             deleted = "deleted" in str(error).lower()
             hint = " (its arrays were donated or deleted before they were read: save a copy)" if deleted else ""
-            removed = self.remove_unfinished(pending.step)
-            partial = "; its partial files were removed" if removed else ""
-            raise CheckpointSaveError(
+            failed = (
                 f"saving the checkpoint of step {pending.step} to {self.directory} failed in the background"
-                f"{hint}: {damage.summary(error)}{partial}"
-            ) from error
+                f"{hint}: {damage.summary(error)}"
+            )
+            try:
+                removed = self.remove_unfinished(pending.step)
+            except Exception as cleanup:  # a bucket gone for good: the save's own error stays the one raised
+                raise CheckpointSaveError(
+                    f"{failed}; removing its partial files failed too ({type(cleanup).__name__}: {cleanup}): the "
+                    "next writer of the directory removes them"
+                ) from cleanup
+            partial = "; its partial files were removed" if removed else ""
+            raise CheckpointSaveError(failed + partial) from error
         self._pending = None
         self.completed = (pending.step, pending.seconds)
 

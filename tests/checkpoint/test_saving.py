@@ -46,3 +46,23 @@ def test_a_step_set_aside_gets_a_free_name_and_pruning_keeps_the_newest(tmp_path
     assert sorted(path.name for path in removed) == ["1.damaged", "1.damaged-2"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["2.damaged", "3.superseded"]
     assert saving.prune_aside(tmp_path / "missing", ".damaged", keep=0) == []
+
+
+def test_a_failed_clean_up_does_not_replace_the_save_s_own_error(tmp_path):
+    """An endpoint gone for good fails the save and then its clean-up: the save's error names the step and place."""
+
+    class Unreachable(LocalStore):
+        def remove_unfinished(self, step=None):
+            raise ConnectionError("Could not connect to the endpoint URL: 'http://127.0.0.1:9/'")
+
+    store = Unreachable(tmp_path, keep=3)
+    deleted = jnp.ones(3)
+    deleted.delete()
+    store.save(7, {"target": {"w": deleted}, "flax_mutables": {}, "state": {}}, meta(7))
+    with pytest.raises(CheckpointSaveError) as raised:
+        store.wait()
+    message = str(raised.value)
+    assert message.startswith(f"saving the checkpoint of step 7 to {store.directory} failed in the background")
+    assert "removing its partial files failed too (ConnectionError: Could not connect" in message
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    assert raised.value.__cause__.__context__ is not None  # the save's own failure, behind the clean-up's
