@@ -49,7 +49,8 @@ step 20 "device" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_versio
 GPT125="--embed 768 --heads 12 --head-dim 64 --mlp 3072 --layers 12 --seq-len 1024 --dtype bfloat16"
 GPT350="--embed 1024 --heads 16 --head-dim 64 --mlp 4096 --layers 24 --seq-len 1024 --dtype bfloat16"
 FAST="--attention cudnn --scan-layers"
-step 80 "model FLOPs with cuDNN's attention, transfers between records, the host's time a step" $PY benchmarks/gpu_checks.py
+step 80 "model FLOPs with cuDNN's attention, the host's time a step" $PY benchmarks/gpu_checks.py
+step 40 "no implicit device-to-host transfer between records" $PY benchmarks/guard_check.py
 step 100 "LM, GPT-2 small's shape, batch 32, cuDNN attention, nn.scan: flaxstate alone in its process" \
     $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only flaxstate
 step 70 "LM, the same: the hand-written loop alone in its process" \

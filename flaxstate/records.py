@@ -288,8 +288,8 @@ class Checkpoint:
         preemption_noticed: whether this process has received a preemption
             notice since the record was made (SIGTERM; one process's loop
             only), for an evaluation to stop early; `None` for records made
-            by hand and under several processes, whose evaluations must all
-            run the same batches.
+            by hand. Under several processes it stays false: their
+            evaluations must all run the same batches.
         device_state: the loop's own device state that `state` copies,
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the

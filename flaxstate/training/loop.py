@@ -171,9 +171,8 @@ class TrainLoop:
             self._run_id = begun.run_id
             self._restored_step = begun.restored_step
             self._check_ema_decays = task.check_ema_decays
-            self._check_ema_decays(
-                begun.restored_step or 0, n_steps
-            )  # a schedule's bad decay fails before any training
+            # A schedule's bad decay fails before any training.
+            self._check_ema_decays(begun.restored_step or 0, n_steps)
             self._ema_checked = n_steps
             """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
             self._program = Program.build(

@@ -121,7 +121,7 @@ class Recorder:
             peak_flops=throughput.peak_flops(peak_flops_per_device, devices),
             skipped_damaged=() if begun.restored is None else begun.restored.skipped_damaged,
             local_devices=tuple(device for device in devices if device.process_index == jax.process_index()),
-            preemption_noticed=preemption_noticed if jax.process_count() == 1 else None,
+            preemption_noticed=preemption_noticed,
         )
 
     def make(
