@@ -2,7 +2,8 @@
 # The figures on one GPU, in one short lease: each benchmark as it prints, in order of need, each under a
 # hard timeout, everything logged to $OUT/gpu.log.
 #
-#     bash benchmarks/gpu.sh            # on a machine with JAX for CUDA and flaxstate's dependencies
+#     bash benchmarks/gpu.sh                 # every step, on a machine with JAX for CUDA and flaxstate's dependencies
+#     bash benchmarks/gpu.sh overhead restore # only the steps named (their keys: the first word after `step`)
 #
 # Where the machine lacks a dependency (or has an older one), wheels in .whl/ are installed to /tmp/site
 # first: only those whose package is missing or older than the wheel.
@@ -35,29 +36,37 @@ EOF
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 
-step() {  # step SECONDS TITLE COMMAND...
-    local limit=$1 title=$2
-    shift 2
+ONLY=" $* "
+step() {  # step KEY SECONDS TITLE COMMAND...: runs unless steps were named and KEY is not one of them
+    local key=$1 limit=$2 title=$3
+    shift 3
+    if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $key "* ]]; then
+        return 0
+    fi
     echo -e "\n## $title\n\$ $*  (limit ${limit}s)" | tee -a "$LOG"
     local start=$SECONDS
     timeout -k 5 "$limit" "$@" 2>&1 | grep -v -e "^WARNING: All log messages" -e "^I0000" | tee -a "$LOG"
     echo "(exit ${PIPESTATUS[0]}, $((SECONDS - start)) s)" | tee -a "$LOG"
 }
 
-step 20 "device" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; \
+step device 20 "device" bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; \
     $PY -c 'import jax, flax, optax, orbax.checkpoint as o, flaxstate; print(jax.__version__, jax.devices(), flax.__version__, optax.__version__, o.__version__)'"
 GPT125="--embed 768 --heads 12 --head-dim 64 --mlp 3072 --layers 12 --seq-len 1024 --dtype bfloat16"
 GPT350="--embed 1024 --heads 16 --head-dim 64 --mlp 4096 --layers 24 --seq-len 1024 --dtype bfloat16"
 FAST="--attention cudnn --scan-layers"
-step 80 "model FLOPs with cuDNN's attention, the host's time a step" $PY benchmarks/gpu_checks.py
-step 40 "no implicit device-to-host transfer between records" $PY benchmarks/guard_check.py
-step 100 "LM, GPT-2 small's shape, batch 32, cuDNN attention, nn.scan: flaxstate alone in its process" \
-    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only flaxstate
-step 70 "LM, the same: the hand-written loop alone in its process" \
-    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only hand-written --no-plan
-step 100 "loop overhead (order rotated every round, 3 runs)" $PY benchmarks/loop_overhead.py --rounds 5 --runs 3 \
+step flops 80 "model FLOPs with cuDNN's attention, the host's time a step" $PY benchmarks/gpu_checks.py
+step guard 40 "no implicit device-to-host transfer between records" $PY benchmarks/guard_check.py
+step overhead 100 "loop overhead (order rotated every round, 3 runs)" $PY benchmarks/loop_overhead.py --rounds 5 --runs 3 \
     --models tiny,small
-step 80 "LM, GPT-2 medium's shape, batch 16, cuDNN attention, nn.scan: flaxstate alone" \
+step spaced 100 "loop overhead, records 5x further apart (2000 steps a round)" $PY benchmarks/loop_overhead.py \
+    --rounds 3 --runs 2 --steps 2000 --models small
+step restore 70 "checkpoint" $PY benchmarks/checkpoint.py --rounds 5
+step lm 100 "LM, GPT-2 small's shape, batch 32, cuDNN attention, nn.scan: flaxstate alone in its process" \
+    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only flaxstate
+step lmhw 70 "LM, the same: the hand-written loop alone in its process" \
+    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 32 --rounds 6 --steps 20 --only hand-written --no-plan
+step lm64 100 "LM, GPT-2 small's shape, batch 64, cuDNN attention, nn.scan: flaxstate alone" \
+    $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 64 --rounds 4 --steps 20 --only flaxstate --no-plan
+step medium 80 "LM, GPT-2 medium's shape, batch 16, cuDNN attention, nn.scan: flaxstate alone" \
     $PY benchmarks/sharded.py $GPT350 $FAST --batch-size 16 --rounds 4 --steps 10 --only flaxstate --no-plan
-step 50 "checkpoint" $PY benchmarks/checkpoint.py --rounds 3
 echo "total $SECONDS s" | tee -a "$LOG"

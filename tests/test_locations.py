@@ -6,12 +6,13 @@ construction, naming the URL and what to give instead, and nothing lands in
 a local 'az:', 's3:' or 'gs:' folder.
 """
 
+import http.server
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
-from flaxstate_testing import processes
 
 import flaxstate as fs
 from flaxstate.locations import as_path, local_path, scheme_of
@@ -69,6 +70,20 @@ def test_the_command_line_refuses_a_url_naming_it_and_exits_2(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class _Forbidden(http.server.BaseHTTPRequestHandler):
+    """Answers every request 403 with an empty body, as S3 answers an unsigned request for a private bucket."""
+
+    def _forbidden(self) -> None:
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = do_PUT = do_POST = _forbidden
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 def test_an_s3_bucket_without_any_aws_credentials_names_the_variables_not_a_missing_bucket(tmp_path, monkeypatch):
     for name in (
         "AWS_ACCESS_KEY_ID",
@@ -83,8 +98,15 @@ def test_an_s3_bucket_without_any_aws_credentials_names_the_variables_not_a_miss
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata asked for: nothing leaves
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{processes.free_port()}")  # nothing listens there
-    with pytest.raises(ValueError, match="no AWS credentials were found") as raised:
-        fs.CheckpointFileWriter("s3://existing-bucket/run")
+    # An endpoint that refuses every unsigned request, as S3 does (403): its answer cannot tell a bucket's existence.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        with pytest.raises(ValueError, match="no AWS credentials were found") as raised:
+            fs.CheckpointFileWriter("s3://existing-bucket/run")
+    finally:
+        server.shutdown()
+        server.server_close()
     assert "AWS_ACCESS_KEY_ID" in str(raised.value) and "AWS_PROFILE" in str(raised.value)
     assert "does not exist" not in str(raised.value)

@@ -286,7 +286,8 @@ class SegmentRunner:
                     signals.interrupt_now()
                 if signals.reached_preemption():
                     return None
-                queue.extend(itertools.islice(drawn, PREFETCH - len(queue)))
+                if (drawn_next := next(drawn, None)) is not None:  # one popped, one drawn: PREFETCH stay ahead
+                    queue.append(drawn_next)
         if signals.reached_preemption():
             return None
         return grads

@@ -115,6 +115,21 @@ def test_meta_of_the_wrong_type_is_damage_named_with_its_file(tmp_path, how, cap
         fs.CheckpointFileReader(tmp_path, step=6).restore(fresh_state())
 
 
+def test_a_step_whose_meta_file_is_gone_is_damage_named_with_its_file(tmp_path, caplog):
+    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+    for record in records():
+        writer(record)
+    writer.close()
+    missing = tmp_path / "6" / "meta" / "metadata"
+    missing.unlink()
+    with caplog.at_level(logging.WARNING, logger="flaxstate"):
+        restored = fs.CheckpointFileReader(tmp_path).restore(fresh_state())
+    assert int(restored.step) == 4
+    assert f"{tmp_path}/6 is damaged" in caplog.text and f"{missing} is missing" in caplog.text
+    with pytest.raises(fs.CheckpointError, match=f"step 6: {missing} is missing"):
+        fs.CheckpointFileReader(tmp_path, step=6).restore(fresh_state())
+
+
 def test_a_loop_resumes_past_a_checkpoint_whose_data_position_is_damaged(tmp_path, caplog):
     from flaxstate_testing import toy
 
