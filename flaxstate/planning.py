@@ -36,7 +36,7 @@ import numpy as np
 from flax.core import DenyList
 from jax.sharding import Mesh
 
-from flaxstate import tree_paths
+from flaxstate import private_apis, tree_paths
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
@@ -273,10 +273,7 @@ def target_devices(target: str) -> list[Any]:
         count = target.removeprefix("cpu:")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"plan target {target!r}: give cpu:N with N a positive number of host devices.")
-        from jax._src.lib import xla_client
-
-        client: Any = xla_client.make_cpu_client(num_devices=int(count))
-        return list(client.devices())
+        return private_apis.cpu_devices(int(count))
     if ":" not in target or not target.split(":")[0].startswith("v"):
         raise ValueError(
             f"plan target {target!r} is neither a TPU topology ('v5e:2x2', 'v5p:2x2x1', 'v4:2x2x1'), "
