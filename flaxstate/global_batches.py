@@ -82,6 +82,7 @@ class GlobalBatches:
     def __init__(
         self,
         source: Any,
+        *,
         batch_size: int,
         seed: int,
         shuffle: bool,
@@ -261,4 +262,13 @@ def global_batches(
             f"global_batches batch_size {batch_size} does not divide among {where}: give a batch size that "
             f"{part[1]} divides, e.g. {batch_size - batch_size % part[1] or part[1]}."
         )
-    return GlobalBatches(source, batch_size, int(seed), shuffle, transform, part, read_threads, workers)
+    return GlobalBatches(
+        source,
+        batch_size=batch_size,
+        seed=int(seed),
+        shuffle=shuffle,
+        transform=transform,
+        part=part,
+        read_threads=read_threads,
+        workers=workers,
+    )

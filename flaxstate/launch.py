@@ -40,7 +40,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
+
+from flaxstate import private_apis
 
 COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
 PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
@@ -51,12 +53,11 @@ RESTARTS = "FLAXSTATE_RESTARTS"
 
 def _register_cluster() -> None:
     """Registers `LaunchedCluster` with JAX's cluster environments (a JAX without them is left alone)."""
-    try:
-        from jax._src import clusters
-    except ImportError:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
+    base: Any = private_apis.cluster_env()
+    if base is None:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
         return
 
-    class LaunchedCluster(clusters.ClusterEnv):
+    class LaunchedCluster(base):
         """The processes of `flaxstate launch` (see the module)."""
 
         name = "flaxstate"

@@ -32,6 +32,8 @@ import shutil
 from pathlib import Path
 from typing import Any, cast
 
+from flaxstate import private_apis
+
 OBJECT_STORES = ("gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "hdfs", "http", "https")
 """The URL schemes of object and remote storage that a path must not be read as."""
 
@@ -234,8 +236,10 @@ def tree_listing(path: Path) -> dict[str, int]:
             for folder, _, names in os.walk(path)
             for name in names
         }
+    import fsspec.core  # with the bucket extras, as every URL here
+
     filesystem = _filesystem(path)
-    root = filesystem._strip_protocol(str(path)).rstrip("/") + "/"
+    root = fsspec.core.strip_protocol(str(path)).rstrip("/") + "/"
     try:
         found = filesystem.find(root, detail=True)
     except FileNotFoundError:
@@ -267,7 +271,7 @@ def move_tree(source: Path, target: Path, *, commit_marker: str | None = None) -
 
 def _filesystem(path: Path) -> Any:
     """The fsspec filesystem that `etils.epath` reads a URL with (one instance a process, shared with orbax)."""
-    return cast(Any, path)._backend.fs(path)
+    return private_apis.bucket_filesystem(path)
 
 
 def forget_listings(path: Path) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from flax.core import DenyList
 from jax.sharding import Mesh
 
-from flaxstate import tree_paths
+from flaxstate import private_apis, settings, tree_paths
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
@@ -167,26 +167,18 @@ def plan(
             and the microbatches; an unknown target or TPU topology (listing
             some known ones); `jax[tpu]` not installed (naming the extra).
     """
+    n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
+    n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
     devices = target_devices(target)
-    if n_microbatches < 1 or n_steps_per_dispatch < 1:
-        raise ValueError(
-            f"n_microbatches and n_steps_per_dispatch must be at least 1, got {n_microbatches} and "
-            f"{n_steps_per_dispatch}."
-        )
-    partitioning = _partitioning(devices, mesh_shape, axis_rules)
-    where = placement.create(partitioning)
+    where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     global_batch = _global_batch(task, batch)
-    _check_batch(global_batch, where, n_microbatches)
-    inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
-    init_names, apply_names = startup.rng_names(None)
+    batching.check_divisible(
+        global_batch, where.batch_layout.n_parts, "plan", n_microbatches, _BATCH_PARTS, source=_BATCH, scope="global"
+    )
     rng = jax.random.key(0)
-
-    create = startup.state_maker(init, task, init_names)
-
-    sample = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)) for x in inputs]
-    abstract = jax.eval_shape(create, rng, *sample)
-    shardings = where.state_shardings(abstract)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    init_names, apply_names = startup.rng_names(None)
+    inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
+    state = _abstract_state(startup.state_maker(init, task, init_names), rng, inputs, where)
     program = Program.build(
         placement=where,
         task=task,
@@ -196,32 +188,70 @@ def plan(
         state=state,
         rng=rng,
     )
-    stacked = n_steps_per_dispatch > 1
-    batch_sharding = _batch_sharding(where, stacked)
-    batches = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            ((n_steps_per_dispatch,) if stacked else ()) + tuple(np.shape(x)), _dtype(x), sharding=batch_sharding
-        ),
-        global_batch,
-    )
     rng_data = jax.ShapeDtypeStruct(jax.random.key_data(rng).shape, jax.random.key_data(rng).dtype)
-    update: Any = program.update(n_steps_per_dispatch)
-    memory, refused_temp = None, None
-    try:
-        memory = update.lower(jax.tree.leaves(state), batches, rng_data).compile().memory_analysis()
-    except jax.errors.JaxRuntimeError as error:  # XLA for a TPU refuses a program larger than the chip
-        refused_temp = _refused_temp(error)
-    one_batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=_batch_sharding(where, False)), global_batch
-    )
-    flops = program.flops_per_step(one_batch, rng_data)
-    xla_flops = program.xla_flops_per_step(one_batch, rng_data) if refused_temp is None else None
-
+    batches = _abstract_batches(global_batch, where, n_steps_per_dispatch)
+    memory, refused_temp = _compiled_memory(program.update(n_steps_per_dispatch), state, batches, rng_data)
+    one_batch = _abstract_batches(global_batch, where, 1)
     sizes = _state_bytes(state)
-    per_device = {
-        "params": _sum(sizes, ("target/",)),
-        "mutables": _sum(sizes, ("flax_mutables/",)),
-    }
+    per_device = _per_device(sizes, batches, memory, refused_temp)
+    if device_memory is None:
+        device_memory = _device_memory(devices[0])
+    # A program that XLA refused does not fit, as XLA itself said.
+    fits = (
+        False if refused_temp is not None else None if device_memory is None else per_device["total"] <= device_memory
+    )
+    mesh = where.mesh
+    result = Plan(
+        target=target,
+        device_kind=devices[0].device_kind,
+        n_devices=len(devices),
+        mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)),
+        per_device=per_device,
+        device_memory=device_memory,
+        fits=fits,
+        flops_per_step=program.flops_per_step(one_batch, rng_data),
+        xla_flops_per_step=program.xla_flops_per_step(one_batch, rng_data) if refused_temp is None else None,
+        largest=sorted(sizes.items(), key=lambda item: (-item[1], not item[0].startswith("target/"), item[0]))[:5],
+    )
+    return dataclasses.replace(result, advice=_advice(result, state, mesh)) if fits is False else result
+
+
+_BATCH, _BATCH_PARTS = "plan: the global batch", "parts of the batch's mesh axes"
+"""A plan's global batch, and what it splits over, as `batching.check_divisible`'s errors name them."""
+
+
+def _abstract_state(create: Callable[..., Any], rng: jax.Array, inputs: Sequence[Any], where: Any) -> Any:
+    """The state that `create` makes from one example of `inputs`, as `jax.ShapeDtypeStruct`s placed by `where`."""
+    sample = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)) for x in inputs]
+    abstract = jax.eval_shape(create, rng, *sample)
+    shardings = where.state_shardings(abstract)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def _abstract_batches(global_batch: Any, where: Any, n_steps: int) -> Any:
+    """One dispatch's batches as the update takes them: `n_steps` of `global_batch` stacked (one: as it is)."""
+    stacked = n_steps > 1
+    sharding = where.batch_layout.sharding(stacked)
+    lead = (n_steps,) if stacked else ()
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(lead + tuple(np.shape(x)), _dtype(x), sharding=sharding), global_batch
+    )
+
+
+def _compiled_memory(update: Any, state: Any, batches: Any, rng_data: Any) -> tuple[Any, int | None]:
+    """XLA's memory analysis of the compiled update, or `None` and the temporary bytes of a program XLA refused.
+
+    XLA for a TPU refuses to compile a program larger than the chip; its error names the size.
+    """
+    try:
+        return update.lower(jax.tree.leaves(state), batches, rng_data).compile().memory_analysis(), None
+    except jax.errors.JaxRuntimeError as error:
+        return None, _refused_temp(error)
+
+
+def _per_device(sizes: Mapping[str, int], batches: Any, memory: Any, refused_temp: int | None) -> dict[str, int]:
+    """A device's bytes: the state's parts, one dispatch's batches, XLA's temporaries and code, and the total."""
+    per_device = {"params": _sum(sizes, ("target/",)), "mutables": _sum(sizes, ("flax_mutables/",))}
     per_device["optimizer"] = sum(sizes.values()) - per_device["params"] - per_device["mutables"]
     per_device["batch"] = sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(batches))
     per_device["temp"] = int(memory.temp_size_in_bytes) if memory is not None else (refused_temp or 0)
@@ -231,29 +261,7 @@ def plan(
     else:
         held = sum(per_device[name] for name in ("params", "optimizer", "mutables", "batch"))
     per_device["total"] = int(held + per_device["temp"] + per_device["code"])
-    kind = devices[0].device_kind
-    if device_memory is None:
-        device_memory = _device_memory(devices[0])
-    fits = None if device_memory is None else per_device["total"] <= device_memory
-    if refused_temp is not None:
-        fits = False  # XLA itself said so
-    largest = sorted(sizes.items(), key=lambda item: (-item[1], not item[0].startswith("target/"), item[0]))[:5]
-    mesh = where.mesh
-    plan_ = Plan(
-        target=target,
-        device_kind=kind,
-        n_devices=len(devices),
-        mesh_shape=dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)),
-        per_device=per_device,
-        device_memory=device_memory,
-        fits=fits,
-        flops_per_step=flops,
-        xla_flops_per_step=xla_flops,
-        largest=largest,
-    )
-    if fits is False:
-        plan_ = dataclasses.replace(plan_, advice=_advice(plan_, state, mesh))
-    return plan_
+    return per_device
 
 
 ALLOW_MULTIPLE = "ALLOW_MULTIPLE_LIBTPU_LOAD"
@@ -273,10 +281,7 @@ def target_devices(target: str) -> list[Any]:
         count = target.removeprefix("cpu:")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"plan target {target!r}: give cpu:N with N a positive number of host devices.")
-        from jax._src.lib import xla_client
-
-        client: Any = xla_client.make_cpu_client(num_devices=int(count))
-        return list(client.devices())
+        return private_apis.cpu_devices(int(count))
     if ":" not in target or not target.split(":")[0].startswith("v"):
         raise ValueError(
             f"plan target {target!r} is neither a TPU topology ('v5e:2x2', 'v5p:2x2x1', 'v4:2x2x1'), "
@@ -356,20 +361,6 @@ def _global_batch(task: TrainTask, batch: Any) -> Any:
     if batch is None:
         batch = next(iter(task.data))
     return batching.normalize(batch, "plan")
-
-
-def _check_batch(batch: Any, where: Any, n_microbatches: int) -> None:
-    size = int(np.shape(jax.tree.leaves(batch)[0])[0])
-    parts = where.batch_layout.n_parts
-    if size % (parts * n_microbatches):
-        raise ValueError(
-            f"plan: the global batch of {size} examples does not split into the {parts} parts of the batch's "
-            f"mesh axes times {n_microbatches} microbatches; give a batch of a multiple of {parts * n_microbatches}."
-        )
-
-
-def _batch_sharding(where: Any, stacked: bool) -> Any:
-    return where.batch_layout.sharding(stacked)
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct) -> int:

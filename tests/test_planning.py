@@ -165,7 +165,18 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
         ({"target": "v5e:2x2", "axis_rules": RULES}, r"axis_rules with a mesh_shape"),
         (
             {"target": "v5e:2x2", "mesh_shape": {"fsdp": 4}, "axis_rules": RULES, "n_microbatches": 8},
-            r"global batch of 16 examples does not split into the 4 parts .* times 8 microbatches",
+            r"plan: the global batch of size 16: 4 examples a device \(4 parts of the batch's mesh axes\), which do "
+            r"not split into n_microbatches=8 equal microbatches",
+        ),
+        (
+            {"target": "cpu:3", "mesh_shape": {"fsdp": 3}, "axis_rules": RULES},
+            r"plan: the global batch of size 16, which does not divide by the 3 parts of the batch's mesh axes; "
+            r"make the global batch size a multiple of 3",
+        ),
+        ({"target": "cpu:2", "n_microbatches": 0}, r"plan n_microbatches must be a positive int, got 0"),
+        (
+            {"target": "cpu:2", "n_steps_per_dispatch": "2"},
+            r"plan n_steps_per_dispatch must be a positive int, got '2'",
         ),
         ({"target": "v9z:7x7"}, r"libtpu does not know the TPU topology 'v9z:7x7'.*'v5e:2x2'"),
         ({"target": "gpu"}, r"neither a TPU topology"),

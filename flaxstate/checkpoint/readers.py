@@ -352,6 +352,7 @@ class _BestReader(CheckpointFileReader):
         output_dir: str | Path,
         metric: str,
         group: str = "eval",
+        *,
         target: Callable[..., Any] | None = None,
         step: int | None = None,
         rename: Rename = None,

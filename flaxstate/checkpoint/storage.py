@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path.atomicity_types import COMMIT_SUCCESS_FILE
 
 from flaxstate import background, locations, tree_paths
 from flaxstate.checkpoint import damage, formats, layout, saving, steps
@@ -48,6 +47,8 @@ from flaxstate.checkpoint.steps import LISTING_ATTEMPTS
 from flaxstate.locations import as_path
 
 logger = logging.getLogger("flaxstate")
+COMMIT_SUCCESS_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
+"""The file orbax writes last into a step in a bucket, which has no rename: a step without it is unfinished."""
 
 
 class CheckpointStore(saving.SaveSlot):

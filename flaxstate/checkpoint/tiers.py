@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger, local, peers, steps, stores
+from flaxstate.checkpoint import agreement, damage, ledger, local, peers, steps, stores
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.local import LocalStore, process_directory
@@ -120,12 +120,12 @@ def _offer(
     return held, note
 
 
-def _offer_copies(store: LocalStore, step: int | None) -> dict[str, list[list[Any]]]:
-    """The other processes' steps this process keeps (peer copies) of this process count: `{owner: [[step, run]]}`.
+def _offer_copies(store: LocalStore, step: int | None) -> dict[int, frozenset[agreement.Pair]]:
+    """The other processes' steps this process keeps (peer copies) of this process count: `{owner: {(step, run)}}`.
 
     A damaged copy is set aside (`<step>.damaged`, files kept) with a warning, and not offered.
     """
-    offered: dict[str, list[list[Any]]] = {}
+    offered: dict[int, frozenset[agreement.Pair]] = {}
     for owner in range(jax.process_count()):
         where = peers.copies_directory(store.directory, owner)
         if owner == jax.process_index() or not where.is_dir():
@@ -146,9 +146,9 @@ def _offer_copies(store: LocalStore, step: int | None) -> dict[str, list[list[An
                 )
                 continue
             if found.meta.get("processes") == jax.process_count() and found.meta.get("process_index") == owner:
-                held.append([candidate, found.meta.get("run_id")])
+                held.append((candidate, found.meta.get("run_id")))
         if held:
-            offered[str(owner)] = held
+            offered[owner] = frozenset(held)
     return offered
 
 
@@ -200,75 +200,30 @@ def agreed_local_step(
     store = LocalStore(process_directory(local_dir), read_only=True)
     listed = store.steps()
     held, note = _offer(store, listed, template, with_optimizer, step)
-    newest_here = listed[-1] if listed else None
-    offers = collectives.allgather_json(
-        {
-            "held": [[s, meta.get("run_id")] for s, meta in held.items()],
-            "copies": _offer_copies(store, step) if template is not None else {},
-            "needs": peers.fingerprint(local.needed_parts(template, with_optimizer)) if template is not None else None,
-            "note": note,
-            "persistent": persistent_newest,
-            "run": persistent_run,
-            "newest": newest_here,
-        }
+    mine = agreement.Offer(
+        held=frozenset((s, meta.get("run_id")) for s, meta in held.items()),
+        copies=_offer_copies(store, step) if template is not None else {},
+        needs=peers.fingerprint(local.needed_parts(template, with_optimizer)) if template is not None else None,
+        note=note,
+        persistent=persistent_newest,
+        run=persistent_run,
+        newest=listed[-1] if listed else None,
     )
-    persistent = max((offer["persistent"] for offer in offers if offer["persistent"] is not None), default=None)
-    run = next((offer["run"] for offer in offers if offer["run"] is not None), None)  # one shared directory
-    newer = [offer["newest"] for offer in offers if offer["newest"] is not None]
-    passed_over = bool(newer) and (persistent is None or max(newer) > persistent)
-    owned = [{tuple(pair) for pair in offer["held"]} for offer in offers]
-    kept = [  # kept[owner]: (step, run) -> the processes that keep a copy of owner's parts
-        {
-            tuple(pair): [k for k, offer in enumerate(offers) if pair in offer["copies"].get(str(owner), [])]
-            for offer in offers
-            for pair in offer["copies"].get(str(owner), [])
-        }
-        for owner in range(len(offers))
-    ]
-    replicas = [  # replicas[owner]: the processes whose devices need exactly the parts that owner's do
-        [
-            k
-            for k, other in enumerate(offers)
-            if k != owner and offer["needs"] is not None and other["needs"] == offer["needs"]
-        ]
-        for owner, offer in enumerate(offers)
-    ]
-
-    def sources(owner: int, pair: tuple[Any, ...]) -> list[tuple[int, bool]]:
-        """Who keeps owner's parts of `pair`, other than owner: (process, whether as a peer copy)."""
-        copies = [(k, True) for k in kept[owner].get(pair, [])]
-        return copies + [(k, False) for k in replicas[owner] if pair in owned[k]]
-
-    candidates = set().union(*owned, *(set(copies) for copies in kept))
-    whole = {pair for pair in candidates if all(pair in owned[j] or sources(j, pair) for j in range(len(offers)))}
+    gathered = collectives.allgather_json(mine.to_json())
+    offers = agreement.Offers([agreement.Offer.from_json(offer) for offer in gathered])
+    persistent = offers.persistent
+    whole = offers.whole()
     if not whole:
-        notes = "; ".join(f"process {i}: {offer['note']}" for i, offer in enumerate(offers) if offer["note"])
-        held_steps = "; ".join(
-            f"process {i} holds {sorted(s for s, _ in offer['held'])}"
-            for i, offer in enumerate(offers)
-            if offer["held"]
-        )
-        why = f"no local step is whole on every process ({notes or held_steps})"
-        if any(kept):
-            newest_pair = max(candidates)
-            lost = [j for j in range(len(offers)) if newest_pair not in owned[j] and not sources(j, newest_pair)]
-            why += (
-                f"; counting peer copies, step {newest_pair[0]} still lacks the parts of process "
-                f"{', '.join(map(str, lost))}: neither its own directory nor a peer keeps them, as a copy or "
-                "a replica's own step (more hosts lost than copies kept)"
-            )
-        return Agreement(None, why, passed_over, persistent)
-    ours = {pair for pair in whole if pair[1] == run}
+        return Agreement(None, offers.why_none_whole(), offers.passed_over, persistent)
+    ours = {pair for pair in whole if pair[1] == offers.run}
     if not ours:
-        return Agreement(None, _another_run(max(whole), run), True, persistent)
+        return Agreement(None, _another_run(max(whole), offers.run), True, persistent)
     newest_pair = max(ours)
     newest = newest_pair[0]
     if persistent is not None and newest <= persistent:
         why = f"the local tier's newest step {newest} is no newer than the persistent tier's {persistent}"
         return Agreement(None, why, False, persistent)
-    transfers = tuple(
-        (*sources(owner, newest_pair)[0], owner) for owner in range(len(offers)) if newest_pair not in owned[owner]
-    )
+    transfers = offers.transfers(newest_pair)
     chosen = LocalStep(store, newest, held.get(newest), transfers)
     if transfers:
         why = f"step {newest} is whole in the local tiers, counting the parts that peers keep"

@@ -417,6 +417,7 @@ class _BestWriter(_Writer):
         output_dir: str | Path,
         metric: str,
         group: str = "eval",
+        *,
         keep: int = 1,
         metadata: Any = None,
         overwrite: bool = False,

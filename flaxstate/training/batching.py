@@ -73,7 +73,14 @@ def global_spec(batch: Batch, batch_size: int) -> Any:
 
 
 def check_divisible(
-    batch: Batch, n_devices: int, task_name: str, n_microbatches: int = 1, devices: str = "local devices"
+    batch: Batch,
+    n_devices: int,
+    task_name: str,
+    n_microbatches: int = 1,
+    devices: str = "local devices",
+    *,
+    source: str | None = None,
+    scope: str = "per-host",
 ) -> None:
     """Checks that every array's first axis splits evenly across the local devices, then into microbatches.
 
@@ -84,23 +91,27 @@ def check_divisible(
         n_microbatches: M, how many microbatches each part splits into.
         devices: what the parts are, for the error (a sharded loop's:
             the parts of its batch axes that this process's devices hold).
+        source: what yielded the batch, for the error (`"<task_name>.data
+            yielded a batch"` by default; a plan's: its global batch).
+        scope: which batch size the fix names (`"per-host"`, or a plan's `"global"`).
 
     Raises:
         ValueError: a size that does not divide by `n_devices`, naming both;
             a per-device size that does not divide by `n_microbatches`,
             naming the sizes and M.
     """
+    source = f"{task_name}.data yielded a batch" if source is None else source
     for array in jax.tree.leaves(batch):
         if np.ndim(array) == 0 or array.shape[0] % n_devices:
             size = array.shape[0] if np.ndim(array) else "a scalar"
             raise ValueError(
-                f"{task_name}.data yielded a batch of size {size}, which does not divide by the "
-                f"{n_devices} {devices}; make the per-host batch size a multiple of {n_devices}."
+                f"{source} of size {size}, which does not divide by the "
+                f"{n_devices} {devices}; make the {scope} batch size a multiple of {n_devices}."
             )
         per_device = array.shape[0] // n_devices
         if per_device % n_microbatches:
             raise ValueError(
-                f"{task_name}.data yielded a batch of size {array.shape[0]}: {per_device} examples a device "
+                f"{source} of size {array.shape[0]}: {per_device} examples a device "
                 f"({n_devices} {devices}), which do not split into n_microbatches={n_microbatches} equal "
                 f"microbatches; make the per-device batch size a multiple of {n_microbatches}."
             )

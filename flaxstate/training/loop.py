@@ -346,9 +346,9 @@ class TrainLoop:
         self._watchdog.enter(Phase.AGREEING_ON_RECORD)
         return self._recorder.make(
             trained,
-            self._runner.leaves,
-            self._runner.treedef,
-            self.step,
+            leaves=self._runner.leaves,
+            treedef=self._runner.treedef,
+            step=self.step,
             final=self.step >= self.n_steps,
             preempted=preempted,
             requested=self._signals.take_request(),

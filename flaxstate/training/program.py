@@ -89,7 +89,14 @@ class Program:
         """
         train_step, fenced_step, counted_step = (
             step.make_train_step(
-                task.apply, task.loss, rng_names, mutable, placement.across, n_microbatches, fenced, unrolled
+                task.apply,
+                task.loss,
+                rng_names=rng_names,
+                mutable=mutable,
+                across=placement.across,
+                n_microbatches=n_microbatches,
+                fenced=fenced,
+                unrolled=unrolled,
             )
             for fenced, unrolled in ((False, False), (True, False), (False, True))
         )

@@ -127,6 +127,7 @@ class Recorder:
     def make(
         self,
         trained: Trained,
+        *,
         leaves: list[jax.Array],
         treedef: PyTreeDef,
         step: int,

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from flaxstate import private_apis
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import batching, compiling, nonfinite
 from flaxstate.training.data import DataStream
@@ -36,15 +37,8 @@ from flaxstate.training.watchdog import Phase, Watchdog
 
 PyTree = Any
 _NOT_TRACED = contextlib.nullcontext()
-try:  # whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read
-    from jax._src.lib import _profiler
-
-    _tracing: Callable[[], bool] = _profiler.TraceMe.is_enabled
-except (ImportError, AttributeError):  # a JAX without it: annotate every dispatch (0.7 us each)
-
-    def _tracing() -> bool:
-        return True
-
+_tracing: Callable[[], bool] = private_apis.profiler_tracing()
+"""Whether a profiler trace is being taken (start_trace, or a profiler server's capture): a C++ flag read."""
 
 PREFETCH = 2
 """How many dispatches' batches are drawn from the data ahead of use (under several processes,

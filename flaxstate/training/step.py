@@ -152,6 +152,7 @@ def microbatched(gradients: GradientFunction, n_microbatches: int, unrolled: boo
 def make_train_step(
     apply: Callable[..., Any],
     loss: Callable[..., Any],
+    *,
     rng_names: Sequence[str],
     mutable: CollectionFilter,
     across: Across,

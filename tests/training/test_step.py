@@ -31,7 +31,7 @@ def test_microbatched_gradients_are_the_mean_of_the_microbatches_and_equal_the_w
 
 
 def test_one_train_step_is_one_sgd_update_of_the_batch_s_gradients():
-    train_step = step.make_train_step(MODEL.apply, mse, (), mutable=MUTABLE, across=ACROSS)
+    train_step = step.make_train_step(MODEL.apply, mse, rng_names=(), mutable=MUTABLE, across=ACROSS)
     before = state()
     after, grads, loss = jax.jit(train_step)(before, ((X,), (Y,)), jax.random.key(1))
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, before.params, grads)
@@ -42,7 +42,9 @@ def test_one_train_step_is_one_sgd_update_of_the_batch_s_gradients():
 
 
 def test_a_loss_that_is_not_a_scalar_is_named_and_device_rngs_differ_per_step_and_name():
-    train_step = step.make_train_step(MODEL.apply, lambda o, y: (o - y) ** 2, (), mutable=MUTABLE, across=ACROSS)
+    train_step = step.make_train_step(
+        MODEL.apply, lambda o, y: (o - y) ** 2, rng_names=(), mutable=MUTABLE, across=ACROSS
+    )
     with pytest.raises(
         ValueError, match=r"TrainTask.loss returned an array of shape \(8, 2\); it must return a scalar"
     ):

@@ -1,0 +1,93 @@
+"""The private APIs of flaxstate's dependencies, in one place: used only where no public API does the work.
+
+Each is imported here and nowhere else, guarded: a dependency that moves or
+renames one makes its function here fall back where a fallback exists (a
+profiler annotation on every dispatch, the launcher's variables left unread)
+or raise an `ImportError` that names the dependency, the name and what needs
+it. `tests/test_private_apis.py` resolves every one of them on each supported
+stack, so an upgrade that breaks one fails there, by name, before a user meets
+the fallback.
+
+The public APIs that replaced the other private uses: `fsspec.core.strip_protocol`
+(a bucket URL's path), `orbax.checkpoint.path.atomicity_types.COMMIT_SUCCESS_FILE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+PRIVATE_APIS = {
+    "jax._src.lib._profiler.TraceMe.is_enabled": "whether a profiler trace is taken (the step annotations)",
+    "jax._src.clusters.ClusterEnv": "a cluster environment for jax.distributed.initialize() (flaxstate launch)",
+    "jax._src.lib.xla_client.make_cpu_client": "N host devices to compile a plan for (fs.plan(target='cpu:N'))",
+    "etils.epath.Path._backend.fs": "the fsspec filesystem that etils.epath (and orbax) read a bucket with",
+}
+"""Each private name flaxstate uses, and what for (`tests/test_private_apis.py` resolves every one)."""
+
+
+def _missing(name: str, error: Exception) -> ImportError:
+    return ImportError(
+        f"flaxstate uses {name} for {PRIVATE_APIS[name]}, and this version of its package has none "
+        f"({type(error).__name__}: {error}): install the versions pyproject.toml names, or report it to flaxstate."
+    )
+
+
+def profiler_tracing() -> Callable[[], bool]:
+    """`() -> whether a profiler trace is being taken` (a C++ flag read); `() -> True` where JAX has none.
+
+    With the fallback, every dispatch is annotated (0.7 us each), as if a trace were always taken.
+    """
+    try:
+        from jax._src.lib import _profiler
+
+        is_enabled: Callable[[], bool] = _profiler.TraceMe.is_enabled
+    except (ImportError, AttributeError):
+        return lambda: True
+    return is_enabled
+
+
+def cluster_env() -> type | None:
+    """JAX's base class of cluster environments (`jax._src.clusters.ClusterEnv`), or `None` where JAX has none."""
+    try:
+        from jax._src import clusters
+
+        base: type = clusters.ClusterEnv
+    except (ImportError, AttributeError):
+        return None
+    return base
+
+
+def cpu_devices(count: int) -> list[Any]:
+    """`count` host devices of a CPU client of their own, to compile for (never to run collectives on).
+
+    Raises:
+        ImportError: JAX has no `make_cpu_client` where flaxstate looks for it.
+    """
+    name = "jax._src.lib.xla_client.make_cpu_client"
+    try:
+        from jax._src.lib import xla_client
+
+        make_cpu_client: Any = xla_client.make_cpu_client
+    except (ImportError, AttributeError) as error:
+        raise _missing(name, error) from error
+    return list(make_cpu_client(num_devices=count).devices())
+
+
+def bucket_filesystem(path: Any) -> Any:
+    """The fsspec filesystem that `etils.epath` reads the bucket URL `path` with (one instance a process).
+
+    It is the instance orbax's reads and writes go through, so that what
+    flaxstate forgets of its listings (`locations.forget_listings`) is what
+    they list from.
+
+    Raises:
+        ImportError: `etils.epath.Path` keeps its backend elsewhere.
+    """
+    name = "etils.epath.Path._backend.fs"
+    try:
+        backend: Any = path._backend
+        filesystem = backend.fs
+    except AttributeError as error:
+        raise _missing(name, error) from error
+    return filesystem(path)
