@@ -168,7 +168,7 @@ class PlainSerialization:
         self._step = 0
 
     def _specs(self, abstract: Any) -> list[dict[str, Any]]:
-        from flaxstate.checkpoint.objects import kvstore
+        from flaxstate.checkpoint.stores.s3 import kvstore
 
         count = len(jax.tree.leaves(abstract))
         return [{"driver": "zarr3", "kvstore": kvstore(f"{self._url}/{self._step}/{n}")} for n in range(count)]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import jax
-from tensorboardX import SummaryWriter as _EventWriter
 
 from flaxstate.locations import run_directory
 from flaxstate.records import MEMORY_FIELDS, Checkpoint, bound_note, memory_note, slow_process_note
+
+if TYPE_CHECKING:
+    from tensorboardX import SummaryWriter as _EventWriter
 
 
 def _metrics(checkpoint: Checkpoint) -> dict[str, dict[str, float]]:
@@ -109,7 +111,11 @@ class SummaryWriter:
         if jax.process_index() != 0:
             return checkpoint
         if self._writer is None:
-            self._writer = _EventWriter(logdir=str(self.output_dir), flush_secs=10)
+            # Imported at the first record it writes: tensorboardX brings protobuf and Google Cloud Storage's client
+            # (0.3-0.4 s of every process's start here), which a process that writes no event file never needs.
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(self.output_dir), flush_secs=10)
         for group, values in _metrics(checkpoint).items():
             for name, value in values.items():
                 self._writer.add_scalar(f"{group}/{name}", value, global_step=int(checkpoint.step))

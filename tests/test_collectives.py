@@ -1,4 +1,4 @@
-"""One small collective of JSON values: in one process it is the value itself (several processes: test_tiers)."""
+"""One small collective of JSON values: in one process it is the value itself (several: tiers/test_restart.py)."""
 
 from flaxstate import collectives
 

@@ -8,7 +8,7 @@ from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
 from flaxstate import environment
-from flaxstate.checkpoint.storage import CheckpointStore
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
 from flaxstate.cli import main
 
 

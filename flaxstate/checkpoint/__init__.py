@@ -6,7 +6,7 @@ from flaxstate.checkpoint.readers import (
     HighestCheckpointFileReader,
     LowestCheckpointFileReader,
 )
-from flaxstate.checkpoint.storage import CheckpointError, CheckpointSaveError
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.writers import (
     CheckpointFileWriter,
     HighestCheckpointFileWriter,

@@ -36,11 +36,11 @@ import jax
 from jax.experimental import multihost_utils
 
 from flaxstate import locations
-from flaxstate.checkpoint import steps, tiers
+from flaxstate.checkpoint import steps
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.local import LocalStore
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
+from flaxstate.checkpoint.tiers import peers, restart
 from flaxstate.locations import as_path
 from flaxstate.records import Checkpoint
 
@@ -87,11 +87,11 @@ def check_free(directory: Path, *, description: str, output_dir: Path, per_proce
     for other in list(_OPEN.values()):
         if other.per_process != per_process:  # one writer a local tier, the other persistent
             local, persistent = (output_dir, other.output_dir) if per_process else (other.output_dir, output_dir)
-            overlap = tiers.overlap(local, persistent)
+            overlap = restart.overlap(local, persistent)
             if overlap is not None:
                 raise CheckpointError(
                     f"{description} and the open {other!r}: the local and persistent tiers {overlap}; "
-                    + tiers.tiers_apart_advice()
+                    + restart.tiers_apart_advice()
                 )
     return key
 
@@ -232,8 +232,8 @@ def _claim_per_process(
             ", ".join(path.name for path in moved),
         )
         _prune(store, OTHER_RUN, keep, writer)
-    if isinstance(store, LocalStore):  # copies of other processes' steps from the history this restart left
-        dropped = store.drop_copies_from(checkpoint.step)
+    if not store.shared:  # a local tier: copies of other processes' steps from the history this restart left
+        dropped = peers.drop_copies_from(store.directory, checkpoint.step)
         if dropped:
             logger.warning("%r: removed peer copies of steps %s, at or after this record's.", writer, dropped)
     if found.ahead:

@@ -1,7 +1,7 @@
 """The JSON `meta` item of a checkpoint: what each field holds, checked on every read.
 
 A checkpoint's `meta` names its step, run, random key, data position,
-metrics and the user's metadata (`flaxstate.checkpoint.storage` writes it).
+metrics and the user's metadata (`flaxstate.checkpoint.stores.orbax_manager` writes it).
 What a reader takes from disk is checked here against that format, types
 included, before anything uses it: a field of the wrong type (a step `"ten"`,
 a format version `"3"`, an rng without its data) is damage, named with the
@@ -10,6 +10,7 @@ file and the field, never a `TypeError` from deep inside the loop.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,27 @@ _FIELDS: dict[str, Callable[[Any], str | None]] = {
     "environment": _optional(lambda value: None if isinstance(value, Mapping) else "expected a JSON object"),
 }
 """Each known field's check (a problem, or `None`); `metadata` is the user's and any JSON."""
+
+
+def read(where: Path, step_dir: Path) -> dict[str, Any]:
+    """Reads a step's meta file as JSON and checks it (`validate`): every store's read of its meta.
+
+    Args:
+        where: the file (orbax's `<step>/meta/metadata`, or a store's own `meta.json`).
+        step_dir: the step's directory, to name in errors.
+
+    Raises:
+        FileNotFoundError: the file is not there: each store says what that
+            means (a step deleted meanwhile, not a flaxstate step, or damage).
+        DamagedCheckpointError: it is not JSON, or not a valid meta.
+        CheckpointError: written by a newer flaxstate.
+    """
+    text = where.read_text()
+    try:
+        meta = json.loads(text)
+    except ValueError as error:
+        raise DamagedCheckpointError(f"{where} is not valid JSON ({error}): the step is damaged") from error
+    return validate(meta, step_dir, where)
 
 
 def validate(meta: Any, step_dir: Path, where: Path | None = None) -> dict[str, Any]:

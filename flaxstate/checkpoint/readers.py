@@ -20,12 +20,13 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import settings, train_state, tree_paths
-from flaxstate.checkpoint import damage, steps, stores, tiers
+from flaxstate.checkpoint import damage, steps, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
+from flaxstate.checkpoint.tiers import restart
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import CheckpointFile
 
@@ -49,7 +50,7 @@ class CheckpointFileReader:
     Given `[local_dir, persistent_dir]`, it restores the newest step that is
     whole in every process's local tier (`CheckpointFileWriter(local_dir,
     per_process=True)`) when that is newer than the persistent tier's newest,
-    and the persistent tier's otherwise (`flaxstate.checkpoint.tiers`); it
+    and the persistent tier's otherwise (`flaxstate.checkpoint.tiers.restart`); it
     logs which, and why a local step was passed over.
 
     Example:
@@ -95,11 +96,11 @@ class CheckpointFileReader:
                 )
             self.local_dir = local_path(dirs[0], f"{type(self).__name__}'s local tier")
             self.output_dir = run_directory(dirs[1], type(self).__name__)
-            overlap = tiers.overlap(self.local_dir, self.output_dir)
+            overlap = restart.overlap(self.local_dir, self.output_dir)
             if overlap is not None:
                 raise ValueError(
                     f"CheckpointFileReader's tiers [{str(dirs[0])!r}, {str(dirs[1])!r}] {overlap}: "
-                    + tiers.tiers_apart_advice()
+                    + restart.tiers_apart_advice()
                 )
         owner = type(self).__name__
         self.target = settings.optional_callable(owner, "target", target)
@@ -158,70 +159,50 @@ class CheckpointFileReader:
         return self._restored(template)[0]
 
     def _restored(self, template: CheckpointFile | None) -> tuple[CheckpointFile | None, _Source | None]:
-        """`read`, and the store its step came from (`None` with no checkpoint)."""
-        directory = self._directory()
+        """`read`, and the store its step came from (`None` with no checkpoint); two tiers ask `restart.read_tiers`."""
         try:
-            agreed_persistent = None
-            if self.local_dir is not None:
-                restored, agreed_persistent, source = self._read_local(template)
-                if restored is not None:
-                    return restored, source
-            if is_empty_or_missing(directory):
-                if self.target is not None and self.step is None:
-                    return None, None
-                what = "does not exist" if not directory.exists() else "holds no checkpoint"
-                fix = (
-                    "drop step= to start fresh from target"
-                    if self.target is not None
-                    else "give the reader target=model.init to start fresh"
-                )
-                raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
-            persistent_source = _Source(directory, per_process=False)
-            with persistent_source.open() as store:
-                persistent = self._read(store, template)
-            if agreed_persistent is not None and persistent.step < agreed_persistent:
-                # The persistent tier's newest step read as a step but its arrays were damaged: the tiers agree
-                # again against the step restored, so a local step newer than that one is not lost.
-                local, _, source = self._read_local(
-                    template, persistent.step, persistent.run_id, persistent.skipped_damaged
-                )
-                if local is not None:
-                    return local, source
-            return persistent, persistent_source
+            if self.local_dir is None:
+                persistent = self._read_persistent(template)
+                return persistent, _Source(self._directory(), per_process=False) if persistent is not None else None
+            state, state_dict, with_optimizer = _template(template)
+            read: restart.TierRead[CheckpointFile] = restart.read_tiers(
+                self.local_dir,
+                self._directory(),
+                state_dict if self.rename is None else None,  # a local step restores only without renames
+                with_optimizer,
+                step=self.step,
+                read_persistent=lambda: self._read_persistent(template),
+            )
+            if read.directory is None:
+                return None, None
+            if read.local is None:
+                return read.persistent, _Source(read.directory, per_process=False)
+            restored = self._checkpoint_file(read.local, state, with_optimizer, read.directory, {})
+            skipped = read.persistent.skipped_damaged if read.persistent is not None else ()
+            return dataclasses.replace(restored, skipped_damaged=skipped), _Source(read.directory, per_process=True)
         except Exception as error:
             damage.reraise_interrupt(error)
             raise
 
-    def _read_local(
-        self,
-        template: CheckpointFile | None,
-        persistent_step: int | None = None,
-        persistent_run: str | None = None,
-        skipped: tuple[str, ...] = (),
-    ) -> tuple[CheckpointFile | None, int | None, _Source | None]:
-        """The local tier's step when the tiers agree on one (`tiers.read_local`), else `None`.
+    def _read_persistent(self, template: CheckpointFile | None) -> CheckpointFile | None:
+        """The run directory's (the persistent tier's) checkpoint; `None` where it holds none and `target` starts fresh.
 
-        Also returns the persistent tier's newest step as the processes agreed
-        on it (see `tiers.read_local` for `persistent_step` and
-        `persistent_run`), and the local store read; `skipped`: the persistent
-        steps found damaged.
+        Raises:
+            CheckpointError: it holds none and there is no target (or a `step` was asked for).
         """
-        assert self.local_dir is not None
-        state, state_dict, with_optimizer = _template(template)
-        read = tiers.read_local(
-            self.local_dir,
-            self._directory(),
-            state_dict if self.rename is None else None,
-            with_optimizer,
-            step=self.step,
-            persistent_step=persistent_step,
-            persistent_run=persistent_run,
-        )
-        if read.local is None or read.stored is None:
-            return None, read.persistent, None
-        restored = self._checkpoint_file(read.stored, state, with_optimizer, read.local.store.directory, {})
-        source = _Source(read.local.store.directory, per_process=True)
-        return dataclasses.replace(restored, skipped_damaged=skipped), read.persistent, source
+        directory = self._directory()
+        if is_empty_or_missing(directory):
+            if self.target is not None and self.step is None:
+                return None
+            what = "does not exist" if not directory.exists() else "holds no checkpoint"
+            fix = (
+                "drop step= to start fresh from target"
+                if self.target is not None
+                else "give the reader target=model.init to start fresh"
+            )
+            raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
+        with _Source(directory, per_process=False).open() as store:
+            return self._read(store, template)
 
     def _steps_to_try(self, store: Store, damaged: dict[int, str]) -> list[int]:
         """The candidates not yet found damaged, preferred first (only `step` when it was given)."""

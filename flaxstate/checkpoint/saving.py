@@ -18,7 +18,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -104,6 +104,13 @@ class BackgroundSave:
             raise self._error
 
 
+Tree = Mapping[str, Any]
+"""A state dict, or a meta, as a store is given it."""
+
+Metrics = Mapping[str, float] | None
+"""A record's metrics, where a store ranks its steps by one."""
+
+
 class SaveSlot:
     """The one save of a store that may be running in the background, and the newest that completed.
 
@@ -118,6 +125,33 @@ class SaveSlot:
         self._pending: BackgroundSave | OrbaxAsyncSave | None = None
         self.completed: tuple[int, float | None] | None = None
         """The step and seconds (start to end) of the newest save that `wait` saw complete."""
+
+    def save(
+        self,
+        step: int,
+        state_dict: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """Starts a save of one step: it runs in the background until `wait` (the arrays are read there).
+
+        The arrays must not be donated, deleted or changed until the save is
+        done; TrainLoop's records hold read-only host copies that nothing donates.
+
+        Raises:
+            CheckpointSaveError: the previous save failed (or this one, where it fails as it starts).
+            CheckpointError: `step` is already saved (nothing saved is ever overwritten).
+        """
+        self.wait()
+        self._start(step, state_dict, meta, metrics, saved=self._holds(step))
+
+    def _holds(self, step: int) -> bool:
+        """Whether this store holds `step` already (asked before each save)."""
+        raise NotImplementedError
+
+    def _start(self, step: int, state_dict: Tree, meta: Tree, metrics: Metrics, *, saved: bool) -> None:
+        """Starts the save into `_pending`; refuses it (`refuse_replacing`) where `saved`."""
+        raise NotImplementedError
 
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
         raise NotImplementedError

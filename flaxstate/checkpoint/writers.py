@@ -25,7 +25,7 @@ decides for all (a save is a collective).
 `CheckpointFileWriter(local_dir, per_process=True)` is a local tier: each
 process saves its own arrays into its own directory, with no barrier, every
 few minutes; a persistent writer in the same chain saves every hour. See
-`flaxstate.checkpoint.tiers` for the restart.
+`flaxstate.checkpoint.tiers.restart` for the restart.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from jax.experimental import multihost_utils
 
 from flaxstate import environment, settings
 from flaxstate.checkpoint import claims, stores
-from flaxstate.checkpoint import peers as peer_copies
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
+from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
@@ -132,9 +132,9 @@ class _Writer:
                 f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
                 "per_process=True (a persistent directory is every process's already)."
             )
-        plan = peer_copies.plan_for_this_run(peers, description) if peers else None
+        copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(peers, description)) if peers else None
         self._store: stores.Store = stores.open_store(
-            directory, per_process=per_process, keep=keep, best=best, peers=plan
+            directory, per_process=per_process, keep=keep, best=best, copies=copies
         )
         self._ledger = Ledger(directory) if ledger and self._store.shared else None
         claims.register(key, self)
@@ -360,7 +360,7 @@ class CheckpointFileWriter(_Writer):
                 (`flaxstate.checkpoint.ledger`; `flaxstate goodput DIR` reads
                 it): a line each record and save, fsync'd. A per-process
                 writer keeps none (the persistent tier's writer does).
-            per_process: a local tier (`flaxstate.checkpoint.local`): each
+            per_process: a local tier (`flaxstate.checkpoint.stores.local`): each
                 process saves the arrays its devices hold (a replicated
                 array once) into `output_dir/process-<index>/`, a directory
                 on its own host (`/dev/shm/run`, a local SSD), with no
@@ -372,7 +372,7 @@ class CheckpointFileWriter(_Writer):
             peers: with `per_process=True`, also keep the parts of this many
                 other processes, on other hosts where there are (a lost host's
                 parts come back from a peer at the restart: see
-                `flaxstate.checkpoint.peers`). Each save moves every process's
+                `flaxstate.checkpoint.tiers.peers`). Each save moves every process's
                 parts to its peers by one collective, and holds the local
                 tier's bytes `1 + peers` times on disk. Every process makes the
                 writer together (the hosts are gathered).

@@ -77,7 +77,7 @@ def test_the_policy_is_stored_with_every_best_checkpoint(tmp_path):
         best(records(2, 2)[-1].with_metrics({"eval": {"acc": 0.5}}))
     reader = fs.HighestCheckpointFileReader(tmp_path, metric="acc")
     assert reader.policy == fs.BestPolicy(metric="acc", group="eval", mode="max")
-    meta = fs.checkpoint.storage.CheckpointStore(tmp_path / "highest-eval-acc", read_only=True)
+    meta = fs.checkpoint.stores.orbax_manager.CheckpointStore(tmp_path / "highest-eval-acc", read_only=True)
     with meta as store:
         assert fs.BestPolicy.from_json(store.read_meta(2)["best"]) == reader.policy
 

@@ -4,7 +4,7 @@ fake-gcs-server and moto's S3 server run on 127.0.0.1 for this module only,
 one after the other, started and stopped here (`flaxstate_testing.buckets`);
 every worker finds them through the clients' own variables. A gs://
 directory is orbax's; an s3:// one is flaxstate's own store
-(`flaxstate.checkpoint.objects`), since orbax writes no s3:// arrays. A
+(`flaxstate.checkpoint.stores.s3`), since orbax writes no s3:// arrays. A
 bucket has no rename and no append, so each test checks what flaxstate does
 instead, by listing the bucket's objects through the emulator itself.
 """
@@ -170,10 +170,10 @@ def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(bucke
         assert f"{gone} is missing" in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("keep", [1, 3])
-def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(bucket, keep, capsys):
+def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(bucket, capsys):
     from flaxstate import cli
 
+    keep = 1 if bucket.scheme == "gs" else 3  # the writer deletes the step a reader may hold: at once, or later
     url = f"{bucket.scheme}://runs/live-{keep}"
 
     def inspect(step: int) -> None:

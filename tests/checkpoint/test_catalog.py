@@ -7,7 +7,7 @@ import pytest
 
 from flaxstate.checkpoint import catalog
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.storage import CheckpointStore
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
 
 
 def state(scale):

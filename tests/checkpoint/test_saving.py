@@ -8,7 +8,7 @@ import pytest
 
 from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.errors import CheckpointSaveError
-from flaxstate.checkpoint.local import LocalStore
+from flaxstate.checkpoint.stores.local import LocalStore
 
 
 def meta(step):

@@ -94,9 +94,9 @@ def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_pat
 
 
 def test_slow_but_progressing_steps_never_fire_and_an_interactive_session_is_only_told(tmp_path):
-    # "auto" with a floor of 2 s: a record's segment takes 5 s (0.5 s a batch) but progresses.
+    # "auto" with a floor of 2 s: a record's segment takes 3 s (0.3 s a batch) but progresses.
     config = dict(CONFIG, n_steps=20, out=str(tmp_path / "a.npz"), resume=False)
-    slow = dict(config, output_dir=str(tmp_path / "slow"), data_sleep=0.5, floor=2)
+    slow = dict(config, output_dir=str(tmp_path / "slow"), data_sleep=0.3, floor=2)
     output = processes.run("resume", slow, timeout=240)[0]
     assert "record 20" in output and "watchdog" not in output
     # Interactive: a 3 s stall with a 1 s timeout is reported, and the run goes on to its end.

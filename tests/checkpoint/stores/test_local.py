@@ -1,6 +1,6 @@
 """The local tier in one process: what a step holds, when it restores, and what it refuses.
 
-The processes' agreement and kill -9 restarts are in `test_tiers.py` (two gloo processes); FSDP's parts in
+The processes' agreement and kill -9 restarts are in `tiers/test_restart.py` (two gloo processes); FSDP's parts in
 `tests/training/test_sharded_loop.py`.
 """
 
@@ -17,7 +17,7 @@ from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
 from flaxstate import tree_paths
-from flaxstate.checkpoint.local import LocalStore, process_directory
+from flaxstate.checkpoint.stores.local import LocalStore, process_directory
 
 
 def train(tmp_path, n_steps=12, persistent_steps=(4,)):
@@ -157,7 +157,7 @@ def test_a_damaged_local_step_is_passed_over_with_a_warning_and_set_aside_by_the
     reader = fs.CheckpointFileReader([local_dir, persistent_dir], target=toy.MLP().init)
     loop = make_loop(n_steps=16, init=reader)
     assert loop.step == 8  # the older local step, still newer than the persistent step 4
-    assert "meta.json cannot be read as JSON" in caplog.text
+    assert "meta.json is not valid JSON" in caplog.text
     with fs.CheckpointFileWriter(local_dir, keep=2, per_process=True) as local:
         for record in loop:
             local(record)

@@ -1,12 +1,12 @@
 """Which local step the processes' offers make whole, and where a process's missing parts come from.
 
 The offers are built here as each process would gather them; the processes and their collective are
-tests/checkpoint/test_tiers.py's and test_peers.py's.
+tests/checkpoint/tiers/test_restart.py's and test_peers.py's.
 """
 
 import json
 
-from flaxstate.checkpoint.agreement import Offer, Offers
+from flaxstate.checkpoint.tiers.agreement import Offer, Offers
 
 RUN = "run-a"
 

@@ -2,12 +2,12 @@
 
 Three stores implement `Store`:
 
-- `flaxstate.checkpoint.storage.CheckpointStore`: an orbax directory that
+- `flaxstate.checkpoint.stores.orbax_manager.CheckpointStore`: an orbax directory that
   every process writes together (the run directory, the persistent tier);
   `shared`: only the primary process changes it, and the others wait.
-- `flaxstate.checkpoint.local.LocalStore`: this process's own files (the
+- `flaxstate.checkpoint.stores.local.LocalStore`: this process's own files (the
   local tier, `per_process=True`); each process changes its own.
-- `flaxstate.checkpoint.objects.ObjectStore`: an `s3://` run directory,
+- `flaxstate.checkpoint.stores.s3.ObjectStore`: an `s3://` run directory,
   whose arrays orbax cannot write (tensorstore's s3 driver); like orbax's,
   every process writes it together and the primary commits.
 
@@ -26,14 +26,19 @@ import numpy as np
 
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint
-from flaxstate.checkpoint.local import LocalStore, process_directory
-from flaxstate.checkpoint.objects import ObjectStore, is_object_store
-from flaxstate.checkpoint.peers import PeerPlan
-from flaxstate.checkpoint.storage import CheckpointStore
+from flaxstate.checkpoint.stores.local import Copies, LocalStore, process_directory
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
+from flaxstate.checkpoint.stores.s3 import ObjectStore, is_object_store
 
 
 class Store(Protocol):
     """A directory of steps: list, read, save, set aside, remove, and wait for the save in flight.
+
+    Each method is here because a caller above the stores asks it of every
+    store, named in its docstring. How a step becomes complete and leaves is
+    each store's `flaxstate.checkpoint.stores.lifecycle` strategy; the save
+    slot (`save`, `wait`, `settle`, `close`, `prune_aside`) is one shared
+    implementation, `flaxstate.checkpoint.saving.SaveSlot`.
 
     Attributes:
         directory: where its steps are (this process's part, for a per-process store).
@@ -47,11 +52,11 @@ class Store(Protocol):
     completed: tuple[int, float | None] | None
 
     def steps(self) -> list[int]:
-        """The whole steps, oldest first."""
+        """The whole steps, oldest first (every reader and writer, the tiers, the CLI's listing)."""
         ...
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        """A step's meta, checked (damage raises `DamagedCheckpointError`)."""
+        """A step's meta, checked: damage raises `DamagedCheckpointError` (`steps.classify`, the CLI, a resume)."""
         ...
 
     def read(
@@ -65,49 +70,49 @@ class Store(Protocol):
         ...
 
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
-        """A step's state-dict layout, with its arrays' shapes and dtypes as leaves (no array read)."""
+        """A step's state-dict layout, its arrays' shapes and dtypes as leaves, no array read (`flaxstate show`)."""
         ...
 
     def read_paths(self, step: int, paths: list[str]) -> dict[str, np.ndarray]:
-        """Some of a step's arrays, by state-dict path, as numpy, and no other."""
+        """Some of a step's arrays, by state-dict path, as numpy, and no other (the EMA's restore, the CLI)."""
         ...
 
     def unfinished(self) -> list[Path]:
-        """The folders of saves that did not finish (or are running), which no reader takes."""
+        """The folders of saves that did not finish (or are running), which no reader takes (`steps.classify`)."""
         ...
 
     def save(
         self, step: int, state_dict: Mapping[str, Any], meta: Mapping[str, Any], metrics: Mapping[str, float] | None
     ) -> None:
-        """Starts a save of one step (it runs in the background until `wait`)."""
+        """Starts a save of one step, in the background until `wait` (the writer, at each record it saves)."""
         ...
 
     def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
-        """Moves a step out of the listing (`<step><suffix>`), keeping its files."""
+        """Moves a step out of the listing (`<step><suffix>`), keeping its files (claims, readers: damage)."""
         ...
 
     def prune_aside(self, suffix: str, keep: int) -> list[Path]:
-        """Removes all but the `keep` steps set aside last as `<step><suffix>`."""
+        """Removes all but the `keep` steps set aside last as `<step><suffix>` (the claims, after setting aside)."""
         ...
 
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
-        """Removes what saves that did not finish left."""
+        """Removes what saves that did not finish left (the claims at a writer's first save; a failed save)."""
         ...
 
     def delete(self, steps: list[int]) -> None:
-        """Removes whole steps."""
+        """Removes whole steps (the claims, with `overwrite=True`)."""
         ...
 
     def wait(self) -> None:
-        """Waits for the save in flight (raising its failure)."""
+        """Waits for the save in flight, raising its failure (the writer, before a save and at its end)."""
         ...
 
     def settle(self) -> None:
-        """Waits for the save in flight, keeping a failure for the next `wait`."""
+        """Waits for the save in flight, keeping a failure for the next `wait` (at exit: `flaxstate.background`)."""
         ...
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases the store."""
+        """Waits for the save in flight, then releases the store (the writer's close; a reader's `with`)."""
         ...
 
     def __enter__(self) -> Store: ...
@@ -129,7 +134,7 @@ def open_store(
     keep: int | None = None,
     best: BestPolicy | None = None,
     read_only: bool = False,
-    peers: PeerPlan | None = None,
+    copies: Copies | None = None,
 ) -> Store:
     """The store of `directory` (from `store_directory`): per-process files, an s3:// store, or an orbax directory.
 
@@ -139,10 +144,10 @@ def open_store(
         keep: how many steps a writer keeps.
         best: keep the best by a metric instead of the newest (an orbax directory).
         read_only: open for reading: nothing is created.
-        peers: who keeps whose parts (a local tier with peer copies).
+        copies: the peer copies a local tier hands each save to (`flaxstate.checkpoint.tiers.peers.PeerCopies`).
     """
     if per_process:
-        return LocalStore(directory, keep=keep, read_only=read_only, peers=peers)
+        return LocalStore(directory, keep=keep, read_only=read_only, copies=copies)
     if is_object_store(directory):
         return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
     return CheckpointStore(directory, keep=keep, best=best, read_only=read_only)

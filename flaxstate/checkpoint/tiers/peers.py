@@ -6,7 +6,7 @@ save, each process also keeps the parts of `peers` other processes, in
 process j wrote for itself, byte for byte. A host that is replaced (its
 local directory empty) then gets its parts back from a peer that holds
 them, and the run restarts from the local tier instead of the persistent
-one (`flaxstate.checkpoint.tiers`).
+one (`flaxstate.checkpoint.tiers.restart`).
 
 Which process holds whose parts is picked by host, not by process index: with
 one process per GPU, a ring over indices would put the copy on the same
@@ -18,6 +18,10 @@ each process, dispatched where the record's save is (every process in the
 same order) and awaited by the save's own thread. A process's host is
 `FLAXSTATE_HOST` where set (tests, or a cluster whose host names repeat),
 else `socket.gethostname()`.
+
+This module owns both halves: `PeerCopies`, which the local store hands
+each save to (the exchange, then the copies kept beside its own step), and
+`bring_back`, which a restart runs to move a lost process's parts to it.
 
 Parts that data-parallel replicas already hold are not copied: a process
 whose parts are exactly those of processes on `peers` other hosts (pure data
@@ -35,6 +39,7 @@ import logging
 import os
 import socket
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxstate import collectives
+from flaxstate.checkpoint.stores.local import (
+    LocalStore,
+    pack_step,
+    read_packed,
+    remove_step,
+    run_of,
+    step_numbers,
+    write_packed,
+)
+from flaxstate.checkpoint.stores.parts import held_parts
 
 logger = logging.getLogger("flaxstate")
 
@@ -218,3 +233,130 @@ def _permute(mesh: Mesh, moves: tuple[tuple[int, int], ...]) -> Any:
 def copies_directory(process_dir: Path, owner: int) -> Path:
     """Where a process keeps process `owner`'s parts: `<its directory>/peers/process-<owner>`."""
     return process_dir / PEERS / f"process-{owner}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchanged:
+    """What one save's exchange gave this process.
+
+    Attributes:
+        anyone_saved: some process holds the step already (every process refuses the save together).
+        packed: this process's step as written (meta and chunks), where it was packed to be sent.
+        received: `(owner, buffer)` for each process whose parts this one keeps; `None`: they are
+            replicated on other hosts, so no copy is kept.
+    """
+
+    anyone_saved: bool
+    packed: tuple[dict[str, Any], list[np.ndarray]] | None = None
+    received: tuple[tuple[int, jax.Array | None], ...] = ()
+
+    def keep(self, directory: Path, step: int, keep: int | None) -> None:
+        """Writes the copies this process keeps of `step` (in the save's thread), after its own step.
+
+        An owner whose parts are replicated elsewhere gets no copy, and none
+        is kept, so that no stale copy outlives its use.
+        """
+        for owner, arrived in self.received:
+            where = copies_directory(directory, owner)
+            if arrived is None:
+                for old in step_numbers(where):
+                    remove_step(where, old)
+                continue
+            copy_meta, body = unpack(np.asarray(arrived))
+            for old in step_numbers(where):  # another run's copies, and this run's from a history a restart left
+                if old >= step or run_of(where / str(old)) != copy_meta.get("run_id"):
+                    remove_step(where, old)
+            write_packed(where, step, copy_meta, [body], keep)
+
+
+class PeerCopies:
+    """The peer copies of one local tier: the exchange at each save, and the copies it keeps.
+
+    Args:
+        plan: who keeps whose parts (`plan_for_this_run`).
+    """
+
+    def __init__(self, plan: PeerPlan) -> None:
+        self.plan = plan
+
+    def exchange(self, saved: bool, flat: Mapping[str, Any], header: dict[str, Any]) -> Exchanged:
+        """Runs with every process, in the record's order: one gather of who holds what, then a move a round.
+
+        Args:
+            saved: whether this process holds the step already.
+            flat: this process's state, by path.
+            header: the meta its own step stores.
+        """
+        offers = collectives.allgather_json([saved, fingerprint(held_parts(flat))])
+        if any(saved for saved, _ in offers):
+            return Exchanged(anyone_saved=True)
+        me = jax.process_index()
+        replicated = replicated_elsewhere([held for _, held in offers], self.plan.hosts, len(self.plan.rounds))
+        if all(replicated):  # pure data parallelism over hosts: nothing moves
+            return Exchanged(False, None, tuple((owner, None) for owner in self.plan.sources(me)))
+        packed = pack_step(flat, header)
+        buffer = np.zeros(0, np.uint8) if replicated[me] else pack(*packed)
+        sources, rounds = self.plan.sources(me), self.plan.rounds
+        moved = [(owner, send(buffer, holders)) for owner, holders in zip(sources, rounds, strict=True)]
+        return Exchanged(False, packed, tuple((owner, None if replicated[owner] else got) for owner, got in moved))
+
+
+def drop_copies_from(process_dir: Path, step: int) -> list[int]:
+    """Removes the peer copies of `step` and later ones (a restart resumed from an earlier step); returns them."""
+    dropped = []
+    for where in (process_dir / PEERS).glob("process-*"):
+        for old in step_numbers(where):
+            if old >= step:
+                remove_step(where, old)
+                dropped.append(old)
+    return sorted(set(dropped))
+
+
+def bring_back(
+    store: LocalStore, step: int, transfers: tuple[tuple[int, bool, int], ...], meta: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """Moves each lost process's parts of `step` from the process that keeps them (a collective).
+
+    Each transfer is `(holder, as_copy, owner)`: the holder sends its copy of
+    the owner's parts, or (`as_copy` false, a data-parallel replica) its own
+    step. The owner writes them into its own directory, as its own save would
+    have; a step of its own there (which it could not offer: damaged) is set
+    aside first. Moves run in rounds in which no process sends or receives twice.
+
+    Args:
+        store: this process's local store.
+        step: the step agreed on.
+        transfers: the moves, from the agreement.
+        meta: this process's own step's meta, where it holds the step.
+
+    Returns:
+        This process's meta of the step: its own, or the one it received.
+    """
+    me, process_dir = jax.process_index(), store.directory
+    pending = list(transfers)
+    while pending:
+        batch: list[tuple[int, bool, int]] = []
+        for holder, as_copy, owner in pending:
+            if all(holder not in (h, o) and owner not in (h, o) for h, _, o in batch):
+                batch.append((holder, as_copy, owner))
+        pending = [transfer for transfer in pending if transfer not in batch]
+        destination = list(range(jax.process_count()))
+        buffer = np.zeros(0, np.uint8)
+        for holder, as_copy, owner in batch:
+            destination[holder] = owner
+            if holder == me:  # its copy of owner's parts, or its own step (whose parts owner's devices need)
+                directory = copies_directory(process_dir, owner) if as_copy else process_dir
+                stored, body = read_packed(directory / str(step))
+                buffer = pack(stored, [body])
+            if me == 0:
+                held_as = "peer copy" if as_copy else "own step (a data-parallel replica)"
+                logger.info("process %d's parts of step %d come from process %d's %s.", owner, step, holder, held_as)
+        received = send(buffer, tuple(destination))
+        if any(owner == me for _, _, owner in batch):
+            meta, body = unpack(np.asarray(received))
+            meta = {**meta, "process_index": me, "devices": [device.id for device in jax.local_devices()]}
+            if (process_dir / str(step)).is_dir():  # its own, which it could not offer: damaged
+                aside = store.set_aside(step)
+                logger.warning("process %d's own step %d could not be restored; set aside as %s.", me, step, aside)
+            write_packed(process_dir, step, meta, [body], None)
+    return meta

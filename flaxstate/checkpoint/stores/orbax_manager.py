@@ -16,7 +16,6 @@ gained 6% of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -43,7 +42,9 @@ from flaxstate.checkpoint.layout import (
     state_dict_of,
     to_json,
 )
+from flaxstate.checkpoint.saving import Metrics, Tree
 from flaxstate.checkpoint.steps import LISTING_ATTEMPTS
+from flaxstate.checkpoint.stores.lifecycle import CommitMarker, Lifecycle, RenameIntoPlace
 from flaxstate.locations import as_path
 
 logger = logging.getLogger("flaxstate")
@@ -75,6 +76,10 @@ class CheckpointStore(saving.SaveSlot):
     ) -> None:
         super().__init__()
         self.directory = as_path(directory)
+        self._steps: Lifecycle = (
+            CommitMarker(COMMIT_SUCCESS_FILE) if locations.is_url(self.directory) else RenameIntoPlace(TMP_MARK)
+        )
+        """How orbax makes a step complete here: renamed into place on a disk, a marker written last in a bucket."""
         best_options: dict[str, Any] = {}
         if best is not None:
             best_options = {"best_fn": lambda metrics: best.score(metrics[best.key]), "best_mode": best.mode}
@@ -102,25 +107,12 @@ class CheckpointStore(saving.SaveSlot):
 
     # Writing.
 
-    def save(
-        self,
-        step: int,
-        state_dict: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        metrics: Mapping[str, float] | None = None,
-    ) -> None:
-        """Starts an asynchronous, atomic save of one checkpoint.
+    def _holds(self, step: int) -> bool:
+        return step in self._manager.all_steps()
 
-        In one process the arrays are read in the background: they must not
-        be donated, deleted or changed until the save is done (`wait`).
-        TrainLoop's records hold read-only host copies that nothing donates.
-
-        Raises:
-            CheckpointSaveError: this save, or the previous one, failed.
-            CheckpointError: `step` is already saved (nothing saved is ever overwritten).
-        """
-        self.wait()
-        if step in self._manager.all_steps():
+    def _start(self, step: int, state_dict: Tree, meta: Tree, metrics: Metrics, *, saved: bool) -> None:
+        """An orbax save: in a thread of ours in one process, else orbax's own asynchronous save."""
+        if saved:
             raise self.refuse_replacing(step)
         items = {
             **formats.CURRENT.save_items(state_dict, ocp.args.PyTreeSave),
@@ -168,9 +160,7 @@ class CheckpointStore(saving.SaveSlot):
         listing. Returns the new path.
         """
         self.wait()
-        step_dir = self.directory / str(step)
-        target = saving.aside(step_dir, suffix)
-        locations.move_tree(step_dir, target, commit_marker=COMMIT_SUCCESS_FILE)
+        target = self._steps.set_aside(self.directory / str(step), suffix)
         self._manager.reload()
         return target
 
@@ -185,10 +175,7 @@ class CheckpointStore(saving.SaveSlot):
         """
         if jax.process_index() != 0 or not self.directory.is_dir():
             return []
-
-        return saving.remove_until_quiet(
-            lambda: [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
-        )
+        return saving.remove_until_quiet(lambda: self._steps.unfinished(self.directory, step))
 
     def unfinished(self) -> list[Path]:
         """The directories of saves that did not finish (or are running).
@@ -199,17 +186,7 @@ class CheckpointStore(saving.SaveSlot):
         without it is unfinished (orbax never lists it).
         """
         locations.forget_listings(self.directory)
-        if not self.directory.is_dir():
-            return []
-        if not locations.is_url(self.directory):
-            return [
-                path for path in self.directory.iterdir() if TMP_MARK in path.name and path.name.split(".")[0].isdigit()
-            ]
-        return [
-            path
-            for path in self.directory.iterdir()
-            if path.name.isdigit() and not (path / COMMIT_SUCCESS_FILE).exists()
-        ]
+        return self._steps.unfinished(self.directory)
 
     def delete(self, steps: list[int]) -> None:
         """Removes whole checkpoints (orbax deletes them on the primary process)."""
@@ -319,7 +296,7 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
     """
     where = step_dir / META / meta_format.FILE
     try:
-        text = where.read_text()
+        return meta_format.read(where, step_dir)
     except FileNotFoundError:
         if not step_dir.is_dir():
             raise FileNotFoundError(f"{step_dir} does not exist") from None
@@ -328,12 +305,7 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
                 f"{step_dir} is not a flaxstate checkpoint (it has no '{META}' item); "
                 "point the reader at a directory that flaxstate's writers wrote."
             ) from None
-        raise DamagedCheckpointError(f"{where} is missing: the checkpoint is damaged") from None
-    try:
-        meta = json.loads(text)
-    except ValueError as error:
-        raise DamagedCheckpointError(f"{where} is not valid JSON ({error}): the checkpoint is damaged") from error
-    return meta_format.validate(meta, step_dir)
+        raise DamagedCheckpointError(f"{where} is missing: the step is damaged") from None
 
 
 def _item_trees(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:

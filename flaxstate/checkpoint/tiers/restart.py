@@ -1,10 +1,11 @@
 """Which tier a restart restores from: the newest local step that every process holds, or the persistent tier.
 
-`CheckpointFileReader([local_dir, persistent_dir])` asks `read_local` first:
-the tiers own the two-tier read (they agree on the step, read it together or
-fall back together, and say why); the reader only asks them. Each process
-lists its own local steps (`flaxstate.checkpoint.local`) that are whole and
-fit the template on its devices; one small collective gathers them, and the newest step that every process holds, of the
+`CheckpointFileReader([local_dir, persistent_dir])` asks `read_tiers` once,
+and gets the step and where it came from: the tiers own the two-tier read
+(they agree on the step, read it together or fall back together, and say
+why). Each process lists its own local steps (`flaxstate.checkpoint.stores.local`)
+that are whole and fit the template on its devices; one small collective
+gathers them, and the newest step that every process holds, of the
 persistent directory's run, is taken when it is newer than the persistent
 tier's newest. The persistent directory's run is its newest step's, or, before
 its first save, its goodput ledger's; a new directory has none, so another
@@ -15,7 +16,7 @@ process with no local steps (a replaced host), another process count or
 mesh, a damaged local step, a local step of another run, or a persistent
 step as new.
 
-With peer copies (`flaxstate.checkpoint.peers`), a step also counts as whole
+With peer copies (`flaxstate.checkpoint.tiers.peers`), a step also counts as whole
 when a process that lacks it has its parts kept by another process: a peer's
 copy of them, or a data-parallel replica's own step (a process whose devices
 need exactly the parts that the lacking process's need). Those parts move
@@ -28,19 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import jax
-import numpy as np
 
 from flaxstate import collectives
-from flaxstate.checkpoint import agreement, damage, ledger, local, peers, steps, stores
+from flaxstate.checkpoint import damage, ledger, steps, stores
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
-from flaxstate.checkpoint.local import LocalStore, process_directory
 from flaxstate.checkpoint.steps import StepKind
+from flaxstate.checkpoint.stores import parts
+from flaxstate.checkpoint.stores.local import LocalStore, process_directory
+from flaxstate.checkpoint.tiers import agreement, peers
 from flaxstate.locations import is_url
 
 logger = logging.getLogger("flaxstate")
@@ -110,7 +112,7 @@ def _offer(
             note = note or f"step {candidate}: {found.why}"
             continue
         meta = found.meta
-        why = local.covers(meta, template, with_optimizer)
+        why = parts.covers(meta, template, with_optimizer)
         if why is not None:
             note = note or f"step {candidate}: {why}"
             continue
@@ -203,7 +205,7 @@ def agreed_local_step(
     mine = agreement.Offer(
         held=frozenset((s, meta.get("run_id")) for s, meta in held.items()),
         copies=_offer_copies(store, step) if template is not None else {},
-        needs=peers.fingerprint(local.needed_parts(template, with_optimizer)) if template is not None else None,
+        needs=peers.fingerprint(parts.needed_parts(template, with_optimizer)) if template is not None else None,
         note=note,
         persistent=persistent_newest,
         run=persistent_run,
@@ -233,42 +235,8 @@ def agreed_local_step(
 
 
 def _bring_back(chosen: LocalStep) -> LocalStep:
-    """Moves each lost process's parts of the chosen step from the peer that keeps them (a collective).
-
-    The owner writes them into its own directory, as its own save would
-    have, and reads them from there. Returns this process's step, with its meta.
-
-    Raises:
-        DamagedCheckpointError: the parts received do not fit this process (another mesh).
-    """
-    me, meta = jax.process_index(), chosen.meta
-    pending = list(chosen.transfers)
-    while pending:  # rounds in which no process sends or receives twice
-        batch: list[tuple[int, bool, int]] = []
-        for holder, as_copy, owner in pending:
-            if all(holder not in (h, o) and owner not in (h, o) for h, _, o in batch):
-                batch.append((holder, as_copy, owner))
-        pending = [transfer for transfer in pending if transfer not in batch]
-        destination = list(range(jax.process_count()))
-        buffer = np.zeros(0, np.uint8)
-        for holder, as_copy, owner in batch:
-            destination[holder] = owner
-            if holder == me:  # its copy of owner's parts, or its own step (whose parts owner's devices need)
-                directory = peers.copies_directory(chosen.store.directory, owner) if as_copy else chosen.store.directory
-                stored, body = local.read_packed(directory / str(chosen.step))
-                buffer = peers.pack(stored, [body])
-            held_as = "peer copy" if as_copy else "own step (a data-parallel replica)"
-            say("process %d's parts of step %d come from process %d's %s.", owner, chosen.step, holder, held_as)
-        received = peers.send(buffer, tuple(destination))
-        if any(owner == me for _, _, owner in batch):
-            meta, body = peers.unpack(np.asarray(received))
-            meta = {**meta, "process_index": me, "devices": [device.id for device in jax.local_devices()]}
-            if (chosen.store.directory / str(chosen.step)).is_dir():  # its own, which it could not offer: damaged
-                aside = chosen.store.set_aside(chosen.step)
-                logger.warning(
-                    "process %d's own step %d could not be restored; set aside as %s.", me, chosen.step, aside
-                )
-            local.write_packed(chosen.store.directory, chosen.step, meta, [body], None)
+    """Moves each lost process's parts of the chosen step from the peer that keeps them (`peers.bring_back`)."""
+    meta = peers.bring_back(chosen.store, chosen.step, chosen.transfers, chosen.meta)
     assert meta is not None
     return dataclasses.replace(chosen, meta=meta)
 
@@ -304,7 +272,95 @@ class LocalRead:
     persistent: int | None
 
 
-def read_local(
+class PersistentStep(Protocol):
+    """What the tiers need of a persistent tier's read: its step and its run (to agree again against it)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def run_id(self) -> str | None: ...
+
+
+P = TypeVar("P", bound=PersistentStep)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRead(Generic[P]):
+    """What a two-tier restart restored, and where from.
+
+    Attributes:
+        local: the local step read (its state dict and meta), or `None`.
+        persistent: the persistent tier's read, where one was made (also
+            when a local step restores after it: it says which persistent
+            steps were found damaged).
+        directory: the directory of the step restored (this process's local
+            part, or the persistent tier); `None`: neither tier holds one.
+    """
+
+    local: StoredCheckpoint | None
+    persistent: P | None
+    directory: Path | None
+
+
+def read_tiers(
+    local_dir: Path,
+    persistent_dir: Path,
+    template: Mapping[str, Any] | None,
+    with_optimizer: bool,
+    *,
+    step: int | None,
+    read_persistent: Callable[[], P | None],
+) -> TierRead[P]:
+    """The two-tier read, asked once: the local step every process holds, else the persistent tier's.
+
+    The processes agree on a local step first (`_read_local`). Where none
+    restores, the persistent tier is read (`read_persistent`, the reader's
+    own read: its candidates, its damage handling). Where that read passed
+    over damaged steps to an older one than the processes agreed against,
+    they agree again against the step read: a local step newer than it is
+    not lost.
+
+    Args:
+        local_dir: the local tier's directory.
+        persistent_dir: the persistent tier's.
+        template: the state dict to restore into (`None`: no local step can restore).
+        with_optimizer: whether the optimizer's arrays are read.
+        step: only this step (a reader made with `step=`).
+        read_persistent: reads the persistent tier; `None` where it holds
+            nothing and training starts fresh.
+
+    Raises:
+        Exception: a local read's failure that is not damage (out of memory, a bug), or what
+            `read_persistent` raises.
+    """
+
+    def agree(persistent_step: int | None = None, persistent_run: str | None = None) -> LocalRead:
+        return _read_local(
+            local_dir,
+            persistent_dir,
+            template,
+            with_optimizer,
+            step=step,
+            persistent_step=persistent_step,
+            persistent_run=persistent_run,
+        )
+
+    first = agree()
+    if first.local is not None:
+        return TierRead(first.stored, None, first.local.store.directory)
+    persistent = read_persistent()
+    if persistent is None:
+        return TierRead(None, None, None)
+    if first.persistent is not None and persistent.step < first.persistent:
+        # The persistent tier's newest step read as a step but its arrays were damaged.
+        again = agree(persistent.step, persistent.run_id)
+        if again.local is not None:
+            return TierRead(again.stored, persistent, again.local.store.directory)
+    return TierRead(None, persistent, persistent_dir)
+
+
+def _read_local(
     local_dir: Path,
     persistent_dir: Path,
     template: Mapping[str, Any] | None,
@@ -319,22 +375,10 @@ def read_local(
     Every process reads its own part of the agreed step; if any cannot (a
     damaged file), all fall back to the persistent tier. Process 0 says
     which tier restores and why, in one line (a WARNING where a newer local
-    step is passed over).
-
-    Args:
-        local_dir: the local tier's directory.
-        persistent_dir: the persistent tier's.
-        template: the state dict to restore into (`None`: no local step can restore).
-        with_optimizer: whether the optimizer's arrays are read.
-        step: only this step (a reader made with `step=`).
-        persistent_step: the step that a persistent read restored after
-            skipping damaged newer ones (of `persistent_run`): the tiers agree
-            again against it; `None`: against the persistent tier's newest
-            readable step.
-        persistent_run: that step's run.
-
-    Raises:
-        Exception: a local read's failure that is not damage (out of memory, a bug).
+    step is passed over). The arguments are `read_tiers`'s, and
+    `persistent_step`: the step that a persistent read restored after
+    skipping damaged newer ones (of `persistent_run`), which the tiers agree
+    again against; `None`: against the persistent tier's newest readable step.
     """
     newest, run = persistent_step, persistent_run
     if persistent_step is None and not is_empty_or_missing(persistent_dir):
@@ -350,7 +394,7 @@ def read_local(
             chosen = _bring_back(chosen)
         try:
             assert chosen.meta is not None
-            why_not = local.covers(chosen.meta, template or {}, with_optimizer)
+            why_not = parts.covers(chosen.meta, template or {}, with_optimizer)
             if why_not is not None:
                 raise DamagedCheckpointError(f"step {chosen.step} from a peer's copy does not fit: {why_not}")
             stored = chosen.store.read(chosen.step, template or {}, with_optimizer=with_optimizer, meta=chosen.meta)

@@ -1,7 +1,7 @@
 """What the processes offer of their local tiers at a restart, and which step their offers make whole.
 
 Each process gathers every process's `Offer` (one small JSON all-gather,
-`flaxstate.checkpoint.tiers`), decodes each once, and asks the same
+`flaxstate.checkpoint.tiers.restart`), decodes each once, and asks the same
 `Offers` the same questions, so every process reaches the same answer with
 no further collective: which steps are whole, where a process's parts of a
 step come from when its own directory lacks them (a peer's copy, or a

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.storage import CheckpointStore
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
 from flaxstate.train_state import StateMismatchError
 
 STATE = {

@@ -19,7 +19,7 @@ size its meta names is damaged, and never restored.
 
 A local step restores only where it was saved: the same process index and
 count, and for every device of this process the part of each array that the
-template's sharding gives it (`covers`). Restoring it is one read
+template's sharding gives it (`parts.covers`). Restoring it is one read
 of a file (from memory, on a tmpfs) and one transfer a device. orbax's
 per-process checkpointing (its emergency checkpoint manager) does this too,
 but is marked experimental ("do not use without specific approval"); what a
@@ -35,22 +35,24 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxstate import background, collectives, tree_paths
+from flaxstate import background, tree_paths
 from flaxstate.checkpoint import meta as meta_format
-from flaxstate.checkpoint import peers, saving
+from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
-from flaxstate.checkpoint.peers import PeerPlan
+from flaxstate.checkpoint.saving import Metrics, Tree
 from flaxstate.checkpoint.steps import VanishedStepError
+from flaxstate.checkpoint.stores.lifecycle import RenameIntoPlace, beyond_keep
+from flaxstate.checkpoint.stores.parts import Index, contains, host_parts, index_of, wanted
 from flaxstate.records import FORMAT_VERSION
 
 logger = logging.getLogger("flaxstate")
@@ -59,65 +61,17 @@ ARRAYS, META_FILE = "arrays.bin", "meta.json"
 PARTIAL = ".partial-"
 """What a save in progress (or one killed) holds in its directory's name: `<step>.partial-<pid>`."""
 
+STEPS = RenameIntoPlace(PARTIAL)
+"""A local step is complete once renamed into place."""
+
 ALIGN = 64
 """The alignment of each part's bytes in `arrays.bin`."""
-
-Index = list[list[int]]
-"""A part's place in its global array: `[start, stop]` of each dimension."""
-
-T = TypeVar("T")
 
 
 def process_directory(local_dir: str | Path, process_index: int | None = None) -> Path:
     """The directory of one process's local steps: `local_dir/process-<index>` (this process's by default)."""
     index = jax.process_index() if process_index is None else process_index
     return Path(local_dir).absolute() / f"process-{index}"
-
-
-def _index(where: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
-    return [list(part.indices(size)[:2]) for part, size in zip(where, shape, strict=True)]
-
-
-def held_parts(flat: Mapping[str, Any]) -> dict[str, list[Index]]:
-    """Where each distinct part that this process holds sits in its global array, by path (no data is read)."""
-    held: dict[str, list[Index]] = {}
-    for path, value in flat.items():
-        if isinstance(value, jax.Array):
-            held[path] = [index for index, _ in _distinct_shards(value)]
-        else:
-            held[path] = [[[0, size] for size in np.shape(value)]]
-    return held
-
-
-def host_parts(value: Any) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index, np.ndarray]]]:
-    """An array's global shape, dtype and the distinct parts this process holds, as numpy.
-
-    A numpy array (the host copy of a replicated array) is one part, the
-    whole; a `jax.Array` gives its addressable shards, each place once.
-    """
-    if isinstance(value, jax.Array):
-        parts = [(index, np.asarray(shard.data)) for index, shard in _distinct_shards(value)]
-        return tuple(value.shape), np.dtype(value.dtype), parts
-    array = np.asarray(value)
-    return array.shape, array.dtype, [([[0, size] for size in array.shape], array)]
-
-
-def _distinct(indexed: Iterable[tuple[Index, T]]) -> list[tuple[Index, T]]:
-    """Each index once, with its first item, in an order that every process shares (the order of its JSON)."""
-    first: dict[str, tuple[Index, T]] = {}
-    for index, item in indexed:
-        first.setdefault(json.dumps(index), (index, item))
-    return [first[key] for key in sorted(first)]
-
-
-def _distinct_shards(value: jax.Array) -> list[tuple[Index, Any]]:
-    """This process's shards of an array, each place once, with where they sit in the global array."""
-    return _distinct((_index(shard.index, value.shape), shard) for shard in value.addressable_shards)
-
-
-def _contains(outer: Index, inner: Index) -> bool:
-    """Whether the part at `outer` holds the part at `inner`."""
-    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
 
 
 def _fsync_directory(path: Path) -> None:
@@ -128,11 +82,37 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
+class Handoff(Protocol):
+    """What one save's exchange with the peers gave this process (`flaxstate.checkpoint.tiers.peers.Exchanged`)."""
+
+    @property
+    def anyone_saved(self) -> bool:
+        """Some process holds the step already: every process refuses the save together."""
+        ...
+
+    @property
+    def packed(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """This process's step as packed to be sent (written as it is), or `None`."""
+        ...
+
+    def keep(self, directory: Path, step: int, keep: int | None) -> None:
+        """Writes the other processes' parts that this process keeps, beside its own step (in the save's thread)."""
+        ...
+
+
+class Copies(Protocol):
+    """How a save hands this process's parts to its peers (`flaxstate.checkpoint.tiers.peers.PeerCopies`)."""
+
+    def exchange(self, saved: bool, flat: Mapping[str, Any], header: dict[str, Any]) -> Handoff:
+        """Runs with every process at each save: whether any holds the step already, and the parts moved."""
+        ...
+
+
 class LocalStore(saving.SaveSlot):
     """One process's local steps: save (in the background), list, check, read.
 
     It offers what `CheckpointFileWriter` asks of a store (the persistent
-    tier's is `flaxstate.checkpoint.storage.CheckpointStore`).
+    tier's is `flaxstate.checkpoint.stores.orbax_manager.CheckpointStore`).
 
     Args:
         directory: this process's directory (`process_directory(local_dir)`).
@@ -144,57 +124,34 @@ class LocalStore(saving.SaveSlot):
     """Each process writes its own directory."""
 
     def __init__(
-        self, directory: str | Path, keep: int | None = None, read_only: bool = False, peers: PeerPlan | None = None
+        self, directory: str | Path, keep: int | None = None, read_only: bool = False, copies: Copies | None = None
     ) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
         self._keep = keep
-        self._peers = peers
+        self._copies = copies
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             background.track(self)
 
     # Writing.
 
-    def save(
-        self,
-        step: int,
-        state_dict: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        metrics: Mapping[str, float] | None = None,
-    ) -> None:
-        """Starts a save of this process's parts of `state_dict` (in a thread of its own; the arrays are read there).
+    def _holds(self, step: int) -> bool:
+        return step in self.steps()
 
-        Raises:
-            CheckpointSaveError: the previous save failed.
-            CheckpointError: `step` is already saved here (nothing saved is ever overwritten).
-        """
-        self.wait()
-        saved = step in self.steps()
+    def _start(self, step: int, state_dict: Tree, meta: Tree, metrics: Metrics, *, saved: bool) -> None:
+        """This process's parts, in a thread of its own; with peer copies, every process exchanges first."""
         flat = tree_paths.flatten(dict(state_dict))
         header = self._header(meta)
-        if self._peers is None:
+        if self._copies is None:
             if saved:
                 raise self.refuse_replacing(step)
-            self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, None, []))
+            self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, None))
             return
-        # One collective: all refuse together (before the one that moves the parts), and learn who holds what.
-        offers = collectives.allgather_json([saved, peers.fingerprint(held_parts(flat))])
-        if any(saved for saved, _ in offers):
+        exchanged = self._copies.exchange(saved, flat, header)  # every process together: all refuse together
+        if exchanged.anyone_saved:
             raise self.refuse_replacing(step)
-        plan, me = self._peers, jax.process_index()
-        replicated = peers.replicated_elsewhere([held for _, held in offers], plan.hosts, len(plan.rounds))
-        packed = None
-        received: list[tuple[int, jax.Array | None]] = [(owner, None) for owner in plan.sources(me)]
-        if not all(replicated):  # every process sends its parts to its peers now (in the record's order)
-            packed = pack_step(flat, header)
-            buffer = np.zeros(0, np.uint8) if replicated[me] else peers.pack(*packed)
-            moved = [
-                (owner, peers.send(buffer, holders))
-                for owner, holders in zip(plan.sources(me), plan.rounds, strict=True)
-            ]
-            received = [(owner, None if replicated[owner] else arrived) for owner, arrived in moved]
-        self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, packed, received))
+        self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, exchanged))
 
     def _header(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """The meta that a local step stores besides its arrays: the record's, and where it was saved."""
@@ -207,47 +164,20 @@ class LocalStore(saving.SaveSlot):
             "devices": [device.id for device in jax.local_devices()],
         }
 
-    def _write(
-        self,
-        step: int,
-        flat: Mapping[str, Any],
-        header: dict[str, Any],
-        packed: tuple[dict[str, Any], list[np.ndarray]] | None,
-        received: list[tuple[int, jax.Array | None]],
-    ) -> None:
-        """Writes this process's step, then the copies it keeps (`None`: the owner's parts are replicated elsewhere)."""
+    def _write(self, step: int, flat: Mapping[str, Any], header: dict[str, Any], exchanged: Handoff | None) -> None:
+        """Writes this process's step, then the copies of other processes' parts that it keeps."""
+        packed = exchanged.packed if exchanged is not None else None
         write_packed(self.directory, step, *(packed or pack_step(flat, header)), self._keep)
-        for owner, arrived in received:
-            where = peers.copies_directory(self.directory, owner)
-            if arrived is None:  # no copy needed: none kept either, so that no stale copy outlives its use
-                for old in _steps(where):
-                    _remove(where, old)
-                continue
-            copy_meta, body = peers.unpack(np.asarray(arrived))
-            for old in _steps(where):  # another run's copies, and this run's from a history a restart left
-                if old >= step or _run_of(where / str(old)) != copy_meta.get("run_id"):
-                    _remove(where, old)
-            write_packed(where, step, copy_meta, [body], self._keep)
-
-    def drop_copies_from(self, step: int) -> list[int]:
-        """Removes the peer copies of `step` and later ones (a restart resumed from an earlier step); returns them."""
-        dropped = []
-        for where in (self.directory / peers.PEERS).glob("process-*"):
-            for old in _steps(where):
-                if old >= step:
-                    _remove(where, old)
-                    dropped.append(old)
-        return sorted(set(dropped))
+        if exchanged is not None:
+            exchanged.keep(self.directory, step, self._keep)
 
     def unfinished(self) -> list[Path]:
         """The directories of saves that did not finish (killed, failed, or running): `<step>.partial-<pid>`."""
-        if not self.directory.is_dir():
-            return []
-        return [path for path in self.directory.iterdir() if PARTIAL in path.name and path.name[0].isdigit()]
+        return STEPS.unfinished(self.directory)
 
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
         """Removes the directories of saves that did not finish (killed, or failed); returns them."""
-        removed = [path for path in self.unfinished() if step is None or path.name.split(".")[0] == str(step)]
+        removed = STEPS.unfinished(self.directory, step)
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
         return removed
@@ -255,22 +185,19 @@ class LocalStore(saving.SaveSlot):
     def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
         """Moves a step out of the listing (`<step><suffix>`), keeping its files; returns the new path."""
         self.wait()
-        step_dir = self.directory / str(step)
-        target = saving.aside(step_dir, suffix)
-        step_dir.rename(target)
-        return target
+        return STEPS.set_aside(self.directory / str(step), suffix)
 
     def delete(self, steps: list[int]) -> None:
         """Removes whole steps."""
         self.wait()
         for step in steps:
-            _remove(self.directory, step)
+            remove_step(self.directory, step)
 
     # Reading.
 
     def steps(self) -> list[int]:
         """The steps saved whole (renamed into place), oldest first."""
-        return _steps(self.directory)
+        return step_numbers(self.directory)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Returns a step's meta, checked against the format and against the size of its arrays' file.
@@ -284,12 +211,13 @@ class LocalStore(saving.SaveSlot):
         step_dir = self.directory / str(step)
         where = step_dir / META_FILE
         try:
-            meta: Any = json.loads(where.read_text())
-        except (OSError, ValueError) as error:
+            meta = meta_format.read(where, step_dir)
+        except (OSError, DamagedCheckpointError) as error:
             if not step_dir.is_dir():  # renamed out of the listing by a writer's rotation: gone, not damaged
                 raise VanishedStepError(f"{step_dir} was deleted while it was read.") from error
-            raise DamagedCheckpointError(f"{where} cannot be read as JSON ({error}): the step is damaged") from error
-        meta = meta_format.validate(meta, step_dir, where)
+            if isinstance(error, DamagedCheckpointError):
+                raise
+            raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
         if not isinstance(meta.get("arrays"), Mapping) or not isinstance(meta.get("bytes"), int):
             raise DamagedCheckpointError(f"{where} names no arrays: the step is damaged")
         try:
@@ -369,7 +297,7 @@ class LocalStore(saving.SaveSlot):
         flat: dict[str, Any] = {}
         try:
             with _Parts(where, meta["bytes"]) as parts:  # only the parts the template needs are read
-                for path, target in _wanted(template, with_optimizer).items():
+                for path, target in wanted(template, with_optimizer).items():
                     entry = stored[path]
                     shape = tuple(entry["shape"])
                     sharding = getattr(target, "sharding", None)
@@ -378,47 +306,13 @@ class LocalStore(saving.SaveSlot):
                         continue
                     indices = sharding.addressable_devices_indices_map(shape)
                     arrays = [
-                        jax.device_put(parts.values(entry, _index(at, shape)), device, may_alias=False)
+                        jax.device_put(parts.values(entry, index_of(at, shape)), device, may_alias=False)
                         for device, at in indices.items()
                     ]
                     flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         except OSError as error:
             raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
         return StoredCheckpoint(state_dict=state_dict_of(flat), meta=dict(meta))
-
-
-def covers(meta: Mapping[str, Any], template: Mapping[str, Any], with_optimizer: bool) -> str | None:
-    """Why a step cannot restore into `template` on this process (`None`: it can).
-
-    It can when it holds the template's paths, shapes and dtypes, and
-    for every device of this process the part of each array that the
-    template's sharding places there.
-    """
-    if meta.get("processes") != jax.process_count() or meta.get("process_index") != jax.process_index():
-        return (
-            f"it was saved by process {meta.get('process_index')} of {meta.get('processes')}, "
-            f"this is process {jax.process_index()} of {jax.process_count()}"
-        )
-    stored: Mapping[str, Any] = meta["arrays"]
-    for path, target in _wanted(template, with_optimizer).items():
-        entry = stored.get(path)
-        if entry is None:
-            return f"it holds no array at {path}"
-        shape, dtype = tuple(target.shape), np.dtype(target.dtype)
-        if tuple(entry["shape"]) != shape or jnp.dtype(entry["dtype"]) != dtype:
-            return f"{path} is {entry['dtype']}{entry['shape']} there, the model has {dtype.name}{list(shape)}"
-        for index in _needed(target):
-            if not any(_contains(part["index"], index) for part in entry["parts"]):
-                return f"it holds no part {index} of {path}, which this process's devices need (another mesh)"
-    return None
-
-
-def needed_parts(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, list[Index]]:
-    """The distinct parts of each array that this process's devices hold under the template's shardings, by path."""
-    return {
-        path: [index for index, _ in _distinct((index, None) for index in _needed(target))]
-        for path, target in _wanted(template, with_optimizer).items()
-    }
 
 
 def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -462,8 +356,8 @@ def write_packed(
     os.rename(partial, directory / str(step))
     _fsync_directory(directory)
     if keep is not None:
-        for old in _steps(directory)[:-keep]:
-            _remove(directory, old)
+        for old in beyond_keep(step_numbers(directory), keep):
+            remove_step(directory, old)
 
 
 def read_packed(step_dir: Path) -> tuple[dict[str, Any], np.ndarray]:
@@ -472,7 +366,7 @@ def read_packed(step_dir: Path) -> tuple[dict[str, Any], np.ndarray]:
     return meta, np.fromfile(step_dir / ARRAYS, dtype=np.uint8)
 
 
-def _run_of(step_dir: Path) -> str | None:
+def run_of(step_dir: Path) -> str | None:
     """A step's run id (`None` where its meta does not read)."""
     try:
         return json.loads((step_dir / META_FILE).read_text()).get("run_id")
@@ -480,20 +374,14 @@ def _run_of(step_dir: Path) -> str | None:
         return None
 
 
-def _remove(directory: Path, step: int) -> None:
+def remove_step(directory: Path, step: int) -> None:
     """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""
-    going = directory / f"{step}{PARTIAL}{os.getpid()}-removed"
-    try:
-        os.rename(directory / str(step), going)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(going, ignore_errors=True)
+    STEPS.delete(directory / str(step))
 
 
-def _steps(directory: Path) -> list[int]:
-    if not directory.is_dir():
-        return []
-    return sorted(int(path.name) for path in directory.iterdir() if path.name.isdigit())
+def step_numbers(directory: Path) -> list[int]:
+    """The complete steps of a directory of local steps (a process's, or its copies of a peer's), oldest first."""
+    return STEPS.complete(directory)
 
 
 class _Parts:
@@ -521,7 +409,7 @@ class _Parts:
     def values(self, entry: Mapping[str, Any], index: Index) -> np.ndarray:
         """The values at `index` of a stored array, from a stored part that contains it (a view of that part)."""
         dtype = jnp.dtype(entry["dtype"])
-        outer = next(part for part in entry["parts"] if _contains(part["index"], index))  # covers() checked
+        outer = next(part for part in entry["parts"] if contains(part["index"], index))  # covers() checked
         shape = [stop - start for start, stop in outer["index"]]
         begin = int(outer["offset"])
         if begin not in self._read:
@@ -532,17 +420,3 @@ class _Parts:
             self._read[begin] = data
         data = self._read[begin].view(dtype).reshape(shape)
         return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]
-
-
-def _wanted(template: Mapping[str, Any], with_optimizer: bool) -> dict[str, Any]:
-    flat = tree_paths.flatten(dict(template))
-    return {path: leaf for path, leaf in flat.items() if with_optimizer or not path.startswith("state/")}
-
-
-def _needed(target: Any) -> list[Index]:
-    """The parts of an array that this process's devices hold under the template's sharding (all: no sharding)."""
-    shape = tuple(target.shape)
-    sharding = getattr(target, "sharding", None)
-    if sharding is None:
-        return [[[0, size] for size in shape]]
-    return [_index(where, shape) for where in sharding.addressable_devices_indices_map(shape).values()]

@@ -53,10 +53,14 @@ from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, renamed_against, state_dict_of, to_json
+from flaxstate.checkpoint.saving import Metrics, Tree
 from flaxstate.checkpoint.steps import VanishedStepError
+from flaxstate.checkpoint.stores.lifecycle import CommitMarker, beyond_keep
 from flaxstate.records import FORMAT_VERSION
 
 COMMIT, META_FILE, ARRAYS, DONE = "commit_success.txt", "meta.json", "arrays", "done-"
+STEPS = CommitMarker(COMMIT)
+"""An s3:// step is complete once the primary wrote its commit marker, last."""
 
 DONE_SECONDS = 600.0
 """How long the primary process waits for the other processes' parts of a save before the save fails."""
@@ -108,21 +112,12 @@ class ObjectStore(saving.SaveSlot):
 
     # Writing.
 
-    def save(
-        self,
-        step: int,
-        state_dict: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        metrics: Mapping[str, float] | None = None,
-    ) -> None:
-        """Starts a save of one step in the background (this process's parts; the primary commits it).
+    def _holds(self, step: int) -> bool:
+        return step in self._listed  # no request here: the loop must not wait on the bucket
 
-        Raises:
-            CheckpointSaveError: the previous save failed.
-            CheckpointError: `step` is already saved (nothing saved is ever overwritten).
-        """
-        self.wait()
-        if step in self._listed:  # no request here: the loop must not wait on the bucket
+    def _start(self, step: int, state_dict: Tree, meta: Tree, metrics: Metrics, *, saved: bool) -> None:
+        """This process's parts, in the background; the primary commits the step."""
+        if saved:
             raise self.refuse_replacing(step)
         flat = tree_paths.flatten(dict(state_dict))
         header = {**to_json(dict(meta)), "format_version": FORMAT_VERSION, "time": time.time()}
@@ -161,15 +156,9 @@ class ObjectStore(saving.SaveSlot):
 
     def _rotate(self) -> None:
         """Deletes the steps beyond `keep`: the oldest, or with `best`, the worst by the metric."""
-        if self._keep is None:
-            return
-        kept = self.steps()
-        if self._best is not None:
-            best = self._best
-            kept.sort(key=lambda step: (best.rank(self._metrics_of(step)), -step))
-            self.delete(kept[self._keep :], waiting=False)
-        else:
-            self.delete(kept[: -self._keep], waiting=False)
+        best = self._best
+        rank = (lambda step: best.rank(self._metrics_of(step))) if best is not None else None
+        self.delete(beyond_keep(self.steps(), self._keep, rank), waiting=False)
 
     def _metrics_of(self, step: int) -> Mapping[str, Any]:
         try:
@@ -179,27 +168,19 @@ class ObjectStore(saving.SaveSlot):
 
     def unfinished(self) -> list[Path]:
         """The folders of saves that did not finish (or are running): `<step>/` without `commit_success.txt`."""
-        locations.forget_listings(self.directory)
-        if not self.directory.is_dir():
-            return []
-        return [path for path in self.directory.iterdir() if path.name.isdigit() and not (path / COMMIT).exists()]
+        return STEPS.unfinished(self.directory)
 
     def remove_unfinished(self, step: int | None = None) -> list[Path]:
         """Removes what saves that did not finish left (on the primary process)."""
         if jax.process_index() != 0:
             return []
-        return saving.remove_until_quiet(
-            lambda: [path for path in self.unfinished() if step is None or path.name == str(step)]
-        )
+        return saving.remove_until_quiet(lambda: STEPS.unfinished(self.directory, step))
 
     def set_aside(self, step: int, suffix: str = SET_ASIDE) -> Path:
         """Moves a step out of the listing (`<step><suffix>`) by copy, marker delete, delete; returns the new path."""
         self.wait()
         self._forget(step)
-        step_dir = self.directory / str(step)
-        target = saving.aside(step_dir, suffix)
-        locations.move_tree(step_dir, target, commit_marker=COMMIT)
-        return target
+        return STEPS.set_aside(self.directory / str(step), suffix)
 
     def _forget(self, step: int) -> None:
         """Drops what this store remembers of a step that leaves the listing."""
@@ -212,26 +193,15 @@ class ObjectStore(saving.SaveSlot):
             self.wait()
         for step in steps:
             self._forget(step)
-            step_dir = self.directory / str(step)
-            try:
-                (step_dir / COMMIT).unlink()
-            except FileNotFoundError:
-                pass
-            locations.remove_tree(step_dir)
+            STEPS.delete(self.directory / str(step))
 
     # Reading.
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""
-        locations.forget_listings(self.directory)
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for path in self.directory.iterdir():
-            if path.name.isdigit() and (path / COMMIT).exists():
-                found.append(int(path.name))
+        found = STEPS.complete(self.directory)
         self._listed = set(found)
-        return sorted(found)
+        return found
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Returns a step's meta, checked against the format and against its objects' sizes.
@@ -359,12 +329,9 @@ def _wait_for_processes(step_dir: Path) -> None:
 def _read_meta(step_dir: Path) -> dict[str, Any]:
     where = step_dir / META_FILE
     try:
-        meta: Any = json.loads(where.read_text())
+        meta = meta_format.read(where, step_dir)
     except FileNotFoundError as error:
         raise DamagedCheckpointError(f"{where} is missing: the step is damaged") from error
-    except ValueError as error:
-        raise DamagedCheckpointError(f"{where} cannot be read as JSON ({error}): the step is damaged") from error
-    meta = meta_format.validate(meta, step_dir, where)
     if not isinstance(meta.get("arrays"), Mapping) or not isinstance(meta.get("objects"), Mapping):
         raise DamagedCheckpointError(f"{where} names no arrays: the step is damaged")
     found = locations.tree_listing(step_dir / ARRAYS)

@@ -21,7 +21,8 @@ from flaxstate_testing import processes
 from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
 
 import flaxstate as fs
-from flaxstate.checkpoint import peers
+from flaxstate.checkpoint.stores.local import read_packed, step_numbers, write_packed
+from flaxstate.checkpoint.tiers import peers
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
 PERSISTENT_STEP = 40
@@ -93,6 +94,22 @@ def test_who_keeps_whose_parts_is_picked_by_host():
         peers.plan(["a", "b"], 2)
     with pytest.raises(ValueError, match=r"peers=2: 4 processes on 2 hosts .* Give peers=1 or fewer"):
         peers.plan(["a", "a", "b", "b"], 2)
+
+
+def test_the_copies_a_save_keeps_replace_stale_ones_and_a_restart_drops_those_at_or_after_its_step(tmp_path):
+    # One process, no collective: what the exchange received, kept as peers.Exchanged.keep writes it.
+    mine = tmp_path / "process-0"
+    copies = peers.copies_directory(mine, 1)
+    write_packed(copies, 3, {"bytes": 1, "run_id": "other"}, [np.zeros(1, np.uint8)], None)  # another run's
+    write_packed(copies, 9, {"bytes": 1, "run_id": "this"}, [np.zeros(1, np.uint8)], None)  # a history left behind
+    body = np.arange(5, dtype=np.uint8)
+    received = peers.pack({"bytes": 5, "run_id": "this", "step": 6}, [body])
+    peers.Exchanged(anyone_saved=False, received=((1, received), (2, None))).keep(mine, 6, keep=2)
+    assert step_numbers(copies) == [6] and step_numbers(peers.copies_directory(mine, 2)) == []
+    meta, stored = read_packed(copies / "6")
+    assert meta["step"] == 6 and stored.tobytes() == body.tobytes()
+    write_packed(copies, 8, {"bytes": 1, "run_id": "this"}, [np.zeros(1, np.uint8)], 2)
+    assert peers.drop_copies_from(mine, 7) == [8] and step_numbers(copies) == [6]
 
 
 def test_peers_beyond_the_processes_or_without_a_local_tier_are_refused_at_construction(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 
 from flaxstate.checkpoint import stores
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.local import LocalStore
-from flaxstate.checkpoint.storage import CheckpointStore
+from flaxstate.checkpoint.stores.local import LocalStore
+from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
 
 STATE = {"target": {"w": np.arange(6, dtype=np.float32)}, "flax_mutables": {}, "state": {"step": np.int32(0)}}
 
