@@ -55,6 +55,13 @@ GPT125="--embed 768 --heads 12 --head-dim 64 --mlp 3072 --layers 12 --seq-len 10
 GPT350="--embed 1024 --heads 16 --head-dim 64 --mlp 4096 --layers 24 --seq-len 1024 --dtype bfloat16"
 FAST="--attention cudnn --scan-layers"
 step flops 80 "model FLOPs with cuDNN's attention, the host's time a step" $PY benchmarks/gpu_checks.py
+step profile 150 "traces and host profiles: the loop's device gaps at K=1 and K=10, the restore" bash -c \
+    "$PY benchmarks/gpu_profile.py --out /tmp/flaxstate-profile && mkdir -p $OUT/traces && \
+    for d in /tmp/flaxstate-profile/python_*; do cp \$(find \$d -name perfetto_trace.json.gz) $OUT/traces/\$(basename \$d).json.gz; done"
+step few 120 "loop overhead, the small MLP, fewer loops in the process (order rotated, 3 runs)" $PY benchmarks/loop_overhead.py \
+    --rounds 5 --runs 3 --models small --contenders "flaxstate TrainLoop, K=1|flaxstate TrainLoop, K=10|a record"
+step variants 120 "the K-step program built other ways: no fence on the gradients, the scan unrolled" \
+    $PY benchmarks/gpu_variants.py --rounds 5 --runs 3
 step guard 40 "no implicit device-to-host transfer between records" $PY benchmarks/guard_check.py
 step overhead 100 "loop overhead (order rotated every round, 3 runs)" $PY benchmarks/loop_overhead.py --rounds 5 --runs 3 \
     --models tiny,small

@@ -14,6 +14,7 @@ loop doing the same copy and read, which tells the loop's own cost from a
 record's (raise `--steps` to space the records out).
 
     python benchmarks/loop_overhead.py [--rounds 7] [--runs 3] [--steps 400] [--models tiny,small,larger]
+        [--contenders "TrainLoop, K=10|a record"]  # fewer loops in the process: the baselines and these
 """
 
 from __future__ import annotations
@@ -271,9 +272,14 @@ def ratio(baseline: list[float], times: list[float]) -> float:
 
 def spread(values: list[float]) -> str:
     """'median (min-max)' of a ratio over runs."""
+    if values == ["-"]:
+        return "-"
     if len(values) == 1:
         return f"{values[0]:.2f}x"
     return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+BASELINES = ("hand-written pmap, K=1", "hand-written jit, K=1", "hand-written jit + scan, K=10")
 
 
 def main() -> None:
@@ -282,6 +288,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="steps a round, small model (larger: a tenth)")
     parser.add_argument("--models", default="tiny,small,larger", help="which of tiny, small, larger to run")
     parser.add_argument("--runs", type=int, default=3, help="measurements of every ratio (their spread is shown)")
+    parser.add_argument(
+        "--contenders",
+        default="",
+        help="only the loops naming one of these |-separated words, and the baselines",
+    )
     args = parser.parse_args()
     print(
         f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
@@ -310,13 +321,19 @@ def main() -> None:
             "flaxstate TrainLoop, K=10": flaxstate_runner(model, data, 10, steps),
             "flaxstate TrainLoop, K=10, run() per call": flaxstate_runner(model, data, 10, steps, per_call=True),
         }
+        if args.contenders:
+            words = args.contenders.split("|")
+            runners = {
+                name: run for name, run in runners.items()
+                if name in BASELINES or any(word in name for word in words)
+            }  # fmt: skip
         runs = [measure(runners, args.rounds, steps) for _ in range(args.runs)]
         for name in runners:
             same_k = "hand-written jit + scan, K=10" if "K=10" in name else "hand-written jit, K=1"
             us = statistics.median(statistics.median(run[name]) for run in runs)
             ratios = [
-                [ratio(run[baseline], run[name]) for run in runs]
-                for baseline in ("hand-written pmap, K=1", "hand-written jit, K=1", same_k)
+                [ratio(run[baseline], run[name]) for run in runs] if baseline in runners else ["-"]
+                for baseline in BASELINES[:2] + (same_k,)
             ]
             rows.append((title, name, us, *(spread(values) for values in ratios)))
     print(

@@ -96,6 +96,8 @@ class CheckpointStore(saving.SaveSlot):
             lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=layout.handlers()),
             self.directory,
         )
+        self._listed = True
+        """Whether the manager's listing is the one it made when opened (the first `steps()` takes it as is)."""
         self._layouts: dict[int, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
         """The newest step `read_paths` read: its meta, items' trees and layout (a complete step never changes)."""
         if not read_only:
@@ -114,6 +116,7 @@ class CheckpointStore(saving.SaveSlot):
         """An orbax save: in a thread of ours in one process, else orbax's own asynchronous save."""
         if saved:
             raise self.refuse_replacing(step)
+        self._listed = False
         items = {
             **formats.CURRENT.save_items(state_dict, ocp.args.PyTreeSave),
             META: ocp.args.JsonSave(to_json({**meta, "format_version": formats.CURRENT.version, "time": time.time()})),
@@ -133,7 +136,10 @@ class CheckpointStore(saving.SaveSlot):
     # Reading.
 
     def steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first."""
+        """The steps of the complete checkpoints, oldest first (listed again, except the first time after opening)."""
+        if self._listed:  # a reader opens the store and asks at once: orbax listed the steps as it opened it
+            self._listed = False
+            return sorted(self._manager.all_steps())
         locations.forget_listings(self.directory)
         return _listing(lambda: (self._manager.reload(), sorted(self._manager.all_steps()))[1], self.directory)
 
@@ -161,6 +167,7 @@ class CheckpointStore(saving.SaveSlot):
         """
         self.wait()
         target = self._steps.set_aside(self.directory / str(step), suffix)
+        self._listed = False
         self._manager.reload()
         return target
 
@@ -193,6 +200,7 @@ class CheckpointStore(saving.SaveSlot):
         self.wait()
         for step in steps:
             self._manager.delete(step)
+        self._listed = False
         self._manager.reload()
 
     def stored_tree(self, step: int, with_optimizer: bool = True) -> dict[str, Any]:
