@@ -1,7 +1,7 @@
 """Watching a segment's losses for nan and inf on the devices, off the update's path.
 
 The compiled update only returns each step's loss. `LossWatch` reduces them,
-64 dispatches at a time, to the index of the first non-finite one with one
+256 dispatches at a time, to the index of the first non-finite one with one
 small compiled call, on the devices and without waiting for them; the host
 reads those few indices once, when it needs the loss for a record anyway.
 Checking inside the update instead cost every step an extra donated input
@@ -41,9 +41,11 @@ def error(step: int, patience: int) -> FloatingPointError:
     )
 
 
-CHUNK = 64
+CHUNK = 256
 """How many dispatches' losses one check reduces at most (fewer are padded by repeating the last, up to
-a power of two: a check's call costs about a microsecond an argument, and it compiles once per size)."""
+a power of two: a check's call costs about a microsecond an argument, and it compiles once per size).
+Each check is one more dispatch, 0.4-0.8 ms of the host's time on an H200 (benchmarks/RESULTS.md, issue
+58): 64 a check made 7 of them in a record of 400 one-step dispatches, 256 makes 2."""
 
 
 @jax.jit
