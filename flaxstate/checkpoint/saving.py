@@ -126,13 +126,7 @@ class SaveSlot:
         self.completed: tuple[int, float | None] | None = None
         """The step and seconds (start to end) of the newest save that `wait` saw complete."""
 
-    def save(
-        self,
-        step: int,
-        state_dict: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        metrics: Mapping[str, float] | None = None,
-    ) -> None:
+    def save(self, step: int, state_dict: Tree, meta: Tree, metrics: Metrics = None) -> None:
         """Starts a save of one step: it runs in the background until `wait` (the arrays are read there).
 
         The arrays must not be donated, deleted or changed until the save is

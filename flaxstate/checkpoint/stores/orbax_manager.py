@@ -190,9 +190,9 @@ class CheckpointStore(saving.SaveSlot):
         On a disk, orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>`
         when a save is complete. A bucket has no rename: orbax writes into
         `<step>` and writes its `commit_success.txt` last, so a `<step>`
-        without it is unfinished (orbax never lists it).
+        without it is unfinished (orbax never lists it). The marker's strategy
+        forgets a bucket's cached listing first.
         """
-        locations.forget_listings(self.directory)
         return self._steps.unfinished(self.directory)
 
     def delete(self, steps: list[int]) -> None:
