@@ -20,6 +20,7 @@ from flaxstate.checkpoint import (
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions
 from flaxstate.planning import Plan, plan
+from flaxstate.plotting import plot
 from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
 from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
@@ -63,6 +64,7 @@ __all__ = [
     "logical_shardings",
     "nnx_functions",
     "plan",
+    "plot",
     "sharded_like",
 ]
 

@@ -22,11 +22,10 @@ import json
 import math
 import os
 import sys
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import goodput, launch
+from flaxstate import goodput, launch, plotting
 from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
@@ -140,47 +139,15 @@ def command_diff(args: argparse.Namespace) -> int:
     return 1 if diff.differ else 0
 
 
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Returns `{tag: [(step, value), ...]}` from the run's TensorBoard event files."""
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError as error:
-        raise UsageError("flaxstate plot needs tensorboard and matplotlib: pip install 'flaxstate[plot]'") from error
-    if not list(run_dir.glob("events.out.tfevents.*")):
-        raise UsageError(f"{run_dir} holds no TensorBoard event files; write them with flaxstate.SummaryWriter.")
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def command_plot(args: argparse.Namespace) -> None:
-    run_dir = args.dir
-    if not run_dir.is_dir():
-        raise UsageError(f"{run_dir} does not exist or is not a directory.")
-    scalars = read_scalars(run_dir)
     try:
         import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise UsageError("flaxstate plot needs matplotlib: pip install 'flaxstate[plot]'") from error
-    by_metric: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(dict)
-    for tag, points in scalars.items():
-        group, _, name = tag.partition("/")
-        by_metric[name or group][group] = points
-    names = sorted(by_metric)
-    figure, axes = plt.subplots(len(names), 1, figsize=(7, 2.6 * len(names)), squeeze=False)
-    for axis, name in zip(axes[:, 0], names, strict=True):
-        for group, points in sorted(by_metric[name].items()):
-            steps, values = zip(*sorted(points), strict=True)
-            axis.plot(steps, values, marker="o", markersize=3, label=group)
-        axis.set_title(name)
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.suptitle(f"flaxstate run {run_dir}")
-    figure.tight_layout()
+        matplotlib.use("Agg")  # a file, not a window
+        scalars = plotting.read_scalars(args.dir)
+        figure = plotting.curves(scalars, f"flaxstate run {args.dir}")
+    except (ImportError, FileNotFoundError, ValueError) as error:
+        raise UsageError(str(error).replace("flaxstate.plot", "flaxstate plot")) from error
     figure.savefig(args.output, dpi=100)
     print(f"wrote {args.output} ({', '.join(sorted(scalars))})")
 

@@ -97,7 +97,7 @@ def logical_shardings(state: PyTree, mesh: Mesh, rules: AxisRules) -> PyTree:
 
     Args:
         state: a `FlaxOptimTrainState` or `InferenceState` (arrays or
-            `jax.ShapeDtypeStruct`s).
+            `jax.ShapeDtypeStruct` leaves).
         mesh: the devices, with named axes.
         rules: flax-style logical axis rules.
 
@@ -161,7 +161,7 @@ def logical_shardings(state: PyTree, mesh: Mesh, rules: AxisRules) -> PyTree:
 
 
 def sharded_like(state: PyTree, shardings: PyTree) -> PyTree:
-    """Returns `jax.ShapeDtypeStruct`s of a state's leaves with the given shardings: a template to restore into.
+    """Returns a `jax.ShapeDtypeStruct` per leaf of a state, with the given shardings: a template to restore into.
 
     Example (a training checkpoint into a sharded `InferenceState`):
         state = jax.eval_shape(lambda: InferenceState.create(model.init(rng, x)))

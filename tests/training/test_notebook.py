@@ -3,7 +3,8 @@
 The cell that makes the writer and the loop is run again (the most common
 thing a notebook user does); a training cell prints no warning without
 ipywidgets; a wrong `init` names the call the loop made; a loop whose
-construction failed leaves no thread behind.
+construction failed leaves no thread behind; `fs.plot` shows a run's curves
+inline.
 """
 
 import textwrap
@@ -52,9 +53,12 @@ class Kernel:
         self.manager, self.client = jupyter_client.manager.start_new_kernel(
             kernel_name="python3", env=processes.worker_env()
         )
+        self.shown: list[set[str]] = []
+        """The MIME types of each display of the last cell run."""
 
     def run(self, cell: str, timeout: float = 240) -> tuple[str, str, tuple[str, str] | None]:
         out, err, error = [], [], []
+        self.shown = []
 
         def collect(message):
             kind, content = message["msg_type"], message["content"]
@@ -62,6 +66,7 @@ class Kernel:
                 (out if content["name"] == "stdout" else err).append(content["text"])
             elif kind in ("display_data", "execute_result"):  # rich shows its warnings as displays in a kernel
                 out.append(content["data"].get("text/plain", ""))
+                self.shown.append(set(content["data"]))
             elif kind == "error":
                 error.append((content["ename"], content["evalue"]))
 
@@ -93,6 +98,21 @@ def test_a_notebook_runs_its_cells_again_without_a_trap(kernel, tmp_path):
     listing = f"import pathlib; print(sorted(int(p.name) for p in pathlib.Path({run!r}).glob('[0-9]*')))"
     out, err, error = kernel.run(listing)
     assert out.strip() == "[12, 16]", (out, err)
+
+    # The run's curves inline: fs.plot's figure as the cell's value shows as an image, and stays out of pyplot.
+    curves = """
+        summaries = fs.SummaryWriter({run!r} + "/events")
+        for record in loop.run(loop.step + 8):
+            summaries(record)
+        summaries.close()
+        fs.plot({run!r} + "/events")
+    """
+    out, err, error = kernel.run(curves.format(run=run))
+    assert error is None, (error, err)
+    assert any("image/png" in shown for shown in kernel.shown), kernel.shown
+    assert "Axes>" in out, out  # the figure was the cell's value
+    out, _, _ = kernel.run("import matplotlib.pyplot as plt; print(plt.get_fignums())")
+    assert out.strip() == "[]", out
 
     before, _, _ = kernel.run("print(watchdogs())")
     out, err, error = kernel.run("fs.TrainLoop(init=lambda rng: model.init(rng, data[0][0]), task=task, rng=0)")
