@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flaxstate.locations import local_path
+from flaxstate.locations import run_directory
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -27,8 +27,9 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     Raises:
         ImportError: tensorboard is missing (its reader parses the files).
         FileNotFoundError: `run_dir` is not a directory, or holds no event files.
+        ValueError: a URL of a scheme flaxstate does not read, or a bucket that cannot be reached.
     """
-    run_dir = local_path(run_dir, "flaxstate.plot")
+    run_dir = run_directory(run_dir, "flaxstate.plot")
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as error:
@@ -49,7 +50,8 @@ def plot(run_dir: str | Path) -> Figure:
         fs.plot("runs/digits")
 
     Args:
-        run_dir: the directory that `SummaryWriter` wrote the run's event files to.
+        run_dir: the directory (or `gs://`, `s3://` bucket path) that `SummaryWriter` wrote the run's
+            event files to.
 
     Returns:
         a `matplotlib.figure.Figure`; `figure.savefig(path)` writes it.
@@ -57,7 +59,7 @@ def plot(run_dir: str | Path) -> Figure:
     Raises:
         ImportError: matplotlib or tensorboard is missing (`pip install 'flaxstate[plot]'`).
         FileNotFoundError: `run_dir` is not a directory, or holds no event files.
-        ValueError: `run_dir` is a bucket's URL (event files are read from a local directory).
+        ValueError: a URL of a scheme flaxstate does not read, or a bucket that cannot be reached.
     """
     return curves(read_scalars(run_dir), f"flaxstate run {run_dir}")
 

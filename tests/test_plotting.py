@@ -44,5 +44,5 @@ def test_plot_names_what_is_missing(tmp_path):
         fs.plot(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="holds no TensorBoard event files; write them with"):
         fs.plot(tmp_path)
-    with pytest.raises(ValueError, match="gs://bucket/run"):
-        fs.plot("gs://bucket/run")
+    with pytest.raises(ValueError, match="not to gcs:// URLs"):
+        fs.plot("gcs://bucket/run")

@@ -229,6 +229,8 @@ def test_summaries_go_to_the_bucket_and_plot_from_it(bucket, tmp_path):
         assert b"train/loss" in events.read()
     plotted = cli("plot", f"{bucket.scheme}://runs/summaries", "-o", str(tmp_path / "curves.png"))
     assert plotted.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, plotted.stderr[-2000:]
+    figure = fs.plot(f"{bucket.scheme}://runs/summaries")  # as a notebook plots a run in a bucket
+    assert "loss" in [axis.get_title() for axis in figure.axes]
 
 
 def test_two_tiers_local_disks_and_a_bucket_over_two_processes(bucket, tmp_path):
