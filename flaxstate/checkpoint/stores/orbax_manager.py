@@ -136,8 +136,10 @@ class CheckpointStore(saving.SaveSlot):
     # Reading.
 
     def steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first (listed again, except the first time after opening)."""
-        if self._listed:  # a reader opens the store and asks at once: orbax listed the steps as it opened it
+        """The steps of the complete checkpoints, oldest first (listed again, except once on a disk: see below)."""
+        if self._listed and not locations.is_url(self.directory):
+            # A reader opens the store and asks at once: on a disk, orbax's listing as it opened it is fresh. A
+            # bucket's may have come from a listing cached earlier in this process: it is always made again.
             self._listed = False
             return sorted(self._manager.all_steps())
         locations.forget_listings(self.directory)
