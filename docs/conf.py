@@ -36,6 +36,7 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 default_role = "code"  # docstrings write `name` for code, as Markdown does
 myst_heading_anchors = 3
 nb_execution_mode = "force"  # every tutorial runs at every build: its outputs cannot rot
+nb_execution_in_temp = True  # a tutorial that writes a file (train.py) writes it in a temporary directory
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
