@@ -1,0 +1,159 @@
+"""Peak host memory of a save and of a restore: flaxstate's writer and reader against plain orbax.
+
+Each measurement runs in a fresh process (a subprocess of this script), so
+that one contender's freed memory does not hide the next one's peak. A
+process trains one step of a wide MLP with adam (the state: `--mib` MiB of
+float32, its largest array a quarter of it), so that a record exists as a
+user's loop makes it, then:
+
+- `save`: flaxstate writes the record (`CheckpointFileWriter`, waiting for
+  the save to finish); plain orbax saves the loop's device state
+  (`CheckpointManager.save` with `StandardSave`, then `wait_until_finished`),
+  as a hand-written loop does;
+- `restore`: flaxstate's `CheckpointFileReader(dir).read(template)` and plain
+  orbax's `CheckpointManager.restore` with an abstract target, each of the
+  checkpoint that it saved.
+
+The process's peak resident set is reset just before the operation
+(`/proc/self/clear_refs`, then `VmHWM`), so a figure is what the operation
+added at its peak above what the process already held (its device state and,
+for a save, the record). On a CPU, device memory is host memory: a restore's
+figure includes the restored state itself. The table gives the medians over
+`--rounds` (the contenders alternate), in MiB and as a multiple of the
+state's bytes, and the seconds the operation took.
+
+    python benchmarks/host_memory.py [--rounds 3] [--mib 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+CASES = (("save", "flaxstate"), ("save", "orbax"), ("restore", "flaxstate"), ("restore", "orbax"))
+
+
+def resident() -> tuple[int, int]:
+    """This process's resident bytes now, and at their peak since the last reset."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def reset_peak() -> None:
+    """Makes the peak resident set (`VmHWM`) the current one (Linux's `clear_refs`, value 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
+    """One operation in this (fresh) process: its seconds, and the peak bytes it added."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+
+    import flaxstate as fs
+
+    width = int((mib * MiB / 4 / 3 / 2) ** 0.5)  # adam: params, mu, nu; two square kernels
+
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(width)(nn.Dense(width)(x))
+
+    x = np.ones((8, width), np.float32)
+    model, optimizer = Wide(), optax.adam(1e-3)
+    flax_dir, orbax_dir = Path(directory) / "flaxstate", Path(directory) / "orbax"
+    if operation == "save":
+        loop = fs.TrainLoop(
+            init=model.init,
+            task=fs.TrainTask(
+                apply=model.apply,
+                optimizer=optimizer,
+                loss=lambda y, t: ((y - t) ** 2).mean(),
+                data=fs.global_batches((x, x), batch_size=8),
+            ),
+            rng=jax.random.key(0),
+            n_steps=1,
+            n_steps_per_checkpoint=1,
+            stdout=False,
+        )
+        record = loop.next_checkpoint()
+        state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(record.state))
+        # flaxstate saves the record (host copies); orbax, the state on the devices, as a hand-written loop does.
+        device_state = jax.device_put(record.state.state_dict()) if contender == "orbax" else None
+        manager = ocp.CheckpointManager(orbax_dir) if contender == "orbax" else None
+        writer = fs.CheckpointFileWriter(flax_dir) if contender == "flaxstate" else None
+        before, _ = resident()
+        reset_peak()
+        start = time.perf_counter()
+        if writer is not None:
+            writer(record)
+            writer.close()
+        else:
+            assert manager is not None
+            manager.save(1, args=ocp.args.StandardSave(device_state))
+            manager.wait_until_finished()
+            manager.close()
+    else:  # a resume into shapes and shardings (nothing allocated before: freed pages would stay resident)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shaped = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+            jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(optimizer, model.init(jax.random.key(0), x))),
+        )
+        state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shaped))
+        before, _ = resident()
+        reset_peak()
+        start = time.perf_counter()
+        if contender == "flaxstate":
+            restored: Any = fs.CheckpointFileReader(flax_dir).restore(shaped)
+        else:
+            manager = ocp.CheckpointManager(orbax_dir)
+            restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(shaped.state_dict()))
+        jax.block_until_ready(jax.tree.leaves(restored))
+    seconds = time.perf_counter() - start
+    _, peak = resident()
+    return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes}
+
+
+def run(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
+    """`measure` in a fresh process."""
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import host_memory; "
+    code += f"print(json.dumps(host_memory.measure({operation!r}, {contender!r}, {directory!r}, {mib})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{operation} with {contender} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mib", type=int, default=256, help="the train state's MiB (params and adam's two moments)")
+    args = parser.parse_args()
+    figures: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in CASES}
+    for index in range(args.rounds):
+        with tempfile.TemporaryDirectory() as directory:
+            order = CASES if index % 2 == 0 else (CASES[1], CASES[0], CASES[3], CASES[2])
+            for operation in ("save", "restore"):  # a restore reads what the save of its round wrote
+                for case in (case for case in order if case[0] == operation):
+                    figures[case].append(run(*case, directory, args.mib))
+    state_bytes = figures[CASES[0]][0]["state_bytes"]
+    print(f"state: {state_bytes / MiB:.0f} MiB; medians of {args.rounds} rounds, a fresh process each")
+    print(f"{'operation':<10} {'contender':<10} {'peak added (MiB)':>17} {'x state':>8} {'seconds':>8}")
+    for operation, contender in CASES:
+        added = statistics.median(figure["added"] for figure in figures[operation, contender])
+        seconds = statistics.median(figure["seconds"] for figure in figures[operation, contender])
+        print(f"{operation:<10} {contender:<10} {added / MiB:>17.0f} {added / state_bytes:>8.2f} {seconds:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
