@@ -73,15 +73,25 @@ def lower_priority() -> None:
 class BackgroundSave:
     """One save running in its own (non-daemon) thread, below the loop's priority; `join` re-raises its error.
 
-    `join` waits on an event, not on `Thread.join`: in CPython 3.11 a Ctrl-C
+    `join` waits on a plain lock that the save's thread releases as it ends,
+    not on `Thread.join` nor on a `threading.Event`. In CPython 3.11 a Ctrl-C
     inside `Thread.join` can mark a running thread as stopped, after which
-    every later join returns at once and the save would be forgotten.
+    every later join returns at once and the save would be forgotten. An
+    Event's wait re-acquires its condition's lock after it is woken; a Ctrl-C
+    that comes while the saving thread holds that lock (setting the event, as
+    the save ends) interrupts the re-acquire, and the wait's `with` then fails
+    with `RuntimeError: release unlocked lock` instead of the KeyboardInterrupt
+    (seen in a notebook's Stop during `writer.wait()`). An interrupted
+    `Lock.acquire` holds nothing; whether the save ended is a flag that the
+    thread sets before it releases the lock.
     """
 
     def __init__(self, step: int, save: Callable[[], Any]) -> None:
         self.step = step
         self._error: BaseException | None = None
-        self._done = threading.Event()
+        self._finished = False
+        self._ended = threading.Lock()
+        self._ended.acquire()  # released by the save's thread as it ends
         self._started = time.perf_counter()
         self.seconds: float | None = None
         """From the start to the end of the save, once it ended."""
@@ -96,10 +106,13 @@ class BackgroundSave:
             self._error = error
         finally:
             self.seconds = time.perf_counter() - self._started
-            self._done.set()
+            self._finished = True
+            self._ended.release()
 
     def join(self) -> None:
-        self._done.wait()  # a Ctrl-C here leaves the save running and this object pending
+        while not self._finished:  # a Ctrl-C here leaves the save running and this object pending
+            if self._ended.acquire(timeout=1.0):  # a Ctrl-C between these two calls leaves it held: the flag decides
+                self._ended.release()
         if self._error is not None:
             raise self._error
 
