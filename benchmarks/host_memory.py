@@ -3,7 +3,8 @@
 Each measurement runs in a fresh process (a subprocess of this script), so
 that one contender's freed memory does not hide the next one's peak. A
 process trains one step of a wide MLP with adam (the state: `--mib` MiB of
-float32, its largest array a quarter of it), so that a record exists as a
+float32 in two square kernels and adam's two moments of each: its largest
+array a sixth of it), so that a record exists as a
 user's loop makes it, then:
 
 - `save`: flaxstate writes the record (`CheckpointFileWriter`, waiting for
@@ -41,10 +42,10 @@ MiB = 2**20
 CASES = (("save", "flaxstate"), ("save", "orbax"), ("restore", "flaxstate"), ("restore", "orbax"))
 
 
-def resident() -> tuple[int, int]:
-    """This process's resident bytes now, and at their peak since the last reset."""
+def peak_since_reset() -> int:
+    """This process's peak resident bytes since `reset_peak` (`VmHWM`; `getrusage`'s peak is never reset)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    return int(fields["VmHWM"].split()[0]) * 1024
 
 
 def reset_peak() -> None:
@@ -61,6 +62,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
     import orbax.checkpoint as ocp
 
     import flaxstate as fs
+    from flaxstate.training.memory import host_resident
 
     width = int((mib * MiB / 4 / 3 / 2) ** 0.5)  # adam: params, mu, nu; two square kernels
 
@@ -92,7 +94,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
         device_state = jax.device_put(record.state.state_dict()) if contender == "orbax" else None
         manager = ocp.CheckpointManager(orbax_dir) if contender == "orbax" else None
         writer = fs.CheckpointFileWriter(flax_dir) if contender == "flaxstate" else None
-        before, _ = resident()
+        before = host_resident()
         reset_peak()
         start = time.perf_counter()
         if writer is not None:
@@ -110,7 +112,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
             jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(optimizer, model.init(jax.random.key(0), x))),
         )
         state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shaped))
-        before, _ = resident()
+        before = host_resident()
         reset_peak()
         start = time.perf_counter()
         if contender == "flaxstate":
@@ -120,8 +122,8 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
             restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(shaped.state_dict()))
         jax.block_until_ready(jax.tree.leaves(restored))
     seconds = time.perf_counter() - start
-    _, peak = resident()
-    return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes}
+    assert before is not None, "/proc is needed (Linux)"
+    return {"seconds": seconds, "added": peak_since_reset() - before, "state_bytes": state_bytes}
 
 
 def run(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
