@@ -17,7 +17,7 @@ from flaxstate import environment, tree_paths
 from flaxstate.checkpoint import steps
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.errors import CheckpointError
-from flaxstate.checkpoint.layout import is_empty_or_missing
+from flaxstate.checkpoint.layout import is_empty_or_missing, is_step_entry
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store, open_store
 from flaxstate.locations import run_directory, tree_size
@@ -56,8 +56,8 @@ def _writer_dirs(run_dir: Path) -> list[tuple[str, Path]]:
     """The run's own checkpoints, then every subdirectory that holds checkpoints (a best writer's)."""
     writers = [(NEWEST, run_dir)]
     writers += [
-        (child.name, child) for child in sorted(run_dir.iterdir()) if child.is_dir() and not child.name.isdigit()
-    ]
+        (child.name, child) for child in sorted(run_dir.iterdir()) if not is_step_entry(child.name) and child.is_dir()
+    ]  # a live writer renames and deletes its steps' directories: they are never looked into
     return [(name, path) for name, path in writers if not is_empty_or_missing(path)]
 
 

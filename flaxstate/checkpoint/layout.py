@@ -134,5 +134,14 @@ def state_dict_of(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_empty_or_missing(directory: Path) -> bool:
-    """Whether a directory does not exist or holds no checkpoint steps at all."""
-    return not directory.is_dir() or not any(entry.name.isdigit() for entry in directory.iterdir())
+    """Whether a directory does not exist (or vanishes as it is listed) or holds no checkpoint steps at all."""
+    try:
+        return not directory.is_dir() or not any(entry.name.isdigit() for entry in directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+
+
+def is_step_entry(name: str) -> bool:
+    """Whether a directory's entry is one of a writer's steps: a step (`10`), orbax's temporary directory of one
+    (`10.orbax-checkpoint-tmp...`), or one set aside (`10.damaged`), rather than another writer's directory."""
+    return name.split(".")[0].isdigit()

@@ -1,6 +1,7 @@
 """What a run directory holds, through the catalog's own interface: its checkpoints, a step's arrays, a diff."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -36,6 +37,28 @@ def test_list_names_each_writer_s_steps_and_marks_a_damaged_one(tmp_path):
     assert infos[2].metrics == {"eval": {"loss": 1.0 / 3}} and infos[2].bytes > 0
     with pytest.raises(CheckpointError, match="is not a flaxstate run: it holds no checkpoint"):
         catalog.list_checkpoints(tmp_path / "2" / "meta")
+
+
+def test_the_catalog_never_looks_into_a_step_s_temporary_directory_that_a_live_writer_renames(tmp_path, monkeypatch):
+    # CI once met `flaxstate show` beside a writer: it took orbax's `11.orbax-checkpoint-tmp` for a best writer's
+    # directory, and listed it just as the writer renamed it to `11` (FileNotFoundError, "a damaged checkpoint").
+    # Here the rename comes at that worst moment whenever anything lists the temporary directory.
+    import pathlib
+
+    write(tmp_path, [1, 2])
+    shutil.copytree(tmp_path / "2", tmp_path / "3.orbax-checkpoint-tmp")
+    (tmp_path / "4.damaged").mkdir()
+    iterdir = pathlib.Path.iterdir
+
+    def renamed_as_it_is_listed(path):
+        if ".orbax-checkpoint-tmp" in path.name:
+            path.rename(path.with_name("3"))
+        return iterdir(path)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", renamed_as_it_is_listed)
+    assert [(info.writer, info.step) for info in catalog.list_checkpoints(tmp_path)] == [("newest", 1), ("newest", 2)]
+    assert catalog.describe_state(tmp_path)[0] == 2
+    assert (tmp_path / "3.orbax-checkpoint-tmp").is_dir()
 
 
 def test_describe_gives_a_step_s_arrays_and_passes_over_a_damaged_newest(tmp_path, caplog):
