@@ -42,17 +42,6 @@ MiB = 2**20
 CASES = (("save", "flaxstate"), ("save", "orbax"), ("restore", "flaxstate"), ("restore", "orbax"))
 
 
-def peak_since_reset() -> int:
-    """This process's peak resident bytes since `reset_peak` (`VmHWM`; `getrusage`'s peak is never reset)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(fields["VmHWM"].split()[0]) * 1024
-
-
-def reset_peak() -> None:
-    """Makes the peak resident set (`VmHWM`) the current one (Linux's `clear_refs`, value 5)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def measure(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
     """One operation in this (fresh) process: its seconds, and the peak bytes it added."""
     import flax.linen as nn
@@ -62,7 +51,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
     import orbax.checkpoint as ocp
 
     import flaxstate as fs
-    from flaxstate.training.memory import host_resident
+    from flaxstate.training.memory import host_peak_since_reset, host_resident, reset_host_peak
 
     width = int((mib * MiB / 4 / 3 / 2) ** 0.5)  # adam: params, mu, nu; two square kernels
 
@@ -95,7 +84,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
         manager = ocp.CheckpointManager(orbax_dir) if contender == "orbax" else None
         writer = fs.CheckpointFileWriter(flax_dir) if contender == "flaxstate" else None
         before = host_resident()
-        reset_peak()
+        reset_host_peak()
         start = time.perf_counter()
         if writer is not None:
             writer(record)
@@ -113,7 +102,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
         )
         state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shaped))
         before = host_resident()
-        reset_peak()
+        reset_host_peak()
         start = time.perf_counter()
         if contender == "flaxstate":
             restored: Any = fs.CheckpointFileReader(flax_dir).restore(shaped)
@@ -122,8 +111,9 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
             restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(shaped.state_dict()))
         jax.block_until_ready(jax.tree.leaves(restored))
     seconds = time.perf_counter() - start
-    assert before is not None, "/proc is needed (Linux)"
-    return {"seconds": seconds, "added": peak_since_reset() - before, "state_bytes": state_bytes}
+    peak = host_peak_since_reset()
+    assert before is not None and peak is not None, "/proc is needed (Linux)"
+    return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes}
 
 
 def run(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:

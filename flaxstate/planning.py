@@ -36,10 +36,12 @@ import numpy as np
 from flax.core import DenyList
 from jax.sharding import Mesh
 
+from flaxstate import host_memory as host_plan
 from flaxstate import private_apis, settings, tree_paths
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
+from flaxstate.training.options import check_record_memory
 from flaxstate.training.program import Program
 from flaxstate.training.task import TrainTask
 
@@ -80,6 +82,14 @@ class Plan:
             or `None` (a program the target refused, or a backend with none).
         largest: the largest arrays a device holds: (state-dict path, bytes), largest first.
         advice: for a plan that does not fit, its biggest contributors and how to shard them.
+        per_host: a process's host bytes by kind: `records`, `save`, `peers`,
+            `restore`, `local_tier` and `total` (`flaxstate.host_memory` says
+            what each counts; on a CPU target `total` includes the devices'
+            own bytes, as their memory is host memory).
+        host_memory: a host's memory in bytes (this machine's for "local" and
+            "cpu:N"), or `None` where unknown.
+        fits_host: whether `per_host["total"]` fits in `host_memory` (`None` where unknown).
+        host_advice: for a process that does not fit its host, its kinds largest first and what shrinks each.
     """
 
     target: str
@@ -93,6 +103,10 @@ class Plan:
     largest: list[tuple[str, int]]
     advice: str | None = None
     xla_flops_per_step: float | None = None
+    per_host: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_memory: int | None = None
+    fits_host: bool | None = None
+    host_advice: str | None = None
 
     def step_seconds(self, mfu: float, peak_flops_per_device: float | None = None) -> float | None:
         """The seconds a step takes at a model FLOPs utilisation `mfu` (0-1), where the peak is known.
@@ -114,7 +128,8 @@ class Plan:
         lines = [f"plan for {self.target}: {self.n_devices} x {self.device_kind}, mesh {mesh}", ""]
         lines += [f"  {name:<10} {format_bytes(self.per_device[name]):>10}" for name in CATEGORIES]
         memory = "unknown" if self.device_memory is None else format_bytes(self.device_memory)
-        verdict = {None: "unknown", True: "fits", False: "does NOT fit"}[self.fits]
+        verdict_of = {None: "unknown", True: "fits", False: "does NOT fit"}
+        verdict = verdict_of[self.fits]
         lines += ["", f"  device memory {memory}: {verdict}"]
         if self.flops_per_step is not None:
             lines.append(f"  FLOPs a step {self.flops_per_step:.4g}")
@@ -125,6 +140,13 @@ class Plan:
         lines += [f"    {format_bytes(size):>10}  {path}" for path, size in self.largest]
         if self.advice:
             lines += ["", f"  {self.advice}"]
+        if self.per_host:
+            lines += ["", "  host memory a process:"]
+            lines += [f"  {name:<10} {format_bytes(self.per_host[name]):>10}" for name in host_plan.KINDS]
+            memory = "unknown" if self.host_memory is None else format_bytes(self.host_memory)
+            lines += ["", f"  host memory {memory}: {verdict_of[self.fits_host]}"]
+        if self.host_advice:
+            lines += ["", f"  {self.host_advice}"]
         return "\n".join(lines)
 
 
@@ -140,6 +162,11 @@ def plan(
     n_steps_per_dispatch: int = 1,
     input_sample: Any = None,
     device_memory: int | None = None,
+    record_memory: str = "host",
+    peers: int = 0,
+    local_dir: str | os.PathLike[str] | None = None,
+    local_keep: int = 1,
+    host_memory: int | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -156,6 +183,13 @@ def plan(
         n_steps_per_dispatch: K steps a compiled call.
         input_sample: the model's inputs for `init` (the batch's by default).
         device_memory: a device's memory in bytes (by default a known kind's).
+        record_memory: where the loop's records hold their copy, as `TrainLoop` takes it.
+        peers: the local tier's peer copies, as `CheckpointFileWriter` takes them.
+        local_dir: the local tier's directory (its host memory counts where it is
+            memory-backed, as `/dev/shm` is), or `None` for no local tier.
+        local_keep: the local tier's `keep`.
+        host_memory: a host's memory in bytes (by default this machine's for
+            "local" and "cpu:N", unknown for a TPU topology).
 
     Returns:
         the `Plan`.
@@ -169,6 +203,10 @@ def plan(
     """
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
+    record_memory = check_record_memory(record_memory)
+    peers = settings.count("plan", "peers", peers, minimum=0)
+    local_keep = settings.count("plan", "local_keep", local_keep)
+    host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     global_batch = _global_batch(task, batch)
@@ -201,6 +239,22 @@ def plan(
         False if refused_temp is not None else None if device_memory is None else per_device["total"] <= device_memory
     )
     mesh = where.mesh
+    state_bytes, param_bytes, replicated = host_plan.process_bytes(state)
+    on_cpu = devices[0].platform == "cpu"
+    process_devices = sum(1 for device in devices if device.process_index == devices[0].process_index)
+    per_host = host_plan.per_host(
+        state_bytes,
+        param_bytes,
+        record_memory=record_memory,
+        peers=peers,
+        replicated=replicated,
+        local_dir=local_dir,
+        local_keep=local_keep,
+        devices=per_device["total"] * process_devices if on_cpu else None,
+    )
+    if host_memory is None and (target == "local" or target.startswith("cpu:")):
+        host_memory = host_plan.this_machine()
+    fits_host = None if host_memory is None else per_host["total"] <= host_memory
     result = Plan(
         target=target,
         device_kind=devices[0].device_kind,
@@ -212,6 +266,10 @@ def plan(
         flops_per_step=program.flops_per_step(one_batch, rng_data),
         xla_flops_per_step=program.xla_flops_per_step(one_batch, rng_data) if refused_temp is None else None,
         largest=sorted(sizes.items(), key=lambda item: (-item[1], not item[0].startswith("target/"), item[0]))[:5],
+        per_host=per_host,
+        host_memory=host_memory,
+        fits_host=fits_host,
+        host_advice=None if host_memory is None or fits_host else host_plan.advice(per_host, host_memory, format_bytes),
     )
     return dataclasses.replace(result, advice=_advice(result, state, mesh)) if fits is False else result
 

@@ -86,6 +86,10 @@ def test_fsdp_over_a_v5e_2x2_holds_a_quarter_of_the_parameters_and_adam_twice_th
     text = str(fsdp_plan)
     assert "plan for v5e:2x2: 4 x TPU v5 lite, mesh fsdp=4" in text and "fits" in text
     assert fsdp_plan.largest[0][0] == "target/Dense_0/kernel"
+    # A v5e:2x2 is one host: its process holds every part of the state (a replicated bias once), and the plan
+    # knows no host's memory for a topology that is not this machine.
+    assert fsdp_plan.per_host["records"] == 2 * ((3 * whole + 4 + 4) + whole)  # params, mu, nu, count, step; grads
+    assert fsdp_plan.host_memory is None and fsdp_plan.fits_host is None and "host memory unknown" in text
 
 
 def test_a_model_too_large_for_a_v5e_does_not_fit_and_names_its_largest_array():
@@ -181,6 +185,9 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
         ({"target": "v9z:7x7"}, r"libtpu does not know the TPU topology 'v9z:7x7'.*'v5e:2x2'"),
         ({"target": "gpu"}, r"neither a TPU topology"),
         ({"target": "cpu:0"}, r"cpu:N with N a positive number"),
+        ({"target": "cpu:1", "record_memory": "disk"}, r"record_memory must be one of \('host', 'device'\)"),
+        ({"target": "cpu:1", "peers": -1}, r"plan peers must be an int of at least 0, got -1"),
+        ({"target": "cpu:1", "host_memory": 0}, r"plan host_memory must be"),
     ],
 )
 def test_bad_input_is_named_before_any_compile(kwargs, message):

@@ -54,3 +54,26 @@ def host_peak() -> int | None:
     peak = peak if sys.platform == "darwin" else peak * 1024
     known = [size for size in (peak, host_resident()) if size]
     return int(max(known)) if known else None
+
+
+def reset_host_peak() -> bool:
+    """Makes this process's peak resident set its current one (Linux's `/proc/self/clear_refs`, value 5).
+
+    Returns whether it could (`host_peak_since_reset` then reads the peak from here on).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def host_peak_since_reset() -> int | None:
+    """This process's peak resident bytes since `reset_host_peak` (`VmHWM`; `getrusage`'s is never reset)."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None

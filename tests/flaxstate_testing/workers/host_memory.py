@@ -1,0 +1,84 @@
+"""Measures this (fresh) process's host memory for records, a save and a restore, beside `fs.plan`'s prediction.
+
+The state is a wide MLP's with adam (`mib` MiB: two square kernels, their
+two moments). Mode `save`: the plan, then a loop's records (the bytes one more
+held record adds) and a writer's save of the newest (the peak it adds above
+what the process held). Mode `restore`: the plan, then a reader's restore of
+that checkpoint into shapes and shardings (the peak it adds). Prints one JSON
+line: `per_host` (the plan's), `state_bytes`, and the measured figures.
+"""
+
+from __future__ import annotations
+
+from flaxstate_testing.workers.common import setup
+
+config = setup()
+
+import json  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+from flaxstate.training.memory import host_peak_since_reset, host_resident, reset_host_peak  # noqa: E402
+
+width = int((config["mib"] * 2**20 / 4 / 3 / 2) ** 0.5)
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(width, use_bias=False)(nn.Dense(width, use_bias=False)(x))
+
+
+x = np.ones((8, width), np.float32)
+model, optimizer = Wide(), optax.adam(1e-3)
+task = fs.TrainTask(
+    apply=model.apply,
+    optimizer=optimizer,
+    loss=lambda y, t: ((y - t) ** 2).mean(),
+    data=fs.global_batches((x, x), batch_size=8),
+)
+plan = fs.plan(model.init, task, target="local")
+
+
+def added_at_peak(operation) -> tuple[object, int]:
+    before = host_resident()
+    assert before is not None and reset_host_peak(), "/proc is needed (Linux)"
+    result = operation()
+    peak = host_peak_since_reset()
+    assert peak is not None
+    return result, peak - before
+
+
+measured: dict[str, int] = {}
+if config["mode"] == "save":
+    loop = fs.TrainLoop(
+        init=model.init, task=task, rng=jax.random.key(0), n_steps=2, n_steps_per_checkpoint=1, stdout=False
+    )
+    first = loop.next_checkpoint()
+    held = host_resident()
+    second = loop.next_checkpoint()
+    measured["one_record"] = host_resident() - held
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(second.state))
+    writer = fs.CheckpointFileWriter(config["dir"])
+
+    def save() -> None:
+        writer(second)
+        writer.close()
+
+    measured["save"] = added_at_peak(save)[1]
+else:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shaped = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+        jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(optimizer, model.init(jax.random.key(0), x))),
+    )
+    state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shaped))
+    restored, measured["restore"] = added_at_peak(
+        lambda: jax.block_until_ready(fs.CheckpointFileReader(config["dir"]).restore(shaped))
+    )
+    assert int(restored.step) == 2
+print(json.dumps({"per_host": plan.per_host, "state_bytes": state_bytes, **measured}), flush=True)

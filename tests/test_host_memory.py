@@ -1,0 +1,90 @@
+"""A process's host memory in `fs.plan`: each kind from the state's shardings, and the prediction against a
+measurement of a fresh process's peak resident memory (a subprocess each)."""
+
+import json
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import processes, toy
+
+import flaxstate as fs
+from flaxstate import host_memory
+
+RULES = [("batch", "fsdp"), ("hidden", "fsdp")]
+MODEL = toy.ShardedMLP(width=64)
+
+
+def task():
+    data = [(np.ones((8, 4), np.float32), np.zeros((8,), np.float32))] * 2
+    return fs.TrainTask(
+        apply=MODEL.apply, optimizer=optax.adam(1e-3), loss=lambda y, t: jnp.mean((y - t) ** 2), data=data
+    )
+
+
+def plan(**kwargs):
+    return fs.plan(MODEL.init, task(), target="cpu:4", mesh_shape={"fsdp": 4}, axis_rules=RULES, **kwargs)
+
+
+def whole_bytes():
+    """The state's and the parameters' bytes, unsharded."""
+    params = jax.eval_shape(MODEL.init, jax.random.key(0), jnp.ones((1, 4)))["params"]
+    n = sum(int(np.prod(leaf.value.shape)) for leaf in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "value")))
+    return 3 * 4 * n + 4 + 4, 4 * n  # params, adam's mu and nu, its count and the step (int32 each)
+
+
+def filesystem(path) -> str:
+    """The filesystem type of a path as coreutils' stat names it (tmpfs, ext2/ext3, ...)."""
+    return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def test_each_kind_of_host_memory_follows_the_process_s_parts_and_the_options(tmp_path):
+    default = plan()
+    state_bytes, param_bytes = whole_bytes()  # one process holds all four devices' parts, each once
+    sizes = default.per_host
+    assert sizes["records"] == 2 * (state_bytes + param_bytes)  # the newest record and one a save holds
+    assert sizes["save"] == int(host_memory.SAVE * state_bytes) and sizes["peers"] == 0 == sizes["local_tier"]
+    # A CPU's devices hold the restored state in host memory, and hold the training state there.
+    assert sizes["restore"] == int(host_memory.RESTORE_READS * state_bytes) + state_bytes
+    devices = 4 * default.per_device["total"]
+    assert sizes["total"] == max(devices + sizes["records"] + sizes["save"], sizes["restore"])
+    assert default.host_memory == host_memory.this_machine() and default.fits_host is True
+    assert "host memory a process:" in str(default) and "records" in str(default)
+
+    on_devices = plan(record_memory="device", local_dir="/dev/shm/run", local_keep=2, peers=1)
+    assert on_devices.per_host["records"] == 0
+    assert on_devices.per_host["peers"] == 2 * state_bytes  # its packed parts and one peer's
+    in_memory = "tmpfs" in filesystem("/dev/shm")
+    assert on_devices.per_host["local_tier"] == (3 * 2 * state_bytes if in_memory else 0)  # keep + 1, two copies
+    on_disk = plan(local_dir=tmp_path / "not yet made", local_keep=2)
+    assert on_disk.per_host["local_tier"] == (3 * state_bytes if "tmpfs" in filesystem(tmp_path) else 0)
+
+
+def test_a_host_too_small_does_not_fit_and_is_told_what_to_change():
+    fitting = plan()
+    total = fitting.per_host["total"]
+    assert plan(host_memory=total).fits_host is True and plan(host_memory=total).host_advice is None
+    small = plan(host_memory=total - 1)
+    assert small.fits_host is False
+    assert "host memory does not fit" in small.host_advice and "record_memory='device'" in small.host_advice
+    assert "does NOT fit" in str(small) and small.host_advice in str(small)
+
+
+def test_the_plan_predicts_a_fresh_process_s_measured_host_memory_within_a_quarter(tmp_path):
+    # A 256 MiB state (its largest array a sixth of it): records, a save, then a restore in a fresh process.
+    config = {"mib": 256, "dir": str(tmp_path / "run")}
+    (saved,) = processes.run("host_memory", {**config, "mode": "save"}, timeout=300)
+    (restored,) = processes.run("host_memory", {**config, "mode": "restore"}, timeout=300)
+    save, restore = (json.loads(output.strip().splitlines()[-1]) for output in (saved, restored))
+    predicted = save["per_host"]
+    pairs = {
+        "a record": (predicted["records"] / 2, save["one_record"]),
+        "a save": (predicted["save"], save["save"]),
+        "a restore": (predicted["restore"], restore["restore"]),
+    }
+    for kind, (planned, measured) in pairs.items():
+        assert measured > 0.5 * save["state_bytes"] * (kind != "a save"), (kind, measured)
+        assert planned == pytest.approx(measured, rel=0.25), (kind, planned, measured, save["state_bytes"])
