@@ -161,7 +161,9 @@ def record_inputs() -> tuple[np.ndarray]:
 
 
 for phase in config["phases"]:
+    started = time.perf_counter()
     result = run(phase)
     if jax.process_index() == 0:
         print("result " + json.dumps(result), flush=True)
+        print(f"phase took {time.perf_counter() - started:.1f} s", flush=True)
 print("done", flush=True)
