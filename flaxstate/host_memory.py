@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from flaxstate import tree_paths
+from flaxstate.records import format_bytes
 
 SAVE = 0.8
 """A save's peak host bytes beyond the record it saves, as a fraction of the state's: orbax's writer with its
@@ -152,7 +153,7 @@ def this_machine() -> int | None:
         return None
 
 
-def advice(sizes: Mapping[str, int], host_memory: int, format_bytes: Any) -> str:
+def advice(sizes: Mapping[str, int], host_memory: int) -> str:
     """What to change when a process's host memory does not fit: its kinds largest first, and each one's fix."""
     fixes = {
         "records": "record_memory='device' (records held on the devices)",

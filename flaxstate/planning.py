@@ -203,7 +203,7 @@ def plan(
     """
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
-    record_memory = check_record_memory(record_memory)
+    record_memory = check_record_memory(record_memory, "plan")
     peers = settings.count("plan", "peers", peers, minimum=0)
     local_keep = settings.count("plan", "local_keep", local_keep)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
@@ -269,7 +269,7 @@ def plan(
         per_host=per_host,
         host_memory=host_memory,
         fits_host=fits_host,
-        host_advice=None if host_memory is None or fits_host else host_plan.advice(per_host, host_memory, format_bytes),
+        host_advice=None if host_memory is None or fits_host else host_plan.advice(per_host, host_memory),
     )
     return dataclasses.replace(result, advice=_advice(result, state, mesh)) if fits is False else result
 

@@ -185,7 +185,7 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
         ({"target": "v9z:7x7"}, r"libtpu does not know the TPU topology 'v9z:7x7'.*'v5e:2x2'"),
         ({"target": "gpu"}, r"neither a TPU topology"),
         ({"target": "cpu:0"}, r"cpu:N with N a positive number"),
-        ({"target": "cpu:1", "record_memory": "disk"}, r"record_memory must be one of \('host', 'device'\)"),
+        ({"target": "cpu:1", "record_memory": "disk"}, r"plan record_memory must be one of \('host', 'device'\)"),
         ({"target": "cpu:1", "peers": -1}, r"plan peers must be an int of at least 0, got -1"),
         ({"target": "cpu:1", "host_memory": 0}, r"plan host_memory must be"),
     ],

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from flaxstate import locations
-from flaxstate.checkpoint import damage
+from flaxstate.checkpoint import damage, layout
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID
 
@@ -194,7 +194,7 @@ def read_first(
     vanished = False
     for _ in range(LISTING_ATTEMPTS):
         steps = [step for step in candidates() if step not in damaged]
-        if not steps and not damaged and _has_steps(directory):
+        if not steps and not damaged and not layout.is_empty_or_missing(directory):
             time.sleep(0.05)  # a step being deleted, and the next one not yet renamed into place
             continue
         for step in steps:
@@ -242,7 +242,3 @@ def note_damaged(damaged: dict[int, str], directory: Path, step: int, why: str, 
     """Notes a damaged step and what is wrong with it, and says so in one warning."""
     damaged[step] = why
     logger.warning("the checkpoint %s is damaged (%s); %s.", directory / str(step), why, warning)
-
-
-def _has_steps(directory: Path) -> bool:
-    return directory.is_dir() and any(entry.name.isdigit() for entry in directory.iterdir())

@@ -61,15 +61,15 @@ class Schedule:
         return [per_dispatch] * (remaining // per_dispatch) + [1] * (remaining % per_dispatch)
 
 
-def check_record_memory(record_memory: str) -> str:
-    """Returns `record_memory`, checked.
+def check_record_memory(record_memory: str, owner: str = "TrainLoop") -> str:
+    """Returns `record_memory`, checked, naming `owner` (the call it was given to) in the error.
 
     Raises:
         ValueError: not one of `copies.RECORD_MEMORIES`.
     """
     if record_memory not in copies.RECORD_MEMORIES:
         raise ValueError(
-            f"TrainLoop record_memory must be one of {copies.RECORD_MEMORIES}, got {record_memory!r}: "
+            f"{owner} record_memory must be one of {copies.RECORD_MEMORIES}, got {record_memory!r}: "
             "'host' keeps records' copies in host memory (one copy of the state on the devices), 'device' on the "
             "devices (faster to make, room for the state twice)."
         )
