@@ -1,4 +1,5 @@
-"""Peak host memory of a save and of a restore: flaxstate's writer and reader against plain orbax.
+"""Peak host memory of a save and of a restore: flaxstate's writer and reader, with and without a host memory
+budget, against plain orbax.
 
 Each measurement runs in a fresh process (a subprocess of this script), so
 that one contender's freed memory does not hide the next one's peak. A
@@ -8,10 +9,12 @@ array a sixth of it), so that a record exists as a
 user's loop makes it, then:
 
 - `save`: flaxstate writes the record (`CheckpointFileWriter`, waiting for
-  the save to finish); plain orbax saves the loop's device state
+  the save to finish; `flaxstate-budget`: with `host_memory_budget=` of
+  `--budget-mib`, below the largest array); plain orbax saves the loop's device state
   (`CheckpointManager.save` with `StandardSave`, then `wait_until_finished`),
   as a hand-written loop does;
-- `restore`: flaxstate's `CheckpointFileReader(dir).read(template)` and plain
+- `restore`: flaxstate's `CheckpointFileReader(dir).read(template)` (with the
+  same budget for `flaxstate-budget`) and plain
   orbax's `CheckpointManager.restore` with an abstract target, each of the
   checkpoint that it saved.
 
@@ -23,7 +26,7 @@ figure includes the restored state itself. The table gives the medians over
 `--rounds` (the contenders alternate), in MiB and as a multiple of the
 state's bytes, and the seconds the operation took.
 
-    python benchmarks/host_memory.py [--rounds 3] [--mib 256]
+    python benchmarks/host_memory.py [--rounds 3] [--mib 256] [--budget-mib 16]
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from pathlib import Path
 from typing import Any
 
 MiB = 2**20
-CASES = (("save", "flaxstate"), ("save", "orbax"), ("restore", "flaxstate"), ("restore", "orbax"))
+CONTENDERS = ("flaxstate", "flaxstate-budget", "orbax")
+CASES = tuple((operation, contender) for operation in ("save", "restore") for contender in CONTENDERS)
 
 
-def measure(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
+def measure(operation: str, contender: str, directory: str, mib: int, budget_mib: int = 16) -> dict[str, Any]:
     """One operation in this (fresh) process: its seconds, and the peak bytes it added."""
     import flax.linen as nn
     import jax
@@ -62,7 +66,8 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
 
     x = np.ones((8, width), np.float32)
     model, optimizer = Wide(), optax.adam(1e-3)
-    flax_dir, orbax_dir = Path(directory) / "flaxstate", Path(directory) / "orbax"
+    flax_dir, orbax_dir = Path(directory) / contender, Path(directory) / "orbax"
+    budget = budget_mib * MiB if contender == "flaxstate-budget" else None
     if operation == "save":
         loop = fs.TrainLoop(
             init=model.init,
@@ -82,7 +87,7 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
         # flaxstate saves the record (host copies); orbax, the state on the devices, as a hand-written loop does.
         device_state = jax.device_put(record.state.state_dict()) if contender == "orbax" else None
         manager = ocp.CheckpointManager(orbax_dir) if contender == "orbax" else None
-        writer = fs.CheckpointFileWriter(flax_dir) if contender == "flaxstate" else None
+        writer = fs.CheckpointFileWriter(flax_dir, host_memory_budget=budget) if contender != "orbax" else None
         before = host_resident()
         reset_host_peak()
         start = time.perf_counter()
@@ -104,8 +109,8 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
         before = host_resident()
         reset_host_peak()
         start = time.perf_counter()
-        if contender == "flaxstate":
-            restored: Any = fs.CheckpointFileReader(flax_dir).restore(shaped)
+        if contender != "orbax":
+            restored: Any = fs.CheckpointFileReader(flax_dir, host_memory_budget=budget).restore(shaped)
         else:
             manager = ocp.CheckpointManager(orbax_dir)
             restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(shaped.state_dict()))
@@ -113,13 +118,16 @@ def measure(operation: str, contender: str, directory: str, mib: int) -> dict[st
     seconds = time.perf_counter() - start
     peak = host_peak_since_reset()
     assert before is not None and peak is not None, "/proc is needed (Linux)"
-    return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes}
+    largest = max(
+        leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0), x))
+    )
+    return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes, "largest": largest}
 
 
-def run(operation: str, contender: str, directory: str, mib: int) -> dict[str, Any]:
+def run(operation: str, contender: str, directory: str, mib: int, budget_mib: int) -> dict[str, Any]:
     """`measure` in a fresh process."""
     code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import host_memory; "
-    code += f"print(json.dumps(host_memory.measure({operation!r}, {contender!r}, {directory!r}, {mib})))"
+    code += f"print(json.dumps(host_memory.measure({operation!r}, {contender!r}, {directory!r}, {mib}, {budget_mib})))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{operation} with {contender} failed:\n{done.stderr[-3000:]}")
@@ -130,16 +138,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=256, help="the train state's MiB (params and adam's two moments)")
+    parser.add_argument("--budget-mib", type=int, default=16, help="flaxstate-budget's host_memory_budget, in MiB")
     args = parser.parse_args()
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in CASES}
     for index in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
-            order = CASES if index % 2 == 0 else (CASES[1], CASES[0], CASES[3], CASES[2])
+            order = CONTENDERS[index % 3 :] + CONTENDERS[: index % 3]  # each contender first in turn
             for operation in ("save", "restore"):  # a restore reads what the save of its round wrote
-                for case in (case for case in order if case[0] == operation):
-                    figures[case].append(run(*case, directory, args.mib))
-    state_bytes = figures[CASES[0]][0]["state_bytes"]
-    print(f"state: {state_bytes / MiB:.0f} MiB; medians of {args.rounds} rounds, a fresh process each")
+                for contender in order:
+                    figures[operation, contender].append(
+                        run(operation, contender, directory, args.mib, args.budget_mib)
+                    )
+    first = figures[CASES[0]][0]
+    state_bytes = first["state_bytes"]
+    print(
+        f"state: {state_bytes / MiB:.0f} MiB, its largest array {first['largest'] / MiB:.0f} MiB; flaxstate-budget: "
+        f"host_memory_budget={args.budget_mib} MiB; medians of {args.rounds} rounds, a fresh process each"
+    )
     print(f"{'operation':<10} {'contender':<10} {'peak added (MiB)':>17} {'x state':>8} {'seconds':>8}")
     for operation, contender in CASES:
         added = statistics.median(figure["added"] for figure in figures[operation, contender])

@@ -9,11 +9,13 @@ the parameters, which the gradients match):
   of the state and of its gradients, and two are held at once (the loop's
   newest while the one before is still held by a save in flight): 2 (S + G).
   With `"device"`, none.
-- `save`: a save's staging and tensorstore's write buffers, `SAVE` x S.
+- `save`: a save's staging and tensorstore's write buffers, `SAVE` x S; with
+  `host_memory_budget=` B, at most B + `BUDGET_ALLOWANCE`.
 - `peers`: with peer copies, the packed buffer of the process's own parts and
   what arrives from each peer, (1 + peers) S during a save's exchange; none
   where data-parallel replicas already hold every part (nothing is sent).
-- `restore`: the reads in flight, `RESTORE_READS` x S, at the start of a
+- `restore`: the reads in flight, `RESTORE_READS` x S (with a budget B, at most
+  B + `BUDGET_ALLOWANCE`), at the start of a
   resume (before any record exists); on a CPU target also the restored state
   itself, S, which lives in host memory there.
 - `local_tier`: where the local tier's directory is memory-backed (tmpfs,
@@ -46,6 +48,13 @@ plan's test)."""
 RESTORE_READS = 0.45
 """A restore's reads in flight at its peak beyond the restored state itself, as a fraction of the state's: measured
 on this CPU at 0.5x to 0.7x with jax 0.10.2 and 0.24x to 0.35x with jax 0.12 (the same measurements)."""
+BUDGET_ALLOWANCE = 96 * 2**20
+"""What a save or a restore under `host_memory_budget=` may hold beyond the budget, whatever the state's size:
+tensorstore's pools, the chunks its threads' malloc arenas keep, and a restore's compile of a shard's update
+(in a fresh process, XLA's first compile). Measured on this CPU with a 256 MiB state whose largest array is
+43 MiB and a 16 MiB budget, on both stacks: a save 4 to 16 MiB beyond it; a restore 8 to 17 MiB in a process
+that compiled before (40 to 47 MiB there with JAX's persistent compilation cache on), and 23 to 65 MiB in a
+fresh process, whose first XLA compile is the restore's (`tests/test_host_memory.py`, benchmarks/host_memory.py)."""
 KINDS = ("records", "save", "peers", "restore", "local_tier", "total")
 """The kinds of `Plan.per_host`, as `Plan.__str__` lists them."""
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -95,6 +104,7 @@ def per_host(
     local_dir: str | os.PathLike[str] | None,
     local_keep: int,
     devices: int | None,
+    budget: int | None = None,
 ) -> dict[str, int]:
     """A process's host bytes by kind (see the module).
 
@@ -106,12 +116,14 @@ def per_host(
         local_dir: the local tier's directory, or `None` (no local tier).
         local_keep: the local tier's `keep`.
         devices: on a CPU target, the process's devices' bytes (its devices' memory is host memory); else `None`.
+        budget: the writer's and reader's `host_memory_budget`: a save's and a restore's reads hold at most it and
+            `BUDGET_ALLOWANCE`.
     """
     sizes = {
         "records": 2 * (state_bytes + param_bytes) if record_memory == "host" else 0,
-        "save": int(SAVE * state_bytes),
+        "save": _within(int(SAVE * state_bytes), budget),
         "peers": (1 + peers) * state_bytes if peers and not replicated else 0,
-        "restore": int(RESTORE_READS * state_bytes) + (state_bytes if devices is not None else 0),
+        "restore": _within(int(RESTORE_READS * state_bytes), budget) + (state_bytes if devices is not None else 0),
         "local_tier": 0,
     }
     if local_dir is not None and memory_backed(local_dir):
@@ -119,6 +131,11 @@ def per_host(
     training = (devices or 0) + sizes["records"] + sizes["save"] + sizes["peers"]
     sizes["total"] = sizes["local_tier"] + max(training, sizes["restore"])
     return sizes
+
+
+def _within(size: int, budget: int | None) -> int:
+    """A save's or a restore's reads, under a budget where there is one."""
+    return size if budget is None else min(size, budget + BUDGET_ALLOWANCE)
 
 
 def memory_backed(directory: str | os.PathLike[str]) -> bool:
@@ -157,9 +174,9 @@ def advice(sizes: Mapping[str, int], host_memory: int) -> str:
     """What to change when a process's host memory does not fit: its kinds largest first, and each one's fix."""
     fixes = {
         "records": "record_memory='device' (records held on the devices)",
-        "save": "more processes (each saves its own parts)",
+        "save": "host_memory_budget= on the writer (a save chunk by chunk), or more processes",
         "peers": "fewer peer copies, or peers on another tier",
-        "restore": "more processes (each reads its own parts)",
+        "restore": "host_memory_budget= on the reader (a restore chunk by chunk), or more processes",
         "local_tier": "a local tier on a disk instead of memory (not tmpfs), or a smaller keep",
     }
     ranked = sorted(((size, kind) for kind, size in sizes.items() if kind in fixes and size), reverse=True)

@@ -167,6 +167,7 @@ def plan(
     local_dir: str | os.PathLike[str] | None = None,
     local_keep: int = 1,
     host_memory: int | None = None,
+    host_memory_budget: int | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -190,6 +191,9 @@ def plan(
         local_keep: the local tier's `keep`.
         host_memory: a host's memory in bytes (by default this machine's for
             "local" and "cpu:N", unknown for a TPU topology).
+        host_memory_budget: the writer's and the reader's `host_memory_budget=`:
+            a save and a restore's reads hold at most it and
+            `host_memory.BUDGET_ALLOWANCE` beyond the state.
 
     Returns:
         the `Plan`.
@@ -207,6 +211,7 @@ def plan(
     peers = settings.count("plan", "peers", peers, minimum=0)
     local_keep = settings.count("plan", "local_keep", local_keep)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
+    host_memory_budget = settings.optional_count("plan", "host_memory_budget", host_memory_budget, minimum=1)
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     global_batch = _global_batch(task, batch)
@@ -250,6 +255,7 @@ def plan(
         replicated=replicated,
         local_dir=local_dir,
         local_keep=local_keep,
+        budget=host_memory_budget,
         devices=per_device["total"] * process_devices if on_cpu else None,
     )
     if host_memory is None and (target == "local" or target.startswith("cpu:")):

@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flaxstate import tree_paths
+from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.train_state import StateMismatchError
 
@@ -56,13 +57,14 @@ class StoredCheckpoint:
     meta: dict[str, Any]
 
 
-def handlers() -> dict[str, Any]:
-    return {
-        MODEL: ocp.PyTreeCheckpointHandler(use_compression=False),
-        OPTIMIZER: ocp.PyTreeCheckpointHandler(use_compression=False),
-        META: ocp.JsonCheckpointHandler(),
-        LEGACY_STATE: ocp.PyTreeCheckpointHandler(use_compression=False),
-    }
+def handlers(host_memory_budget: int | None = None) -> dict[str, Any]:
+    """orbax's handler of each item of a step; with a budget, arrays written and read within it (`budget`)."""
+    registry = {} if host_memory_budget is None else {"type_handler_registry": budget.registry(host_memory_budget)}
+
+    def arrays() -> ocp.PyTreeCheckpointHandler:
+        return ocp.PyTreeCheckpointHandler(use_compression=False, **registry)
+
+    return {MODEL: arrays(), OPTIMIZER: arrays(), META: ocp.JsonCheckpointHandler(), LEGACY_STATE: arrays()}
 
 
 def encode_rng(rng: jax.Array | None) -> dict[str, Any] | None:

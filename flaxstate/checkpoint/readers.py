@@ -20,7 +20,7 @@ import numpy as np
 from flax import serialization
 
 from flaxstate import settings, train_state, tree_paths
-from flaxstate.checkpoint import damage, steps, stores
+from flaxstate.checkpoint import budget, damage, steps, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
@@ -39,9 +39,12 @@ class _Source:
 
     directory: Path
     per_process: bool
+    host_memory_budget: int | None = None
 
     def open(self) -> Store:
-        return stores.open_store(self.directory, per_process=self.per_process, read_only=True)
+        return stores.open_store(
+            self.directory, per_process=self.per_process, read_only=True, host_memory_budget=self.host_memory_budget
+        )
 
 
 class CheckpointFileReader:
@@ -66,6 +69,8 @@ class CheckpointFileReader:
         target: Callable[..., Any] | None = None,
         step: int | None = None,
         rename: Rename = None,
+        *,
+        host_memory_budget: int | None = None,
     ) -> None:
         """Points the reader at a directory, or at two tiers (nothing is read yet).
 
@@ -79,10 +84,20 @@ class CheckpointFileReader:
             rename: `{old regex: new}` on '/'-joined state-dict paths (e.g.
                 `{"Dense_0/": "Encoder_0/"}`), to load a checkpoint of an
                 earlier model layout (the persistent tier only).
+            host_memory_budget: bytes a restore may hold in host memory
+                beyond the restored state, however large its largest array:
+                each device's shard is made on the device and filled chunk by
+                chunk (`flaxstate.checkpoint.budget`), bounded for a checkpoint
+                that a writer with a budget wrote; a local tier's step is read
+                in slices of its stored parts' rows. `None` (the default):
+                orbax's own restore, which holds each array whole on the host
+                first. Not for an s3:// directory.
 
         Raises:
-            ValueError: a list that is not `[local_dir, persistent_dir]`, or
-                tiers that are one directory or one inside the other (naming both).
+            ValueError: a list that is not `[local_dir, persistent_dir]`,
+                tiers that are one directory or one inside the other (naming
+                both), or `host_memory_budget` below 32 KiB or given for an
+                s3:// directory.
         """
         self.local_dir: Path | None = None
         """The local tier's directory, or `None` (one directory)."""
@@ -110,6 +125,12 @@ class CheckpointFileReader:
                 f"{owner} rename must be a dict of {{old regex: new}} state-dict paths, or None; got {rename!r}."
             )
         self.rename = rename
+        self.host_memory_budget = budget.check(host_memory_budget, owner)
+        if self.host_memory_budget is not None and stores.is_object_store(self.output_dir):
+            raise ValueError(
+                f"{owner} host_memory_budget= bounds the restores of an orbax directory (on a disk or in gs://) "
+                "and of a local tier; this version does not bound an s3:// store's: drop it there."
+            )
 
     def __repr__(self) -> str:
         where = repr(str(self.output_dir))
@@ -163,7 +184,7 @@ class CheckpointFileReader:
         try:
             if self.local_dir is None:
                 persistent = self._read_persistent(template)
-                return persistent, _Source(self._directory(), per_process=False) if persistent is not None else None
+                return persistent, self._source(self._directory()) if persistent is not None else None
             state, state_dict, with_optimizer = _template(template)
             read: restart.TierRead[CheckpointFile] = restart.read_tiers(
                 self.local_dir,
@@ -172,17 +193,22 @@ class CheckpointFileReader:
                 with_optimizer,
                 step=self.step,
                 read_persistent=lambda: self._read_persistent(template),
+                host_memory_budget=self.host_memory_budget,
             )
             if read.directory is None:
                 return None, None
             if read.local is None:
-                return read.persistent, _Source(read.directory, per_process=False)
+                return read.persistent, self._source(read.directory)
             restored = self._checkpoint_file(read.local, state, with_optimizer, read.directory, {})
             skipped = read.persistent.skipped_damaged if read.persistent is not None else ()
             return dataclasses.replace(restored, skipped_damaged=skipped), _Source(read.directory, per_process=True)
         except Exception as error:
             damage.reraise_interrupt(error)
             raise
+
+    def _source(self, directory: Path) -> _Source:
+        """An orbax directory to read, within this reader's budget."""
+        return _Source(directory, per_process=False, host_memory_budget=self.host_memory_budget)
 
     def _read_persistent(self, template: CheckpointFile | None) -> CheckpointFile | None:
         """The run directory's (the persistent tier's) checkpoint; `None` where it holds none and `target` starts fresh.
@@ -201,7 +227,7 @@ class CheckpointFileReader:
                 else "give the reader target=model.init to start fresh"
             )
             raise CheckpointError(f"{directory} {what}; {fix}, or point it at a directory that a writer wrote.")
-        with _Source(directory, per_process=False).open() as store:
+        with self._source(directory).open() as store:
             return self._read(store, template)
 
     def _steps_to_try(self, store: Store, damaged: dict[int, str]) -> list[int]:

@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import environment, settings
-from flaxstate.checkpoint import claims, stores
+from flaxstate.checkpoint import budget, claims, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
@@ -95,8 +95,10 @@ class _Writer:
         ledger: bool = False,
         per_process: bool = False,
         peers: int = 0,
+        host_memory_budget: int | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
+        host_memory_budget = budget.check(host_memory_budget, owner)
         keep = settings.count(owner, "keep", keep)
         every_seconds = settings.optional_seconds(owner, "every_seconds", every_seconds)
         overwrite = settings.flag(owner, "overwrite", overwrite)
@@ -132,9 +134,20 @@ class _Writer:
                 f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
                 "per_process=True (a persistent directory is every process's already)."
             )
+        if host_memory_budget is not None and (peers or stores.is_object_store(directory)):
+            raise ValueError(
+                f"{description}: host_memory_budget= bounds the saves of an orbax directory (on a disk or in "
+                "gs://) and of a local tier without peers; this version does not bound peer copies' exchange "
+                "or an s3:// store's save: drop it there, and give it to the persistent tier's writer."
+            )
         copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(peers, description)) if peers else None
         self._store: stores.Store = stores.open_store(
-            directory, per_process=per_process, keep=keep, best=best, copies=copies
+            directory,
+            per_process=per_process,
+            keep=keep,
+            best=best,
+            copies=copies,
+            host_memory_budget=host_memory_budget,
         )
         self._ledger = Ledger(directory) if ledger and self._store.shared else None
         claims.register(key, self)
@@ -339,6 +352,7 @@ class CheckpointFileWriter(_Writer):
         ledger: bool = True,
         per_process: bool = False,
         peers: int = 0,
+        host_memory_budget: int | None = None,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -376,16 +390,28 @@ class CheckpointFileWriter(_Writer):
                 parts to its peers by one collective, and holds the local
                 tier's bytes `1 + peers` times on disk. Every process makes the
                 writer together (the hosts are gathered).
+            host_memory_budget: bytes a save may hold in host memory beyond
+                the record it saves, however large its largest array: arrays
+                are stored in chunks of an eighth of it, in orbax's format,
+                and written chunk by chunk (`flaxstate.checkpoint.budget`).
+                `None` (the default): orbax's own save, which holds about a
+                copy of the state more. A local tier (`per_process=True`)
+                writes a record's host parts to its file as they are, with or
+                without one (its restore is what the reader's budget bounds);
+                refused with `peers` and for an s3:// directory.
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
                 tier (`per_process=True`) and an open persistent writer whose
                 directories are one or nested (naming both); or `metadata`
                 is not JSON-serializable.
-            ValueError: `keep` below 1, `every_seconds` not positive, or
-                `peers` not below the process count, or without `per_process`.
+            ValueError: `keep` below 1, `every_seconds` not positive,
+                `peers` not below the process count, or without `per_process`,
+                or `host_memory_budget` below 32 KiB, or given with `peers`
+                or for an s3:// directory.
         """
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
+        every += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
         local = ", per_process=True" if per_process else ""
         local += f", peers={peers}" if peers else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
@@ -406,6 +432,7 @@ class CheckpointFileWriter(_Writer):
             ledger=ledger,
             per_process=per_process,
             peers=peers,
+            host_memory_budget=host_memory_budget,
         )
 
 

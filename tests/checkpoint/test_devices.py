@@ -8,27 +8,29 @@ import pytest
 from flaxstate_testing import processes
 
 
-def save(tmp_path, n_devices=1, n_processes=1, width=64):
-    config = {"mode": "save", "output_dir": str(tmp_path / "run"), "out": str(tmp_path / "state.npz"), "width": width}
-    if n_processes > 1:
-        outputs = processes.run("devices.py", config, n_processes=n_processes, timeout=180)
-    else:
-        outputs = processes.run("devices.py", config, timeout=180, n_devices=n_devices)
-    return int(outputs[0].split("state_bytes ")[1].split()[0])
-
-
-def restore(tmp_path, n_devices=1, n_processes=1, width=64):
+def run(mode, tmp_path, n_devices, n_processes, width, budget):
+    """The worker in `mode` ("save" or "restore"), on N devices of one process or on N processes."""
     config = {
-        "mode": "restore",
+        "mode": mode,
         "output_dir": str(tmp_path / "run"),
         "out": str(tmp_path / "state.npz"),
         "width": width,
+        "budget": budget,
     }
     if n_processes > 1:
-        outputs = processes.run("devices.py", config, n_processes=n_processes, timeout=180)
-    else:
-        outputs = processes.run("devices.py", config, timeout=180, n_devices=n_devices)
+        return processes.run("devices.py", config, n_processes=n_processes, timeout=180)
+    return processes.run("devices.py", config, timeout=180, n_devices=n_devices)
+
+
+def save(tmp_path, n_devices=1, n_processes=1, width=64, budget=None):
+    outputs = run("save", tmp_path, n_devices, n_processes, width, budget)
+    return int(outputs[0].split("state_bytes ")[1].split()[0])
+
+
+def restore(tmp_path, n_devices=1, n_processes=1, width=64, budget=None):
+    outputs = run("restore", tmp_path, n_devices, n_processes, width, budget)
     assert f"restored on {n_devices * n_processes} devices" in outputs[0], outputs
+    return outputs
 
 
 @pytest.mark.parametrize(("saved_on", "restored_on"), [(2, 1), (1, 2), (2, 3)])
@@ -49,3 +51,16 @@ def test_saved_by_two_processes_restores_in_one_and_the_reverse(tmp_path):
     restore(tmp_path / "a", n_devices=1)
     save(tmp_path / "b", n_devices=1)
     restore(tmp_path / "b", n_processes=2)
+
+
+def test_a_budget_saves_on_two_devices_and_restores_in_two_processes_chunk_by_chunk(tmp_path):
+    # A 40 KiB kernel in 4 KiB chunks: each process makes its device's copy from the chunks it reads.
+    save(tmp_path, n_devices=2, width=2560, budget=32768)
+    outputs = restore(tmp_path, n_processes=2, width=2560, budget=32768)
+    assert not any("decoded whole" in output for output in outputs), outputs  # stored in the budget's chunks
+
+
+def test_a_budget_reads_a_checkpoint_written_without_one_and_says_it_decodes_arrays_whole(tmp_path):
+    save(tmp_path, n_devices=1, width=2560)
+    outputs = restore(tmp_path, n_devices=1, width=2560, budget=32768)
+    assert "target.Dense_0.kernel is stored in chunks of 40960 bytes, more than the budget's 4096" in outputs[0]

@@ -135,6 +135,7 @@ def open_store(
     best: BestPolicy | None = None,
     read_only: bool = False,
     copies: Copies | None = None,
+    host_memory_budget: int | None = None,
 ) -> Store:
     """The store of `directory` (from `store_directory`): per-process files, an s3:// store, or an orbax directory.
 
@@ -145,9 +146,11 @@ def open_store(
         best: keep the best by a metric instead of the newest (an orbax directory).
         read_only: open for reading: nothing is created.
         copies: the peer copies a local tier hands each save to (`flaxstate.checkpoint.tiers.peers.PeerCopies`).
+        host_memory_budget: bytes a save or a restore may hold beyond the state (`flaxstate.checkpoint.budget`;
+            an orbax directory, on a disk or in gs://).
     """
     if per_process:
         return LocalStore(directory, keep=keep, read_only=read_only, copies=copies)
     if is_object_store(directory):
         return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
-    return CheckpointStore(directory, keep=keep, best=best, read_only=read_only)
+    return CheckpointStore(directory, keep=keep, best=best, read_only=read_only, host_memory_budget=host_memory_budget)

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxstate import background, tree_paths
+from flaxstate.checkpoint import budget, saving
 from flaxstate.checkpoint import meta as meta_format
-from flaxstate.checkpoint import saving
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
@@ -269,6 +269,7 @@ class LocalStore(saving.SaveSlot):
         with_optimizer: bool = True,
         rename: Rename = None,
         meta: Mapping[str, Any] | None = None,
+        host_memory_budget: int | None = None,
     ) -> StoredCheckpoint:
         """Restores a step that `covers` the template: its state dict (the template's tree, on its shardings) and meta.
 
@@ -279,6 +280,9 @@ class LocalStore(saving.SaveSlot):
             with_optimizer: read the optimizer's arrays (`state/...`).
             rename: refused: a local step restores only into the model it was saved from.
             meta: the step's meta, when the caller read it already.
+            host_memory_budget: read each part in slices of whole rows of at most
+                `budget.chunk_bytes` bytes, straight into the target's array (a
+                device's shard made on the device first), instead of whole.
 
         Raises:
             CheckpointError: `rename` given.
@@ -302,13 +306,23 @@ class LocalStore(saving.SaveSlot):
                     shape = tuple(entry["shape"])
                     sharding = getattr(target, "sharding", None)
                     if sharding is None:
-                        flat[path] = np.array(parts.values(entry, [[0, size] for size in shape]))
+                        whole = [[0, size] for size in shape]
+                        if host_memory_budget is not None:
+                            flat[path] = parts.sliced(entry, whole, host_memory_budget, None)
+                        else:
+                            flat[path] = np.array(parts.values(entry, whole))
                         continue
                     indices = sharding.addressable_devices_indices_map(shape)
-                    arrays = [
-                        jax.device_put(parts.values(entry, index_of(at, shape)), device, may_alias=False)
-                        for device, at in indices.items()
-                    ]
+                    if host_memory_budget is not None:
+                        arrays = [
+                            parts.sliced(entry, index_of(at, shape), host_memory_budget, device)
+                            for device, at in indices.items()
+                        ]
+                    else:
+                        arrays = [
+                            jax.device_put(parts.values(entry, index_of(at, shape)), device, may_alias=False)
+                            for device, at in indices.items()
+                        ]
                     flat[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
         except OSError as error:
             raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
@@ -405,6 +419,40 @@ class _Parts:
 
     def __exit__(self, *exc_info: object) -> None:
         self._file.close()
+
+    def sliced(self, entry: Mapping[str, Any], index: Index, host_memory_budget: int, device: Any) -> Any:
+        """The values at `index` of a stored array, read in slices of whole rows of its stored part (at most
+        `budget.chunk_bytes`, and one row) into a numpy array, or with a `device` into an array made there."""
+        dtype = np.dtype(jnp.dtype(entry["dtype"]))
+        outer = next(part for part in entry["parts"] if contains(part["index"], index))  # covers() checked
+        outer_shape = [stop - start for start, stop in outer["index"]]
+        shape = tuple(stop - start for start, stop in index)
+        out: Any = np.empty(shape, dtype) if device is None else jnp.zeros(shape, dtype, device=device)
+        if not shape:
+            piece = self._bytes(int(outer["offset"]), dtype.itemsize).view(dtype).reshape(())
+            return piece.copy() if device is None else budget.put(out, piece, ())
+        row_bytes = math.prod(outer_shape[1:]) * dtype.itemsize
+        rows = max(1, budget.chunk_bytes(host_memory_budget) // max(1, row_bytes))
+        (first, last), (outer_first, _) = index[0], outer["index"][0]
+        inner = tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index[1:], outer["index"][1:], strict=True))
+        for start in range(first, last, rows):
+            stop = min(start + rows, last)
+            at = int(outer["offset"]) + (start - outer_first) * row_bytes
+            data = self._bytes(at, (stop - start) * row_bytes).view(dtype).reshape(stop - start, *outer_shape[1:])
+            piece = data[(slice(None), *inner)]
+            if device is None:
+                out[start - first : stop - first] = piece
+            else:
+                out = budget.put(out, piece, (start - first,) + (0,) * len(inner))
+        return out
+
+    def _bytes(self, offset: int, size: int) -> np.ndarray:
+        """`size` bytes of the file from `offset`, read (not kept)."""
+        data = np.empty(size, dtype=np.uint8)
+        self._file.seek(offset)
+        if self._file.readinto(data.data) != size:
+            raise DamagedCheckpointError(f"{self._path} ends inside an array's part: the step is damaged")
+        return data
 
     def values(self, entry: Mapping[str, Any], index: Index) -> np.ndarray:
         """The values at `index` of a stored array, from a stored part that contains it (a view of that part)."""

@@ -1,5 +1,5 @@
-"""One directory of checkpoints on orbax: save, list, read. With `layout`, `saving` and `damage`, the only
-modules that import orbax.
+"""One directory of checkpoints on orbax: save, list, read. With `layout`, `saving`, `damage` and `budget`, the
+only modules that import orbax.
 
 The layout of a step is `flaxstate.checkpoint.layout`'s. Arrays are saved as
 the global arrays the loop holds (replicated arrays are stored once) and
@@ -60,6 +60,8 @@ class CheckpointStore(saving.SaveSlot):
         keep: how many checkpoints to keep (the newest, or with `best`, the best).
         best: keep the best by a metric instead of the newest.
         read_only: open for reading; nothing is created.
+        host_memory_budget: bytes a save or a restore may hold beyond the state: arrays are stored in chunks
+            and written and read chunk by chunk (`flaxstate.checkpoint.budget`); `None`, orbax's own.
 
     Close it (`close()`, or `with CheckpointStore(...) as store:`) when done.
     """
@@ -73,6 +75,7 @@ class CheckpointStore(saving.SaveSlot):
         keep: int | None = None,
         best: BestPolicy | None = None,
         read_only: bool = False,
+        host_memory_budget: int | None = None,
     ) -> None:
         super().__init__()
         self.directory = as_path(directory)
@@ -93,7 +96,9 @@ class CheckpointStore(saving.SaveSlot):
         )
         damage.quiet_orbax()
         self._manager = _listing(
-            lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=layout.handlers()),
+            lambda: ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=layout.handlers(host_memory_budget)
+            ),
             self.directory,
         )
         self._listed = True

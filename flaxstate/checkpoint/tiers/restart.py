@@ -311,6 +311,7 @@ def read_tiers(
     *,
     step: int | None,
     read_persistent: Callable[[], P | None],
+    host_memory_budget: int | None = None,
 ) -> TierRead[P]:
     """The two-tier read, asked once: the local step every process holds, else the persistent tier's.
 
@@ -329,6 +330,7 @@ def read_tiers(
         step: only this step (a reader made with `step=`).
         read_persistent: reads the persistent tier; `None` where it holds
             nothing and training starts fresh.
+        host_memory_budget: a local step's read, in bounded slices (`LocalStore.read`).
 
     Raises:
         Exception: a local read's failure that is not damage (out of memory, a bug), or what
@@ -344,6 +346,7 @@ def read_tiers(
             step=step,
             persistent_step=persistent_step,
             persistent_run=persistent_run,
+            host_memory_budget=host_memory_budget,
         )
 
     first = agree()
@@ -369,6 +372,7 @@ def _read_local(
     step: int | None = None,
     persistent_step: int | None = None,
     persistent_run: str | None = None,
+    host_memory_budget: int | None = None,
 ) -> LocalRead:
     """The two-tier read's local half: the processes agree on a local step, read it together, or fall back together.
 
@@ -397,7 +401,13 @@ def _read_local(
             why_not = parts.covers(chosen.meta, template or {}, with_optimizer)
             if why_not is not None:
                 raise DamagedCheckpointError(f"step {chosen.step} from a peer's copy does not fit: {why_not}")
-            stored = chosen.store.read(chosen.step, template or {}, with_optimizer=with_optimizer, meta=chosen.meta)
+            stored = chosen.store.read(
+                chosen.step,
+                template or {},
+                with_optimizer=with_optimizer,
+                meta=chosen.meta,
+                host_memory_budget=host_memory_budget,
+            )
         except Exception as caught:  # noqa: BLE001 - every process says how its read went before any raises
             damage.reraise_interrupt(caught)
             error = caught

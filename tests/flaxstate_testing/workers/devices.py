@@ -1,4 +1,5 @@
-"""Saves a replicated state on this process's devices, or restores one onto them."""
+"""Saves a replicated state on this process's devices, or restores one onto them (with `budget`, within
+`host_memory_budget=budget`)."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ if config["mode"] == "save":
         rng=jax.random.key(0),
         final=True,
     )
-    fs.CheckpointFileWriter(config["output_dir"])(record)
+    fs.CheckpointFileWriter(config["output_dir"], host_memory_budget=config.get("budget"))(record)
     flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(state.state_dict()).items()}
     if jax.process_index() == 0:
         np.savez(config["out"], **flat)
         print("state_bytes", sum(a.nbytes for a in flat.values()))
 else:
     template = jax.jit(lambda: create(1), out_shardings=replicated)()
-    restored = fs.CheckpointFileReader(config["output_dir"]).restore(template)
+    restored = fs.CheckpointFileReader(config["output_dir"], host_memory_budget=config.get("budget")).restore(template)
     expected = dict(np.load(config["out"]))
     for path, leaf in fs.tree_paths.flatten(restored.state_dict()).items():
         np.testing.assert_array_equal(np.asarray(leaf), expected[path], err_msg=path)

@@ -6,6 +6,10 @@ held record adds) and a writer's save of the newest (the peak it adds above
 what the process held). Mode `restore`: the plan, then a reader's restore of
 that checkpoint into shapes and shardings (the peak it adds). Prints one JSON
 line: `per_host` (the plan's), `state_bytes`, and the measured figures.
+With `budget`, the writer and the reader get `host_memory_budget=budget`; with
+`local`, the writer is a local tier (`per_process=True`) and the reader reads
+`[dir/local, dir/run]` (the persistent tier holds the first record, saved
+before the measured save, so that the local tier's newer step is the one restored).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import optax  # noqa: E402
 import flaxstate as fs  # noqa: E402
 from flaxstate.training.memory import host_peak_since_reset, host_resident, reset_host_peak  # noqa: E402
 
+budget = config.get("budget")
 width = int((config["mib"] * 2**20 / 4 / 3 / 2) ** 0.5)
 
 
@@ -41,7 +46,7 @@ task = fs.TrainTask(
     loss=lambda y, t: ((y - t) ** 2).mean(),
     data=fs.global_batches((x, x), batch_size=8),
 )
-plan = fs.plan(model.init, task, target="local")
+plan = fs.plan(model.init, task, target="local", host_memory_budget=budget)
 
 
 def added_at_peak(operation) -> tuple[object, int]:
@@ -63,7 +68,12 @@ if config["mode"] == "save":
     second = loop.next_checkpoint()
     measured["one_record"] = host_resident() - held
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(second.state))
-    writer = fs.CheckpointFileWriter(config["dir"])
+    local = config.get("local", False)
+    where = f"{config['dir']}/local" if local else config["dir"]
+    if local:
+        with fs.CheckpointFileWriter(f"{config['dir']}/run") as persistent:
+            persistent(first)
+    writer = fs.CheckpointFileWriter(where, host_memory_budget=budget, per_process=local)
 
     def save() -> None:
         writer(second)
@@ -77,8 +87,11 @@ else:
         jax.eval_shape(lambda: fs.FlaxOptimTrainState.create(optimizer, model.init(jax.random.key(0), x))),
     )
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shaped))
-    restored, measured["restore"] = added_at_peak(
-        lambda: jax.block_until_ready(fs.CheckpointFileReader(config["dir"]).restore(shaped))
-    )
+    tiers = [f"{config['dir']}/local", f"{config['dir']}/run"] if config.get("local") else config["dir"]
+    reader = fs.CheckpointFileReader(tiers, host_memory_budget=budget)
+    restored, measured["restore"] = added_at_peak(lambda: jax.block_until_ready(reader.restore(shaped)))
     assert int(restored.step) == 2
-print(json.dumps({"per_host": plan.per_host, "state_bytes": state_bytes, **measured}), flush=True)
+largest = max(
+    leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0), x))
+)
+print(json.dumps({"per_host": plan.per_host, "state_bytes": state_bytes, "largest": largest, **measured}), flush=True)

@@ -1,0 +1,311 @@
+"""A save's and a restore's host memory under a budget (`host_memory_budget=` on writers and readers).
+
+orbax writes an array as one tensorstore chunk and reads it whole: a save of
+a host array holds a copy of it and tensorstore's buffers (about 2x the
+array with chunks), and a restore holds the array it read before it is put
+on the devices; a read of a slice of a one-chunk array decodes the whole
+chunk (benchmarks/RESULTS.md, issue 60). With a budget B, each array is
+stored in chunks of at most B/8 and 4 MiB (`chunk_bytes`), in orbax's own
+format (any orbax reader reads it), and written and read chunk by chunk,
+`slots(B)` chunks in flight in a process, each held at most `COPIES` times:
+a save references the record's host copy (read-only, which nothing donates)
+and holds only the chunks being encoded; a restore makes each device's
+shard on the device and writes each chunk it reads into it. Neither holds
+more than B beyond the state's own copies, whatever the size of the largest
+array, and an allowance that does not grow with the state
+(`flaxstate.host_memory.BUDGET_ALLOWANCE`).
+
+What a budget does not bound: arrays saved from the devices (`record_memory=
+"device"`, or a state saved as it is) are staged by orbax's own handler
+(stored in the same small chunks, so that their restore is bounded), and a
+checkpoint written without a budget (one chunk an array) restores chunk by
+chunk but decodes each array whole (the reader logs which).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from flaxstate import settings
+
+logger = logging.getLogger("flaxstate")
+
+SLOTS = 2
+"""Chunks in flight at once in a process, at the least (a larger budget lets more fly: `slots`)."""
+MOST_SLOTS = 8
+"""Chunks in flight at most, whatever the budget: a save of a 256 MiB state took 1.5 s with 2 and 0.8 s with 16,
+and a restore 0.76 s and 0.72 s, while each chunk in flight leaves its buffers in a thread's malloc arena (a
+restore with 16 held 195 MiB beyond the state, more than one without a budget)."""
+COPIES = 4
+"""How many times a chunk in flight is held at most: a restore holds its file's bytes, their decoding, the read
+array and its copy on the device; a save, fewer."""
+MINIMUM = COPIES * SLOTS * 4096
+"""The smallest budget: a page-sized chunk."""
+LARGEST_CHUNK = 4 * 2**20
+"""The largest chunk stored, whatever the budget. glibc's malloc serves a block below its mmap threshold (which
+rises to 32 MiB as large blocks are freed) from the arena of the thread that asks, and keeps it there once freed:
+tensorstore's threads each keep about a chunk. At 8 MiB chunks a restore's peak was 1.6x a 64 MiB budget; at
+4 MiB, within it (benchmarks/RESULTS.md)."""
+
+Region = tuple[slice, ...]
+
+
+def check(budget: int | None, owner: str) -> int | None:
+    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes.
+
+    Raises:
+        ValueError: not a positive int, or too small to hold one row of chunks.
+    """
+    if budget is None:
+        return None
+    return settings.count(owner, "host_memory_budget", budget, minimum=MINIMUM)
+
+
+def chunk_bytes(budget: int) -> int:
+    """The largest chunk a budget stores: `budget / (COPIES SLOTS)`, at most `LARGEST_CHUNK`."""
+    return min(budget // (COPIES * SLOTS), LARGEST_CHUNK)
+
+
+def slots(budget: int) -> int:
+    """How many chunks a budget lets fly at once in a process (each held at most `COPIES` times), at most
+    `MOST_SLOTS`."""
+    return min(budget // (COPIES * chunk_bytes(budget)), MOST_SLOTS)
+
+
+def chunks(shape: Sequence[int], chunk_shape: Sequence[int], within: Region | None = None) -> Iterator[Region]:
+    """The regions of a chunk grid (`chunk_shape`) that meet `within` (the whole array by default), clipped to it."""
+    if within is None:
+        within = tuple(slice(0, size) for size in shape)
+    starts = [
+        range((part.start // step) * step, part.stop, step) for part, step in zip(within, chunk_shape, strict=True)
+    ]
+    for corner in itertools.product(*starts):
+        yield tuple(
+            slice(max(start, part.start), min(start + step, part.stop))
+            for start, step, part in zip(corner, chunk_shape, within, strict=True)
+        )
+
+
+def _chunked(args: Sequence[Any] | None, n: int, budget: int) -> list[Any]:
+    """orbax's save arguments of `n` arrays, each stored in chunks of at most `chunk_bytes(budget)`."""
+    return [dataclasses.replace(arg, chunk_byte_size=chunk_bytes(budget)) for arg in (args or [ocp.SaveArgs()] * n)]
+
+
+class _Slots:
+    """At most `SLOTS` chunks in flight in a process, whichever thread's event loop runs them (orbax saves and
+    restores a step's items on loops of their own)."""
+
+    def __init__(self, budget: int) -> None:
+        self.size = slots(budget)
+        self._free = threading.BoundedSemaphore(self.size)
+
+    def try_acquire(self) -> bool:
+        return self._free.acquire(blocking=False)
+
+    async def acquire(self) -> None:
+        """Waits for a slot (call it holding none: a holder that waits could wait on itself)."""
+        while not self.try_acquire():
+            await asyncio.sleep(0.001)
+
+    def release(self) -> None:
+        self._free.release()
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[None]:
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+async def _each(regions: Iterator[Region], slots: _Slots, work: Any) -> None:
+    """Runs `work(region)` for every region, as many at once as the slots allow."""
+
+    async def one(region: Region) -> None:
+        async with slots():
+            await work(region)
+
+    await asyncio.gather(*(one(region) for region in regions))
+
+
+def _chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
+    """The shape of a store's chunks (a scalar's: its own, `()`)."""
+    shape = store.chunk_layout.read_chunk.shape
+    sizes: Sequence[Any] = store.shape if shape is None else shape
+    return tuple(int(size) for size in sizes)
+
+
+def _warn_if_whole(store: ts.TensorStore, budget: int, name: str) -> None:
+    chunk = math.prod(_chunk_shape(store)) * store.dtype.numpy_dtype.itemsize
+    if chunk > chunk_bytes(budget):
+        logger.warning(
+            "%s is stored in chunks of %d bytes, more than the budget's %d: each is decoded whole (a checkpoint "
+            "written without host_memory_budget=); save with a budget to read it in bounded slices.",
+            name,
+            chunk,
+            chunk_bytes(budget),
+        )
+
+
+class NumpyHandler(ocp.type_handlers.NumpyHandler):
+    """orbax's handler of host (numpy) arrays, writing and reading chunk by chunk within a budget."""
+
+    def __init__(self, budget: int, slots: _Slots) -> None:
+        super().__init__(deepcopy_host_arrays=False)  # records are read-only host copies: referenced, not copied
+        self._budget = budget
+        self._slots = slots
+
+    async def serialize(
+        self,
+        values: Sequence[np.ndarray],
+        infos: Sequence[Any],
+        args: Sequence[Any] | None = None,
+    ) -> Any:
+        return await super().serialize(values, infos, _chunked(args, len(values), self._budget))
+
+    async def _open_and_write(self, value: np.ndarray, tspec: dict[str, Any], ts_context: ts.Context) -> None:
+        store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+        value = np.asarray(value)
+
+        async def write(region: Region) -> None:
+            await store[region].write(value[region], can_reference_source_data_indefinitely=True)
+
+        await _each(chunks(value.shape, _chunk_shape(store)), self._slots, write)
+
+    async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[np.ndarray]:
+        args = args or [ocp.RestoreArgs()] * len(infos)
+        return [await _read_host(info, arg, self._budget, self._slots) for info, arg in zip(infos, args, strict=True)]
+
+
+def _read_context(budget: int) -> ts.Context:
+    """orbax's tensorstore context for reads, with OCDBT's cache (orbax's: 100 MB) bounded to one chunk."""
+    spec = ocp.type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+    spec["cache_pool#ocdbt"] = {"total_bytes_limit": chunk_bytes(budget)}
+    return ts.Context(ts.Context.Spec(spec))
+
+
+async def _open_read(info: Any, arg: Any, budget: int) -> ts.TensorStore:
+    await info.await_path_creation()
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+    store = await ts.open(ts.Spec(spec), open=True, context=_read_context(budget))
+    dtype = getattr(arg, "dtype", None)
+    return store if dtype is None else ts.cast(store, np.dtype(dtype))
+
+
+async def _read_host(info: Any, arg: Any, budget: int, slots: _Slots) -> np.ndarray:
+    """One array read into a numpy array, chunk by chunk."""
+    store = await _open_read(info, arg, budget)
+    _warn_if_whole(store, budget, info.name)
+    out = np.empty(store.shape, dtype=store.dtype.numpy_dtype)
+
+    async def read(region: Region) -> None:
+        out[region] = await store[region].read()
+
+    await _each(chunks(out.shape, _chunk_shape(store)), slots, read)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(shard: jax.Array, piece: jax.Array, start: tuple[jax.Array, ...]) -> jax.Array:
+    return jax.lax.dynamic_update_slice(shard, piece, start)
+
+
+def put(shard: jax.Array, piece: np.ndarray, start: Sequence[int]) -> jax.Array:
+    """`shard` (donated) with a host piece written at `start`, on the shard's device; waits, so that the piece's
+    copy on the device is freed before the next is read."""
+    (device,) = shard.devices()
+    return _put(shard, jax.device_put(piece, device), tuple(start)).block_until_ready()
+
+
+class ArrayHandler(ocp.type_handlers.TypeHandler):
+    """orbax's handler of device arrays (`inner`), reading each shard chunk by chunk on its device within a budget.
+
+    Saves, metadata and restores of anything but a sharded array of the stored shape stay `inner`'s.
+    """
+
+    def __init__(self, budget: int, inner: Any, slots: _Slots) -> None:
+        self._budget = budget
+        self._inner = inner
+        self._slots = slots
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def typestr(self) -> str:
+        return str(self._inner.typestr())
+
+    async def metadata(self, infos: Sequence[Any]) -> Any:
+        return await self._inner.metadata(infos)
+
+    async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None) -> Any:
+        return await self._inner.serialize(values, infos, _chunked(args, len(values), self._budget))
+
+    async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
+        if args is None or any(getattr(arg, "sharding", None) is None for arg in args):
+            return list(await self._inner.deserialize(infos, args))
+        return [await self._read(info, arg) for info, arg in zip(infos, args, strict=True)]
+
+    async def _read(self, info: Any, arg: Any) -> jax.Array:
+        store = await _open_read(info, arg, self._budget)
+        shape = tuple(int(size) for size in store.shape)
+        if arg.global_shape is not None and tuple(arg.global_shape) != shape:
+            return (await self._inner.deserialize([info], [arg]))[0]  # orbax pads or truncates: its own read
+        _warn_if_whole(store, self._budget, info.name)
+        sharding: jax.sharding.Sharding = arg.sharding
+        dtype, grid = store.dtype.numpy_dtype, _chunk_shape(store)
+        shards = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            assert index is not None  # a device of the sharding holds a part
+            region = tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape, strict=True))
+            shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
+            reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
+            try:
+                for piece_region in chunks(shape, grid, region):
+                    # A chunk read holds a slot until its copy on the device is in the shard. Where none is free,
+                    # the oldest read goes into the shard first; holding none, this waits for another thread's.
+                    while reads and not self._slots.try_acquire():
+                        start, read = reads.popleft()
+                        shard = put(shard, await read, start)
+                        self._slots.release()
+                    if not reads:
+                        await self._slots.acquire()
+                    start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
+                    reads.append((start, store[piece_region].read()))
+                while reads:
+                    start, read = reads.popleft()
+                    shard = put(shard, await read, start)
+                    self._slots.release()
+            finally:
+                for _ in reads:  # a failed read: the slots of those still pending
+                    self._slots.release()
+            shards.append(shard)
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def registry(budget: int) -> Any:
+    """orbax's default type handlers, with host and device arrays written and read within `budget`."""
+    slots = _Slots(budget)  # one process's chunks in flight, host and device arrays together
+    own = {
+        np.ndarray: NumpyHandler(budget, slots),
+        jax.Array: ArrayHandler(budget, ocp.type_handlers.get_type_handler(jax.Array), slots),
+    }
+    kinds = ocp.type_handlers.supported_types()
+    return ocp.type_handlers.create_type_handler_registry(
+        *((kind, own.get(kind) or ocp.type_handlers.get_type_handler(kind)) for kind in kinds)
+    )

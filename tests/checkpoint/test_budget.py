@@ -1,0 +1,105 @@
+"""A save's and a restore's host memory budget: the same bits, arrays stored in bounded chunks, bad budgets named."""
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorstore as ts
+from etils import epath
+from flaxstate_testing import toy
+from flaxstate_testing.checkpoints import assert_trees_equal, fresh_state, records
+
+import flaxstate as fs
+from flaxstate.checkpoint import budget
+from flaxstate.checkpoint.stores import local as local_store
+
+MODEL = toy.MLP(width=2048)  # a kernel of 4 x 2048 float32 (32 KiB), its Adam moments alike
+BUDGET = budget.MINIMUM  # 32 KiB: chunks of 4 KiB, so the largest arrays span 8 chunks
+
+
+def stored_chunk_bytes(step_dir, name):
+    """The bytes of one stored chunk of a model array, read from its tensorstore spec (as any orbax reader would)."""
+    item = step_dir / "model"
+    info = ocp.type_handlers.ParamInfo(
+        name=name,
+        parent_dir=epath.Path(item),
+        use_zarr3=json.loads((item / "_METADATA").read_text())["use_zarr3"],
+        ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True),
+    )
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+    store = ts.open(spec, context=info.ts_context).result()
+    return int(np.prod(store.chunk_layout.read_chunk.shape)) * store.dtype.numpy_dtype.itemsize
+
+
+def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path):
+    recs = records(n_steps=4, model=MODEL)
+    with fs.CheckpointFileWriter(tmp_path / "budget", host_memory_budget=BUDGET) as writer:
+        for record in recs:
+            writer(record)
+    with fs.CheckpointFileWriter(tmp_path / "plain") as writer:
+        writer(recs[-1])
+    kernel = "target.Dense_0.kernel"
+    assert stored_chunk_bytes(tmp_path / "budget" / "4", kernel) <= budget.chunk_bytes(BUDGET)
+    assert stored_chunk_bytes(tmp_path / "plain" / "4", kernel) == 4 * 2048 * 4  # orbax's own: one chunk
+
+    expected = recs[-1].state
+    for directory in ("budget", "plain"):
+        for reader_budget in (BUDGET, None):
+            reader = fs.CheckpointFileReader(tmp_path / directory, host_memory_budget=reader_budget)
+            restored = reader.restore(fresh_state(MODEL))
+            assert int(restored.step) == 4
+            assert_trees_equal(restored, expected)  # parameters, optimizer state, step, batch statistics
+            as_numpy = reader.read(None).state  # no template: numpy arrays of the stored tree (state-dict layout)
+            assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(as_numpy))
+            assert_trees_equal(as_numpy["target"], expected.params)
+
+    # Plain orbax, without flaxstate, restores what the budgeted writer stored.
+    manager = ocp.CheckpointManager(tmp_path / "budget", item_names=("model", "optimizer", "meta"))
+    restored = manager.restore(4, args=ocp.args.Composite(model=ocp.args.PyTreeRestore()))
+    np.testing.assert_array_equal(restored.model["target"]["Dense_0"]["kernel"], expected.params["Dense_0"]["kernel"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"host_memory_budget": 1000}, r"CheckpointFileWriter host_memory_budget must be .*at least 32768"),
+        ({"host_memory_budget": "1G"}, r"CheckpointFileWriter host_memory_budget must be"),
+        ({"host_memory_budget": BUDGET, "per_process": True, "peers": 1}, r"does not bound peer copies' exchange"),
+    ],
+)
+def test_a_writer_names_a_bad_budget(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fs.CheckpointFileWriter(tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_reader_names_a_bad_budget(tmp_path):
+    with pytest.raises(ValueError, match=r"CheckpointFileReader host_memory_budget must be .*at least 32768"):
+        fs.CheckpointFileReader(tmp_path, host_memory_budget=-1)
+
+
+def test_a_local_tier_step_restores_the_same_bits_read_in_slices(tmp_path, caplog, monkeypatch):
+    recs = records(n_steps=4, model=MODEL)
+    local, persistent = tmp_path / "local", tmp_path / "run"
+    with fs.CheckpointFileWriter(persistent) as writer:  # the run's persistent tier, one step behind
+        writer(recs[0])
+    with fs.CheckpointFileWriter(local, per_process=True, host_memory_budget=BUDGET) as writer:
+        for record in recs:
+            writer(record)
+    reads = []
+    original = local_store._Parts._bytes
+
+    def spied(self, offset, size):
+        reads.append(size)
+        return original(self, offset, size)
+
+    monkeypatch.setattr(local_store._Parts, "_bytes", spied)
+    budget_of_rows = 2 * BUDGET  # a kernel's row is 8 KiB: slices of whole rows within a chunk of this budget
+    reader = fs.CheckpointFileReader([local, persistent], host_memory_budget=budget_of_rows)
+    with caplog.at_level("INFO", logger="flaxstate"):
+        restored = reader.restore(fresh_state(MODEL))
+    assert "from the local tier" in caplog.text
+    assert_trees_equal(restored, recs[-1].state)
+    assert max(reads) <= budget.chunk_bytes(budget_of_rows) and len(reads) > len(jax.tree.leaves(restored))
