@@ -107,7 +107,7 @@ def _chunked(args: Sequence[Any] | None, n: int, budget: int) -> list[Any]:
 
 
 class _Slots:
-    """At most `SLOTS` chunks in flight in a process, whichever thread's event loop runs them (orbax saves and
+    """At most `slots(budget)` chunks in flight in a process, whichever thread's event loop runs them (orbax saves and
     restores a step's items on loops of their own)."""
 
     def __init__(self, budget: int) -> None:

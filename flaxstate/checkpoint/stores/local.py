@@ -461,10 +461,6 @@ class _Parts:
         shape = [stop - start for start, stop in outer["index"]]
         begin = int(outer["offset"])
         if begin not in self._read:
-            data = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
-            self._file.seek(begin)
-            if self._file.readinto(data.data) != data.size:
-                raise DamagedCheckpointError(f"{self._path} ends inside an array's part: the step is damaged")
-            self._read[begin] = data
+            self._read[begin] = self._bytes(begin, math.prod(shape) * dtype.itemsize)
         data = self._read[begin].view(dtype).reshape(shape)
         return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]
