@@ -9,18 +9,19 @@ process 0:
 
 1. save: milliseconds the local writer's call blocks the loop, and until the
    save is on disk (the call and `wait()`): the sharded state with `peers=0`
-   and `peers=1`, the replicated one with `peers=1`; the bytes each process
+   and `peers=1` (and with `host_memory_budget=` `--budget-mib` MiB: the
+   parts sent in slices), the replicated one with `peers=1`; the bytes each process
    sends its peer a save; the peak of the host memory that numpy allocates
    during a save (`tracemalloc`: the packed buffer, the received copy); and
    the local tier's bytes on disk;
 2. restore of a replaced host (process 1's local directory deleted before each
    round): `CheckpointFileReader([local, persistent])`, where process 1's
    parts come back from process 0 (its peer copy, or its own step where the
-   state is replicated), against the persistent tier's restore
+   state is replicated; under the budget, in slices), against the persistent tier's restore
    (`CheckpointFileReader(persistent)`, on this machine's disk: a real
    persistent tier is a network filesystem or a bucket, slower).
 
-    python benchmarks/peers.py [--rounds 5] [--mib 200]
+    python benchmarks/peers.py [--rounds 5] [--mib 200] [--budget-mib 16]
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
-WRITERS = ("sharded, peers=0", "sharded, peers=1", "replicated, peers=1")
-RESTORES = ("sharded: peer copy", "sharded: persistent", "replicated: replica's step", "replicated: persistent")
+WRITERS = ("sharded, peers=0", "sharded, peers=1", "sharded, peers=1, budget", "replicated, peers=1")
+RESTORES = (
+    "sharded: peer copy",
+    "sharded: peer copy, budget",
+    "sharded: persistent",
+    "replicated: replica's step",
+    "replicated: persistent",
+)
 
 
 def median_ms(values: list[float]) -> float:
@@ -85,8 +92,19 @@ def worker(args: argparse.Namespace) -> None:
     def local_dir(name: str) -> Path:
         return root / f"local-{WRITERS.index(name)}-{me}"
 
+    budget = args.budget_mib * 2**20
+
+    def peers_of(name: str) -> int:
+        return int(name.split("peers=")[1][0])
+
     writers = {
-        name: fs.CheckpointFileWriter(local_dir(name), keep=2, per_process=True, peers=int(name[-1]))
+        name: fs.CheckpointFileWriter(
+            local_dir(name),
+            keep=2,
+            per_process=True,
+            peers=peers_of(name),
+            host_memory_budget=budget if name.endswith("budget") else None,
+        )
         for name in WRITERS
     }
     for name, writer in writers.items():  # the first record claims the directory (a survey, a collective): not timed
@@ -121,12 +139,13 @@ def worker(args: argparse.Namespace) -> None:
     for index in range(args.rounds):
         for name in RESTORES if index % 2 == 0 else RESTORES[::-1]:
             layout = name.split(":")[0]
-            local = local_dir(f"{layout}, peers=1")
+            local = local_dir(f"{layout}, peers=1" + (", budget" if name.endswith("budget") else ""))
             if me == 1:
                 shutil.rmtree(local / "process-1", ignore_errors=True)
             multihost_utils.sync_global_devices("replaced")
             reader = fs.CheckpointFileReader(
-                persistent[layout] if "persistent" in name else [local, persistent[layout]]
+                persistent[layout] if "persistent" in name else [local, persistent[layout]],
+                host_memory_budget=budget if name.endswith("budget") else None,
             )
             start = time.perf_counter()
             restored = reader.restore(templates[layout])
@@ -152,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mib", type=int, default=200, help="the state's MiB")
+    parser.add_argument("--budget-mib", type=int, default=16, help="the budgeted writer's and reader's MiB")
     parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
@@ -167,6 +187,7 @@ def main() -> None:
     persistent = tempfile.mkdtemp(prefix="flaxstate-peers-persistent-")  # on disk
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, __file__, "--rounds", str(args.rounds), "--mib", str(args.mib)]
+    command += ["--budget-mib", str(args.budget_mib)]
     command += ["--port", str(port), "--root", root, "--persistent", persistent]
     try:
         workers = [
@@ -185,7 +206,8 @@ def main() -> None:
     print(
         f"jax {jax.__version__}, 2 gloo processes on this machine ({os.cpu_count()} CPUs), {args.mib} MiB of the "
         f"state on each process, local tiers in {Path(root).parent}, the persistent tier in "
-        f"{Path(persistent).parent}, {args.rounds} alternating rounds, medians on process 0\n"
+        f"{Path(persistent).parent}, budget {args.budget_mib} MiB, {args.rounds} alternating rounds, medians on "
+        "process 0\n"
     )
     print(
         "| state, local writer | ms the call blocks | ms to on disk | MiB sent to the peer | peak host MiB a save "

@@ -56,7 +56,8 @@ def test_each_kind_of_host_memory_follows_the_process_s_parts_and_the_options(tm
 
     on_devices = plan(record_memory="device", local_dir="/dev/shm/run", local_keep=2, peers=1)
     assert on_devices.per_host["records"] == 0
-    assert on_devices.per_host["peers"] == 2 * state_bytes  # its packed parts and one peer's
+    # Its packed parts, the collective's copies of them, and one peer's parts.
+    assert on_devices.per_host["peers"] == int(host_memory.EXCHANGE * state_bytes)
     in_memory = "tmpfs" in filesystem("/dev/shm")
     assert on_devices.per_host["local_tier"] == (3 * 2 * state_bytes if in_memory else 0)  # keep + 1, two copies
     on_disk = plan(local_dir=tmp_path / "not yet made", local_keep=2)
@@ -105,3 +106,23 @@ def test_a_budget_bounds_a_fresh_process_s_save_and_restore_below_its_largest_ar
     assert save["per_host"]["save"] == bound == save["per_host"]["restore"] - save["state_bytes"]  # the plan says it
     assert save["save"] <= bound, (save["save"], bound)  # orbax's own save of this state held 190 to 210 MiB
     assert restore["restore"] - restore["state_bytes"] <= bound, (restore["restore"], restore["state_bytes"], bound)
+
+
+def test_a_peer_copy_s_host_memory_is_what_the_plan_says_and_a_budget_bounds_it(tmp_path):
+    # Two processes on two hosts, each holding half of the 256 MiB state (128 MiB), save a record to a local tier
+    # with peers=1: each process's exchange measured in a fresh process, without a budget and with 16 MiB.
+    budget = 16 * 2**20
+    measured = {}
+    for name, extra in {"whole": {}, "budget": {"budget": budget}}.items():
+        config = {"mib": 256, "dir": str(tmp_path / name), "mode": "peers", **extra}
+        outputs = processes.run("host_memory", config, n_processes=2, timeout=300)
+        measured[name] = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    for whole, bounded in zip(measured["whole"], measured["budget"], strict=True):
+        state_bytes = whole["state_bytes"]
+        assert state_bytes == whole["per_host"]["records"] / 2 - whole["largest"]  # S + G, G half of two kernels
+        planned = whole["per_host"]["peers"]
+        assert planned == int(host_memory.EXCHANGE * state_bytes)  # with one peer
+        assert planned == pytest.approx(whole["peers"], rel=0.25), (planned, whole["peers"], state_bytes)
+        bound = budget + host_memory.BUDGET_ALLOWANCE
+        assert bounded["per_host"]["peers"] == bound < state_bytes  # the plan says it
+        assert bounded["peers"] <= bound, (bounded["peers"], bound)  # 3 to 4 x 128 MiB without it

@@ -32,6 +32,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from flaxstate import settings
+from flaxstate import locations, settings
 
 logger = logging.getLogger("flaxstate")
 
@@ -65,14 +66,20 @@ tensorstore's threads each keep about a chunk. At 8 MiB chunks a restore's peak 
 Region = tuple[slice, ...]
 
 
-def check(budget: int | None, owner: str) -> int | None:
-    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes.
+def check(budget: int | None, owner: str, directory: str | os.PathLike[str] | None = None) -> int | None:
+    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes, for a writer of
+    `directory` (where given).
 
     Raises:
-        ValueError: not a positive int, or too small to hold one row of chunks.
+        ValueError: not a positive int, or too small to hold one row of chunks, or given for an s3:// directory.
     """
     if budget is None:
         return None
+    if directory is not None and locations.scheme_of(directory) == "s3":
+        raise ValueError(
+            f"{owner}: host_memory_budget= bounds the saves of an orbax directory (on a disk or in gs://) and of "
+            f"a local tier; this version does not bound an s3:// store's save ({directory}): drop it there."
+        )
     return settings.count(owner, "host_memory_budget", budget, minimum=MINIMUM)
 
 

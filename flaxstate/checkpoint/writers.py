@@ -98,7 +98,7 @@ class _Writer:
         host_memory_budget: int | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
-        host_memory_budget = budget.check(host_memory_budget, owner)
+        host_memory_budget = budget.check(host_memory_budget, owner, output_dir)
         keep = settings.count(owner, "keep", keep)
         every_seconds = settings.optional_seconds(owner, "every_seconds", every_seconds)
         overwrite = settings.flag(owner, "overwrite", overwrite)
@@ -134,13 +134,9 @@ class _Writer:
                 f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
                 "per_process=True (a persistent directory is every process's already)."
             )
-        if host_memory_budget is not None and (peers or stores.is_object_store(directory)):
-            raise ValueError(
-                f"{description}: host_memory_budget= bounds the saves of an orbax directory (on a disk or in "
-                "gs://) and of a local tier without peers; this version does not bound peer copies' exchange "
-                "or an s3:// store's save: drop it there, and give it to the persistent tier's writer."
-            )
-        copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(peers, description)) if peers else None
+        copies = None
+        if peers:
+            copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(peers, description), host_memory_budget)
         self._store: stores.Store = stores.open_store(
             directory,
             per_process=per_process,
@@ -398,7 +394,9 @@ class CheckpointFileWriter(_Writer):
                 copy of the state more. A local tier (`per_process=True`)
                 writes a record's host parts to its file as they are, with or
                 without one (its restore is what the reader's budget bounds);
-                refused with `peers` and for an s3:// directory.
+                with `peers`, the exchange moves the parts in slices of an
+                eighth of it, written to the copy's file as they come, and the
+                loop waits for the move. Refused for an s3:// directory.
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
@@ -407,9 +405,10 @@ class CheckpointFileWriter(_Writer):
                 is not JSON-serializable.
             ValueError: `keep` below 1, `every_seconds` not positive,
                 `peers` not below the process count, or without `per_process`,
-                or `host_memory_budget` below 32 KiB, or given with `peers`
-                or for an s3:// directory.
+                or `host_memory_budget` below 32 KiB, or given for an s3://
+                directory.
         """
+        budget.check(host_memory_budget, "CheckpointFileWriter", output_dir)  # before a bucket is asked for
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
         every += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
         local = ", per_process=True" if per_process else ""

@@ -66,12 +66,12 @@ def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path):
     [
         ({"host_memory_budget": 1000}, r"CheckpointFileWriter host_memory_budget must be .*at least 32768"),
         ({"host_memory_budget": "1G"}, r"CheckpointFileWriter host_memory_budget must be"),
-        ({"host_memory_budget": BUDGET, "per_process": True, "peers": 1}, r"does not bound peer copies' exchange"),
+        ({"host_memory_budget": BUDGET, "output_dir": "s3://bucket/run"}, r"does not bound an s3:// store's save"),
     ],
 )
 def test_a_writer_names_a_bad_budget(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        fs.CheckpointFileWriter(tmp_path, **kwargs)
+        fs.CheckpointFileWriter(**{"output_dir": tmp_path, **kwargs})
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 

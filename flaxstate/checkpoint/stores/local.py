@@ -103,8 +103,11 @@ class Handoff(Protocol):
 class Copies(Protocol):
     """How a save hands this process's parts to its peers (`flaxstate.checkpoint.tiers.peers.PeerCopies`)."""
 
-    def exchange(self, saved: bool, flat: Mapping[str, Any], header: dict[str, Any]) -> Handoff:
-        """Runs with every process at each save: whether any holds the step already, and the parts moved."""
+    def exchange(
+        self, saved: bool, flat: Mapping[str, Any], header: dict[str, Any], directory: Path, step: int
+    ) -> Handoff:
+        """Runs with every process at each save of `step` to `directory`: whether any holds the step already, and
+        the parts moved."""
         ...
 
 
@@ -148,7 +151,7 @@ class LocalStore(saving.SaveSlot):
                 raise self.refuse_replacing(step)
             self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, None))
             return
-        exchanged = self._copies.exchange(saved, flat, header)  # every process together: all refuse together
+        exchanged = self._copies.exchange(saved, flat, header, self.directory, step)  # all refuse together
         if exchanged.anyone_saved:
             raise self.refuse_replacing(step)
         self._pending = saving.BackgroundSave(step, lambda: self._write(step, flat, header, exchanged))
@@ -353,15 +356,28 @@ def write_packed(
     directory: Path, step: int, meta: Mapping[str, Any], chunks: list[np.ndarray], keep: int | None
 ) -> None:
     """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = open_partial(directory, step)
     with open(partial / ARRAYS, "wb") as file:
         for chunk in chunks:
             file.write(chunk.data if chunk.size else b"")
         file.flush()
         os.fsync(file.fileno())
+    place_partial(directory, step, meta, keep)
+
+
+def open_partial(directory: Path, step: int) -> Path:
+    """A fresh `<step>.partial-<pid>` in `directory` (one this process left is removed), for `arrays.bin`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def place_partial(directory: Path, step: int, meta: Mapping[str, Any], keep: int | None) -> None:
+    """Writes `meta.json` beside the `arrays.bin` of `open_partial`'s directory (written and fsync'd), renames it
+    into place, and drops the oldest steps beyond `keep`."""
+    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
     with open(partial / META_FILE, "w") as file:
         json.dump(meta, file)
         file.flush()

@@ -234,9 +234,9 @@ def agreed_local_step(
     return Agreement(chosen, why, False, persistent)
 
 
-def _bring_back(chosen: LocalStep) -> LocalStep:
+def _bring_back(chosen: LocalStep, host_memory_budget: int | None) -> LocalStep:
     """Moves each lost process's parts of the chosen step from the peer that keeps them (`peers.bring_back`)."""
-    meta = peers.bring_back(chosen.store, chosen.step, chosen.transfers, chosen.meta)
+    meta = peers.bring_back(chosen.store, chosen.step, chosen.transfers, chosen.meta, host_memory_budget)
     assert meta is not None
     return dataclasses.replace(chosen, meta=meta)
 
@@ -395,7 +395,7 @@ def _read_local(
     if chosen is not None:
         error: Exception | None = None
         if chosen.transfers:
-            chosen = _bring_back(chosen)
+            chosen = _bring_back(chosen, host_memory_budget)
         try:
             assert chosen.meta is not None
             why_not = parts.covers(chosen.meta, template or {}, with_optimizer)

@@ -11,6 +11,7 @@ pure data parallelism (`replicas`) no copy is kept, and a replica's own step
 serves instead.
 """
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from flaxstate_testing import processes
 from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
 
 import flaxstate as fs
+from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.stores.local import read_packed, step_numbers, write_packed
 from flaxstate.checkpoint.tiers import peers
 
@@ -103,7 +105,7 @@ def test_the_copies_a_save_keeps_replace_stale_ones_and_a_restart_drops_those_at
     write_packed(copies, 3, {"bytes": 1, "run_id": "other"}, [np.zeros(1, np.uint8)], None)  # another run's
     write_packed(copies, 9, {"bytes": 1, "run_id": "this"}, [np.zeros(1, np.uint8)], None)  # a history left behind
     body = np.arange(5, dtype=np.uint8)
-    received = peers.pack({"bytes": 5, "run_id": "this", "step": 6}, [body])
+    received = np.concatenate(peers.framed({"bytes": 5, "run_id": "this", "step": 6}, [body]))
     peers.Exchanged(anyone_saved=False, received=((1, received), (2, None))).keep(mine, 6, keep=2)
     assert step_numbers(copies) == [6] and step_numbers(peers.copies_directory(mine, 2)) == []
     meta, stored = read_packed(copies / "6")
@@ -137,6 +139,52 @@ def test_a_replaced_host_gets_its_parts_from_its_peer_and_resumes_from_the_local
     assert_same(final, killed["straight"])
     # Its own saves, and its copies of process 0's, go on after the restart.
     assert local_steps(directory / "local-1", 1)[-1] == kept_copies(directory, 1, 0)[-1] == 100
+
+
+def test_under_a_budget_a_lost_host_s_parts_and_the_copies_after_it_move_in_slices_bit_for_bit(killed, tmp_path):
+    # The smallest budget (32 KiB) moves 4 KiB slices: a step of two processes spans two, the arrays across. The
+    # restart brings process 1's parts back in slices from the holder's file, and each save after it exchanges
+    # in slices.
+    directory, n = restart_copy(killed, tmp_path), killed["n"]
+    shutil.rmtree(directory / "local-1")
+    final, outputs = run(directory, n, budget=budget.MINIMUM)
+    newest = restored_local_step(outputs[0])
+    assert newest > PERSISTENT_STEP and f"process 1's parts of step {newest} come from" in outputs[0], outputs[0]
+    assert_same(final, killed["straight"])
+    for owner in range(n):  # each copy byte for byte as its owner wrote its own step
+        holder = (owner + 1) % n
+        own_dir = directory / f"local-{owner}" / f"process-{owner}"
+        copy_dir = directory / f"local-{holder}" / f"process-{holder}" / "peers" / f"process-{owner}"
+        assert kept_copies(directory, holder, owner)[-1] == 100
+        (own_meta, own), (copy_meta, copy) = read_packed(own_dir / "100"), read_packed(copy_dir / "100")
+        assert own.tobytes() == copy.tobytes() and own_meta == copy_meta
+        sent = 8 + len(json.dumps(own_meta)) + own.size  # two slices or more of two processes' larger parts
+        assert sent > budget.chunk_bytes(budget.MINIMUM) or n == 4, sent
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 7, 64, 10**6])
+def test_a_step_sent_in_slices_of_any_size_arrives_whole_and_the_padding_is_dropped(tmp_path, slice_bytes):
+    # What each process does with its own bytes and the slices it receives (the collective between is the test
+    # above's): pieces of arrays and of a file, gathered a slice at a time, then written as they come.
+    meta = {"bytes": 300, "run_id": "this", "arrays": {"w": "x" * 100}}
+    body = np.arange(300, dtype=np.uint8)
+    (tmp_path / "tail.bin").write_bytes(body[200:].tobytes())
+    outgoing = peers.Outgoing([*peers.framed(meta, [body[:120], body[120:200]]), tmp_path / "tail.bin"])
+    assert outgoing.size == 8 + len(json.dumps(meta)) + 300
+    incoming = peers.Incoming(tmp_path / "copies", 6)
+    longest = outgoing.size + 50  # another process sent more: every slice is as long, and the last padded
+    for start in range(0, longest, slice_bytes):
+        row = np.full(min(slice_bytes, longest), 255, np.uint8)
+        outgoing.fill(start, row)
+        incoming.feed(row)
+    assert incoming.place(None, keep=1) == meta
+    stored_meta, stored = read_packed(tmp_path / "copies" / "6")
+    assert stored_meta == meta and stored.tobytes() == body.tobytes()
+    short = peers.Incoming(tmp_path / "copies", 7)
+    short.feed(np.concatenate(peers.framed(meta, [body]))[:-1])
+    with pytest.raises(OSError, match=r"step 7 arrived short \(1 bytes missing\)"):
+        short.place(None, keep=1)
+    assert step_numbers(tmp_path / "copies") == [6]
 
 
 def test_adjacent_lost_hosts_fall_back_to_the_persistent_tier_and_say_why(killed, tmp_path):

@@ -10,6 +10,10 @@ With `budget`, the writer and the reader get `host_memory_budget=budget`; with
 `local`, the writer is a local tier (`per_process=True`) and the reader reads
 `[dir/local, dir/run]` (the persistent tier holds the first record, saved
 before the measured save, so that the local tier's newer step is the one restored).
+Mode `peers` (two processes, each on a host of its own): the kernels' hidden
+units sharded over both, so that each holds half the state; a local tier with
+`peers=1` saves the second record, whose peak above what the process held (its
+exchange's first compile included) is measured as `peers`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flaxstate_testing.workers.common import setup
 config = setup()
 
 import json  # noqa: E402
+import os  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -32,10 +37,19 @@ budget = config.get("budget")
 width = int((config["mib"] * 2**20 / 4 / 3 / 2) ** 0.5)
 
 
+sharded = config["mode"] == "peers"
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)) if sharded else None
+rules = (("batch", "fsdp"), ("hidden", "fsdp")) if sharded else None
+
+
 class Wide(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Dense(width, use_bias=False)(nn.Dense(width, use_bias=False)(x))
+        def dense(axes: tuple[str | None, str | None]) -> nn.Dense:
+            kernel = nn.initializers.lecun_normal()
+            return nn.Dense(width, use_bias=False, kernel_init=nn.with_logical_partitioning(kernel, axes))
+
+        return dense(("hidden", None))(dense((None, "hidden"))(x))
 
 
 x = np.ones((8, width), np.float32)
@@ -46,7 +60,16 @@ task = fs.TrainTask(
     loss=lambda y, t: ((y - t) ** 2).mean(),
     data=fs.global_batches((x, x), batch_size=8),
 )
-plan = fs.plan(model.init, task, target="local", host_memory_budget=budget)
+plan = fs.plan(
+    model.init,
+    task,
+    target="local",
+    host_memory_budget=budget,
+    mesh_shape={"fsdp": jax.device_count()} if sharded else None,
+    axis_rules=rules,
+    peers=1 if sharded else 0,
+    local_dir=f"{config['dir']}/local" if sharded else None,
+)
 
 
 def added_at_peak(operation) -> tuple[object, int]:
@@ -59,7 +82,32 @@ def added_at_peak(operation) -> tuple[object, int]:
 
 
 measured: dict[str, int] = {}
-if config["mode"] == "save":
+if config["mode"] == "peers":
+    os.environ["FLAXSTATE_HOST"] = f"host-{jax.process_index()}"
+    loop = fs.TrainLoop(
+        init=model.init,
+        task=task,
+        rng=jax.random.key(0),
+        n_steps=2,
+        n_steps_per_checkpoint=1,
+        stdout=False,
+        mesh=mesh,
+        axis_rules=rules,
+    )
+    local_tier = fs.CheckpointFileWriter(f"{config['dir']}/local", per_process=True, peers=1, host_memory_budget=budget)
+    first = loop.next_checkpoint()
+    second = loop.next_checkpoint()
+    state_bytes = sum(  # this process's parts
+        sum(shard.data.nbytes for shard in leaf.addressable_shards) if isinstance(leaf, jax.Array) else leaf.nbytes
+        for leaf in jax.tree.leaves(second.state)
+    )
+
+    def save_with_copies() -> None:
+        local_tier(second)
+        local_tier.close()
+
+    measured["peers"] = added_at_peak(save_with_copies)[1]
+elif config["mode"] == "save":
     loop = fs.TrainLoop(
         init=model.init, task=task, rng=jax.random.key(0), n_steps=2, n_steps_per_checkpoint=1, stdout=False
     )

@@ -103,7 +103,11 @@ if local_dir is not None:
     shown.propagate = False
 optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
 loop = fs.TrainLoop(
-    init=fs.CheckpointFileReader([local_dir, output_dir] if local_dir else output_dir, target=model.init)
+    init=fs.CheckpointFileReader(
+        [local_dir, output_dir] if local_dir else output_dir,
+        target=model.init,
+        host_memory_budget=config.get("budget"),
+    )
     if config.get("resume", True)
     else model.init,
     task=fs.TrainTask(
@@ -132,7 +136,9 @@ logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
 if config.get("hosts"):  # one simulated host a process (FLAXSTATE_HOST, as a cluster whose host names repeat)
     os.environ["FLAXSTATE_HOST"] = config["hosts"][jax.process_index()]
 local = (
-    fs.CheckpointFileWriter(local_dir, keep=3, per_process=True, peers=config.get("peers", 0))
+    fs.CheckpointFileWriter(
+        local_dir, keep=3, per_process=True, peers=config.get("peers", 0), host_memory_budget=config.get("budget")
+    )
     if local_dir
     else (lambda record: record)
 )
