@@ -192,7 +192,7 @@ def plan(
         host_memory: a host's memory in bytes (by default this machine's for
             "local" and "cpu:N", unknown for a TPU topology).
         host_memory_budget: the writer's and the reader's `host_memory_budget=`:
-            a save and a restore's reads hold at most it and
+            a save, a peer exchange and a restore's reads hold at most it and
             `host_memory.BUDGET_ALLOWANCE` beyond the state.
 
     Returns:

@@ -402,7 +402,7 @@ class PeerCopies:
         plan: who keeps whose parts (`plan_for_this_run`).
         host_memory_budget: move the parts in slices of `budget.chunk_bytes` bytes, each received slice
             written to the copy's file as it comes, so that the exchange holds a few slices instead of the
-            step's bytes two times over; the loop waits for the move, which is dispatched a slice at a time.
+            step's bytes three to four times over (`host_memory.EXCHANGE`); the loop waits for the move.
     """
 
     def __init__(self, plan: PeerPlan, host_memory_budget: int | None = None) -> None:
