@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 import flaxstate as fs
+from flaxstate.checkpoint.stores.local import ARRAYS, stored_meta
 from flaxstate_testing import toy
 
 
@@ -109,3 +110,8 @@ def local_steps(local_dir: Path, process: int) -> list[int]:
     """The whole steps in a process's own part of a local tier."""
     part = local_dir / f"process-{process}"
     return sorted(int(p.name) for p in part.iterdir() if p.name.isdigit())
+
+
+def read_packed(step_dir: Path) -> tuple[dict, np.ndarray]:
+    """A local step's meta as stored and its `arrays.bin`'s bytes."""
+    return stored_meta(step_dir), np.fromfile(step_dir / ARRAYS, dtype=np.uint8)

@@ -368,16 +368,21 @@ def write_packed(
 def open_partial(directory: Path, step: int) -> Path:
     """A fresh `<step>.partial-<pid>` in `directory` (one this process left is removed), for `arrays.bin`."""
     directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
+    partial = _partial(directory, step)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     return partial
 
 
+def _partial(directory: Path, step: int) -> Path:
+    """Where this process writes `step` before naming it: `<step>.partial-<pid>`."""
+    return directory / f"{step}{PARTIAL}{os.getpid()}"
+
+
 def place_partial(directory: Path, step: int, meta: Mapping[str, Any], keep: int | None) -> None:
     """Writes `meta.json` beside the `arrays.bin` of `open_partial`'s directory (written and fsync'd), renames it
     into place, and drops the oldest steps beyond `keep`."""
-    partial = directory / f"{step}{PARTIAL}{os.getpid()}"
+    partial = _partial(directory, step)
     with open(partial / META_FILE, "w") as file:
         json.dump(meta, file)
         file.flush()
@@ -390,16 +395,16 @@ def place_partial(directory: Path, step: int, meta: Mapping[str, Any], keep: int
             remove_step(directory, old)
 
 
-def read_packed(step_dir: Path) -> tuple[dict[str, Any], np.ndarray]:
-    """A step's meta (as stored) and `arrays.bin`'s bytes, to send whole to the process that lost it."""
-    meta = json.loads((step_dir / META_FILE).read_text())
-    return meta, np.fromfile(step_dir / ARRAYS, dtype=np.uint8)
+def stored_meta(step_dir: Path) -> dict[str, Any]:
+    """A step's `meta.json` as stored (not checked: `LocalStore.read_meta` checks it against the format)."""
+    meta: dict[str, Any] = json.loads((step_dir / META_FILE).read_text())
+    return meta
 
 
 def run_of(step_dir: Path) -> str | None:
     """A step's run id (`None` where its meta does not read)."""
     try:
-        return json.loads((step_dir / META_FILE).read_text()).get("run_id")
+        return stored_meta(step_dir).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
 

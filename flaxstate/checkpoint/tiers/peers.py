@@ -59,7 +59,6 @@ from flaxstate import collectives
 from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.stores.local import (
     ARRAYS,
-    META_FILE,
     LocalStore,
     open_partial,
     pack_step,
@@ -67,6 +66,7 @@ from flaxstate.checkpoint.stores.local import (
     remove_step,
     run_of,
     step_numbers,
+    stored_meta,
     write_packed,
 )
 from flaxstate.checkpoint.stores.parts import held_parts
@@ -495,8 +495,7 @@ def bring_back(
             destination[holder] = owner
             if holder == me:  # its copy of owner's parts, or its own step (whose parts owner's devices need)
                 step_dir = (copies_directory(process_dir, owner) if as_copy else process_dir) / str(step)
-                stored = json.loads((step_dir / META_FILE).read_text())
-                outgoing = Outgoing([*framed(stored, [])[:2], step_dir / ARRAYS])
+                outgoing = Outgoing([*framed(stored_meta(step_dir), []), step_dir / ARRAYS])
             if me == 0:
                 held_as = "peer copy" if as_copy else "own step (a data-parallel replica)"
                 logger.info("process %d's parts of step %d come from process %d's %s.", owner, step, holder, held_as)

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flaxstate_testing import processes
-from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
+from flaxstate_testing.checkpoints import assert_same, local_steps, read_packed, restored_local_step
 
 import flaxstate as fs
 from flaxstate.checkpoint import budget
-from flaxstate.checkpoint.stores.local import read_packed, step_numbers, write_packed
+from flaxstate.checkpoint.stores.local import step_numbers, write_packed
 from flaxstate.checkpoint.tiers import peers
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
