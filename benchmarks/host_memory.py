@@ -26,7 +26,7 @@ figure includes the restored state itself. The table gives the medians over
 `--rounds` (the contenders alternate), in MiB and as a multiple of the
 state's bytes, and the seconds the operation took.
 
-    python benchmarks/host_memory.py [--rounds 3] [--mib 256] [--budget-mib 16]
+    python benchmarks/host_memory.py [--rounds 3] [--mib 256] [--budget-mib 16] [--record-memory host]
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ CONTENDERS = ("flaxstate", "flaxstate-budget", "orbax")
 CASES = tuple((operation, contender) for operation in ("save", "restore") for contender in CONTENDERS)
 
 
-def measure(operation: str, contender: str, directory: str, mib: int, budget_mib: int = 16) -> dict[str, Any]:
+def measure(
+    operation: str, contender: str, directory: str, mib: int, budget_mib: int = 16, record_memory: str = "host"
+) -> dict[str, Any]:
     """One operation in this (fresh) process: its seconds, and the peak bytes it added."""
     import flax.linen as nn
     import jax
@@ -81,10 +83,12 @@ def measure(operation: str, contender: str, directory: str, mib: int, budget_mib
             n_steps=1,
             n_steps_per_checkpoint=1,
             stdout=False,
+            record_memory=record_memory,
         )
         record = loop.next_checkpoint()
         state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(record.state))
-        # flaxstate saves the record (host copies); orbax, the state on the devices, as a hand-written loop does.
+        # flaxstate saves the record (host copies, or device copies with --record-memory device); orbax, the state
+        # on the devices, as a hand-written loop does.
         device_state = jax.device_put(record.state.state_dict()) if contender == "orbax" else None
         manager = ocp.CheckpointManager(orbax_dir) if contender == "orbax" else None
         writer = fs.CheckpointFileWriter(flax_dir, host_memory_budget=budget) if contender != "orbax" else None
@@ -124,10 +128,13 @@ def measure(operation: str, contender: str, directory: str, mib: int, budget_mib
     return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes, "largest": largest}
 
 
-def run(operation: str, contender: str, directory: str, mib: int, budget_mib: int) -> dict[str, Any]:
+def run(
+    operation: str, contender: str, directory: str, mib: int, budget_mib: int, record_memory: str
+) -> dict[str, Any]:
     """`measure` in a fresh process."""
     code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import host_memory; "
-    code += f"print(json.dumps(host_memory.measure({operation!r}, {contender!r}, {directory!r}, {mib}, {budget_mib})))"
+    arguments = f"{operation!r}, {contender!r}, {directory!r}, {mib}, {budget_mib}, {record_memory!r}"
+    code += f"print(json.dumps(host_memory.measure({arguments})))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{operation} with {contender} failed:\n{done.stderr[-3000:]}")
@@ -139,6 +146,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=256, help="the train state's MiB (params and adam's two moments)")
     parser.add_argument("--budget-mib", type=int, default=16, help="flaxstate-budget's host_memory_budget, in MiB")
+    parser.add_argument(
+        "--record-memory", choices=("host", "device"), default="host", help="where flaxstate's loop holds its records"
+    )
     args = parser.parse_args()
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in CASES}
     for index in range(args.rounds):
@@ -147,13 +157,14 @@ def main() -> None:
             for operation in ("save", "restore"):  # a restore reads what the save of its round wrote
                 for contender in order:
                     figures[operation, contender].append(
-                        run(operation, contender, directory, args.mib, args.budget_mib)
+                        run(operation, contender, directory, args.mib, args.budget_mib, args.record_memory)
                     )
     first = figures[CASES[0]][0]
     state_bytes = first["state_bytes"]
     print(
         f"state: {state_bytes / MiB:.0f} MiB, its largest array {first['largest'] / MiB:.0f} MiB; flaxstate-budget: "
-        f"host_memory_budget={args.budget_mib} MiB; medians of {args.rounds} rounds, a fresh process each"
+        f"host_memory_budget={args.budget_mib} MiB; records in {args.record_memory} memory; medians of "
+        f"{args.rounds} rounds, a fresh process each"
     )
     print(f"{'operation':<10} {'contender':<10} {'peak added (MiB)':>17} {'x state':>8} {'seconds':>8}")
     for operation, contender in CASES:

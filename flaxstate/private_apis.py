@@ -22,6 +22,9 @@ PRIVATE_APIS = {
     "jax._src.clusters.ClusterEnv": "a cluster environment for jax.distributed.initialize() (flaxstate launch)",
     "jax._src.lib.xla_client.make_cpu_client": "N host devices to compile a plan for (fs.plan(target='cpu:N'))",
     "etils.epath.Path._backend.fs": "the fsspec filesystem that etils.epath (and orbax) read a bucket with",
+    "orbax.checkpoint._src.serialization.jax_array_handlers._async_serialize_shardings": (
+        "the sharding file of device arrays that a budget saves chunk by chunk (what orbax's ArrayHandler writes)"
+    ),
 }
 """Each private name flaxstate uses, and what for (`tests/test_private_apis.py` resolves every one)."""
 
@@ -91,3 +94,19 @@ def bucket_filesystem(path: Any) -> Any:
     except AttributeError as error:
         raise _missing(name, error) from error
     return filesystem(path)
+
+
+def orbax_sharding_file_writer() -> Callable[..., Any] | None:
+    """orbax's writer of an item's `_sharding` file (`(shardings, infos, *, primary_host) -> coroutine`), or `None`.
+
+    With the fallback, a budget's save of device arrays writes no sharding file: as orbax's own
+    `ArrayHandler(enable_write_sharding_file=False)`, a restore then needs the arrays' shardings, which
+    flaxstate's reader always gives.
+    """
+    try:
+        from orbax.checkpoint._src.serialization import jax_array_handlers
+
+        write: Callable[..., Any] = jax_array_handlers._async_serialize_shardings
+    except (ImportError, AttributeError):
+        return None
+    return write

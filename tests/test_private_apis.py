@@ -17,6 +17,7 @@ def test_each_private_name_is_listed_with_what_it_is_for():
         "jax._src.clusters.ClusterEnv",
         "jax._src.lib.xla_client.make_cpu_client",
         "etils.epath.Path._backend.fs",
+        "orbax.checkpoint._src.serialization.jax_array_handlers._async_serialize_shardings",
     }
     assert all(private_apis.PRIVATE_APIS.values())
 
@@ -62,3 +63,9 @@ def test_a_moved_private_name_is_an_import_error_naming_it_and_its_use():
 
     with pytest.raises(ImportError, match=r"etils\.epath\.Path\._backend\.fs for the fsspec filesystem"):
         private_apis.bucket_filesystem(NoBackend())
+
+
+def test_orbax_s_sharding_file_writer_is_found():
+    # What it writes is checked where a budget saves device arrays (tests/checkpoint/test_budget.py): plain orbax
+    # restores them from it without being told their shardings.
+    assert callable(private_apis.orbax_sharding_file_writer())

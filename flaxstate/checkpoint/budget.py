@@ -15,11 +15,14 @@ more than B beyond the state's own copies, whatever the size of the largest
 array, and an allowance that does not grow with the state
 (`flaxstate.host_memory.BUDGET_ALLOWANCE`).
 
-What a budget does not bound: arrays saved from the devices (`record_memory=
-"device"`, or a state saved as it is) are staged by orbax's own handler
-(stored in the same small chunks, so that their restore is bounded), and a
-checkpoint written without a budget (one chunk an array) restores chunk by
-chunk but decodes each array whole (the reader logs which).
+Arrays saved from the devices (`record_memory="device"`, or a state saved as
+it is) are written the same way, each process its own shards (replica 0), a
+chunk at a time sliced on its device and copied to host memory alone, where
+orbax would copy each shard whole: orbax's format again, without its
+per-process file of write shapes (as its `ArrayHandler(array_metadata_store=
+None)`). What a budget does not bound: a checkpoint written without one (one
+chunk an array) restores chunk by chunk but decodes each array whole (the
+reader logs which).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from flaxstate import locations, settings
+from flaxstate import locations, private_apis, settings
 
 logger = logging.getLogger("flaxstate")
 
@@ -64,6 +67,8 @@ tensorstore's threads each keep about a chunk. At 8 MiB chunks a restore's peak 
 4 MiB, within it (benchmarks/RESULTS.md)."""
 
 Region = tuple[slice, ...]
+PRIMARY_HOST = 0
+"""The process that creates each array's metadata and the sharding file (orbax's primary host)."""
 
 
 def check(budget: int | None, owner: str, directory: str | os.PathLike[str] | None = None) -> int | None:
@@ -151,6 +156,11 @@ async def _each(regions: Iterator[Region], slots: _Slots, work: Any) -> None:
     await asyncio.gather(*(one(region) for region in regions))
 
 
+def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+    """A shard's index (slices that may be open) as the region of the array it covers."""
+    return tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape, strict=True))
+
+
 def _chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
     """The shape of a store's chunks (a scalar's: its own, `()`)."""
     shape = store.chunk_layout.read_chunk.shape
@@ -233,6 +243,20 @@ def _put(shard: jax.Array, piece: jax.Array, start: tuple[jax.Array, ...]) -> ja
     return jax.lax.dynamic_update_slice(shard, piece, start)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _take(data: jax.Array, start: tuple[jax.Array, ...], size: tuple[int, ...]) -> jax.Array:
+    return jax.lax.dynamic_slice(data, start, size)
+
+
+def on_host(data: jax.Array, start: Sequence[int], size: tuple[int, ...]) -> np.ndarray:
+    """The region of a device array `data` at `start` of `size`, copied to host memory alone (not the whole array).
+
+    One compiled slice serves every region of a size (the chunks of a shard but its edges).
+    """
+    piece = data if size == data.shape else _take(data, tuple(np.int32(s) for s in start), size)
+    return np.asarray(piece)
+
+
 def put(shard: jax.Array, piece: np.ndarray, start: Sequence[int]) -> jax.Array:
     """`shard` (donated) with a host piece written at `start`, on the shard's device; waits, so that the piece's
     copy on the device is freed before the next is read."""
@@ -250,6 +274,9 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         self._budget = budget
         self._inner = inner
         self._slots = slots
+        self._array_metadata_store = None
+        """No per-process file of write shapes, as orbax's `ArrayHandler(array_metadata_store=None)`: orbax reads
+        this attribute of the registry's handler to write and check that file, which only `inner`'s saves write."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -261,7 +288,54 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         return await self._inner.metadata(infos)
 
     async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None) -> Any:
-        return await self._inner.serialize(values, infos, _chunked(args, len(values), self._budget))
+        args = _chunked(args, len(values), self._budget)
+        keys = [jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) for value in values]
+        futures = []
+        if any(keys):  # random keys carry their implementation in orbax's metadata: its own save (a few bytes)
+            theirs = [[items[i] for i, key in enumerate(keys) if key] for items in (values, infos, args)]
+            futures.extend(await self._inner.serialize(*theirs))
+        ours = [[items[i] for i, key in enumerate(keys) if not key] for items in (values, infos, args)]
+        if ours[0]:
+            futures.append(ocp.future.CommitFutureAwaitingContractedSignals(self._write(*ours), name="budget"))
+        return futures
+
+    async def _write(self, values: Sequence[jax.Array], infos: Sequence[Any], args: Sequence[Any]) -> None:
+        """Writes each array's shards that this process owns (replica 0), chunk by chunk from the devices, and
+        orbax's sharding file."""
+        writes = [self._write_shards(value, info, arg) for value, info, arg in zip(values, infos, args, strict=True)]
+        shardings = private_apis.orbax_sharding_file_writer()
+        if shardings is not None:
+            writes.append(shardings([value.sharding for value in values], infos, primary_host=PRIMARY_HOST))
+        await asyncio.gather(*writes)
+
+    async def _write_shards(self, value: jax.Array, info: Any, arg: Any) -> None:
+        await info.await_path_creation()
+        spec = ocp.type_handlers.get_json_tspec_write(
+            info,
+            use_ocdbt=info.is_ocdbt_checkpoint,
+            global_shape=value.shape,
+            local_shape=value.addressable_shards[0].data.shape,
+            dtype=value.dtype,
+            process_index=jax.process_index() if info.is_ocdbt_checkpoint else None,
+            arg=arg,
+        )
+        if jax.process_index() == PRIMARY_HOST:  # the array's metadata; the others' writes assume it
+            await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+        store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True, context=info.ts_context)
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                await self._write_shard(store, shard.data, _region(shard.index, value.shape))
+
+    async def _write_shard(self, store: ts.TensorStore, data: jax.Array, region: Region) -> None:
+        """Writes one device shard (`data`, the global `region`) into `store`, chunk by chunk."""
+
+        async def write(piece_region: Region) -> None:
+            start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
+            size = tuple(cut.stop - cut.start for cut in piece_region)
+            piece = await asyncio.to_thread(on_host, data, start, size)
+            await store[piece_region].write(piece, can_reference_source_data_indefinitely=True)
+
+        await _each(chunks(store.shape, _chunk_shape(store), region), self._slots, write)
 
     async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
         if args is None or any(getattr(arg, "sharding", None) is None for arg in args):
@@ -279,7 +353,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         shards = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():
             assert index is not None  # a device of the sharding holds a part
-            region = tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape, strict=True))
+            region = _region(index, shape)
             shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
             reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
             try:

@@ -8,9 +8,10 @@ import pytest
 from flaxstate_testing import processes
 
 
-def run(mode, tmp_path, n_devices, n_processes, width, budget):
+def run(mode, tmp_path, n_devices, n_processes, width, budget, sharded=False):
     """The worker in `mode` ("save" or "restore"), on N devices of one process or on N processes."""
     config = {
+        "sharded": sharded,
         "mode": mode,
         "output_dir": str(tmp_path / "run"),
         "out": str(tmp_path / "state.npz"),
@@ -22,8 +23,8 @@ def run(mode, tmp_path, n_devices, n_processes, width, budget):
     return processes.run("devices.py", config, timeout=180, n_devices=n_devices)
 
 
-def save(tmp_path, n_devices=1, n_processes=1, width=64, budget=None):
-    outputs = run("save", tmp_path, n_devices, n_processes, width, budget)
+def save(tmp_path, n_devices=1, n_processes=1, width=64, budget=None, sharded=False):
+    outputs = run("save", tmp_path, n_devices, n_processes, width, budget, sharded)
     return int(outputs[0].split("state_bytes ")[1].split()[0])
 
 
@@ -58,6 +59,18 @@ def test_a_budget_saves_on_two_devices_and_restores_in_two_processes_chunk_by_ch
     save(tmp_path, n_devices=2, width=2560, budget=32768)
     outputs = restore(tmp_path, n_processes=2, width=2560, budget=32768)
     assert not any("decoded whole" in output for output in outputs), outputs  # stored in the budget's chunks
+
+
+def test_a_budget_saves_each_process_s_shards_from_its_devices_chunk_by_chunk_and_one_process_restores_them(tmp_path):
+    # Each of two processes writes its half of the 40 KiB kernel (and of the rest) in 4 KiB chunks, sliced on its
+    # device; one process reads them back, with and without a budget.
+    save(tmp_path, n_processes=2, width=2560, budget=32768, sharded=True)
+    for process in (0, 1):  # each wrote its own part (compressed: about 32 KiB each), not process 0 all
+        written = (tmp_path / "run" / "1" / "model" / f"ocdbt.process_{process}").rglob("*")
+        assert sum(path.stat().st_size for path in written if path.is_file()) > 16384, process
+    (output,) = restore(tmp_path, n_devices=1, width=2560, budget=32768)
+    assert "decoded whole" not in output, output  # stored in the budget's chunks
+    restore(tmp_path, n_devices=3, width=2560)
 
 
 def test_a_budget_reads_a_checkpoint_written_without_one_and_says_it_decodes_arrays_whole(tmp_path):

@@ -25,12 +25,20 @@ MODEL = toy.BatchNormNet()
 TX = optax.adam(1e-2)
 
 
-def records(n_steps: int = 6, every: int = 2, model: Any = MODEL, data: Any = None) -> list[fs.Checkpoint]:
+def records(
+    n_steps: int = 6, every: int = 2, model: Any = MODEL, data: Any = None, record_memory: str = "host"
+) -> list[fs.Checkpoint]:
     """The records of a toy run of `n_steps`, one every `every`."""
     data = toy.batches(n_steps, 8) if data is None else data
     task = fs.TrainTask(apply=model.apply, optimizer=TX, loss=toy.mse, data=data)
     loop = fs.TrainLoop(
-        model.init, task, jax.random.key(0), n_steps=n_steps, n_steps_per_checkpoint=every, stdout=False
+        model.init,
+        task,
+        jax.random.key(0),
+        n_steps=n_steps,
+        n_steps_per_checkpoint=every,
+        stdout=False,
+        record_memory=record_memory,
     )
     return list(loop)
 

@@ -150,7 +150,9 @@ def open_store(
             an orbax directory, on a disk or in gs://).
     """
     if per_process:
-        return LocalStore(directory, keep=keep, read_only=read_only, copies=copies)
+        return LocalStore(
+            directory, keep=keep, read_only=read_only, copies=copies, host_memory_budget=host_memory_budget
+        )
     if is_object_store(directory):
         return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
     return CheckpointStore(directory, keep=keep, best=best, read_only=read_only, host_memory_budget=host_memory_budget)

@@ -52,7 +52,7 @@ from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, sta
 from flaxstate.checkpoint.saving import Metrics, Tree
 from flaxstate.checkpoint.steps import VanishedStepError
 from flaxstate.checkpoint.stores.lifecycle import RenameIntoPlace, beyond_keep
-from flaxstate.checkpoint.stores.parts import Index, contains, host_parts, index_of, wanted
+from flaxstate.checkpoint.stores.parts import DevicePart, Index, contains, host_parts, index_of, wanted
 from flaxstate.records import FORMAT_VERSION
 
 logger = logging.getLogger("flaxstate")
@@ -66,6 +66,8 @@ STEPS = RenameIntoPlace(PARTIAL)
 
 ALIGN = 64
 """The alignment of each part's bytes in `arrays.bin`."""
+Chunk = np.ndarray | DevicePart
+"""A run of `arrays.bin`'s bytes: a numpy view, or a part on a device (read a block at a time)."""
 
 
 def process_directory(local_dir: str | Path, process_index: int | None = None) -> Path:
@@ -91,7 +93,7 @@ class Handoff(Protocol):
         ...
 
     @property
-    def packed(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+    def packed(self) -> tuple[dict[str, Any], list[Chunk]] | None:
         """This process's step as packed to be sent (written as it is), or `None`."""
         ...
 
@@ -127,12 +129,18 @@ class LocalStore(saving.SaveSlot):
     """Each process writes its own directory."""
 
     def __init__(
-        self, directory: str | Path, keep: int | None = None, read_only: bool = False, copies: Copies | None = None
+        self,
+        directory: str | Path,
+        keep: int | None = None,
+        read_only: bool = False,
+        copies: Copies | None = None,
+        host_memory_budget: int | None = None,
     ) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
         self._keep = keep
         self._copies = copies
+        self._block_bytes = None if host_memory_budget is None else budget.chunk_bytes(host_memory_budget)
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             background.track(self)
@@ -170,7 +178,7 @@ class LocalStore(saving.SaveSlot):
     def _write(self, step: int, flat: Mapping[str, Any], header: dict[str, Any], exchanged: Handoff | None) -> None:
         """Writes this process's step, then the copies of other processes' parts that it keeps."""
         packed = exchanged.packed if exchanged is not None else None
-        write_packed(self.directory, step, *(packed or pack_step(flat, header)), self._keep)
+        write_packed(self.directory, step, *(packed or pack_step(flat, header, self._block_bytes)), self._keep)
         if exchanged is not None:
             exchanged.keep(self.directory, step, self._keep)
 
@@ -332,33 +340,46 @@ class LocalStore(saving.SaveSlot):
         return StoredCheckpoint(state_dict=state_dict_of(flat), meta=dict(meta))
 
 
-def pack_step(flat: Mapping[str, Any], header: dict[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """A step's meta and `arrays.bin`'s bytes as chunks (no copy): this process's distinct parts, 64-byte aligned."""
+def pack_step(
+    flat: Mapping[str, Any], header: dict[str, Any], block_bytes: int | None = None
+) -> tuple[dict[str, Any], list[Chunk]]:
+    """A step's meta and `arrays.bin`'s bytes as chunks (no copy): this process's distinct parts, 64-byte aligned.
+
+    With `block_bytes` (a budget's), a part on a device stays there, a `DevicePart` read a block at a time.
+    """
     arrays: dict[str, Any] = {}
-    chunks: list[np.ndarray] = []
+    chunks: list[Chunk] = []
     offset = 0
     for path, value in flat.items():
-        shape, dtype, parts = host_parts(value)
+        shape, dtype, parts = host_parts(value, block_bytes)
         entries = []
         for index, data in parts:
             padding = -offset % ALIGN
             chunks.append(np.zeros(padding, np.uint8))
             offset += padding
-            data = np.ascontiguousarray(data)
-            chunks.append(data.reshape(-1).view(np.uint8))
+            if isinstance(data, np.ndarray):
+                data = np.ascontiguousarray(data)
+                chunks.append(data.reshape(-1).view(np.uint8))
+            else:
+                chunks.append(data)
             entries.append({"index": index, "offset": offset})
             offset += data.nbytes
         arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
     return {**header, "arrays": arrays, "bytes": offset}, chunks
 
 
-def write_packed(
-    directory: Path, step: int, meta: Mapping[str, Any], chunks: list[np.ndarray], keep: int | None
-) -> None:
-    """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`."""
+def write_packed(directory: Path, step: int, meta: Mapping[str, Any], chunks: list[Chunk], keep: int | None) -> None:
+    """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`.
+
+    A `DevicePart` is written a block at a time, as it is read from its device.
+    """
     partial = open_partial(directory, step)
     with open(partial / ARRAYS, "wb") as file:
         for chunk in chunks:
+            if isinstance(chunk, DevicePart):
+                for begin in range(0, chunk.nbytes, chunk.block_bytes):
+                    file.write(chunk.read(begin, min(begin + chunk.block_bytes, chunk.nbytes)).data)
+                continue
             file.write(chunk.data if chunk.size else b"")
         file.flush()
         os.fsync(file.fileno())

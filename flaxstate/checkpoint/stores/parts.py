@@ -11,6 +11,7 @@ No data is read here but a shard's own.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -43,14 +44,66 @@ def held_parts(flat: Mapping[str, Any]) -> dict[str, list[Index]]:
     return held
 
 
-def host_parts(value: Any) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index, np.ndarray]]]:
+class DevicePart:
+    """A shard on its device, read into host memory a block of at most `block_bytes` at a time (never whole).
+
+    Its bytes are the shard's in C order, as `np.asarray(shard).tobytes()`. One
+    compiled slice serves every block of a shard (the last block is read as the
+    last `block_bytes`), and the newest block is kept for the next read.
+    """
+
+    def __init__(self, data: jax.Array, block_bytes: int) -> None:
+        self.data = data
+        self.nbytes = int(data.nbytes)
+        self._itemsize = np.dtype(data.dtype).itemsize
+        self._count = int(data.size)
+        self._block = max(1, min(block_bytes // self._itemsize, self._count))
+        self.block_bytes = self._block * self._itemsize
+        """The bytes of a block (at most the `block_bytes` asked, and one element)."""
+        self._held: tuple[int, np.ndarray] | None = None
+
+    def _elements(self, first: int) -> np.ndarray:
+        """Elements `first` to `first + block` (clipped at the end) as bytes, from the device."""
+        if self._held is None or self._held[0] != first:
+            start = min(first, self._count - self._block)  # dynamic_slice clamps there too: say it
+            flat = np.asarray(_block_of(self.data, np.int32(start), self._block)).view(np.uint8)
+            self._held = first, flat[(first - start) * self._itemsize :]
+        return self._held[1]
+
+    def read(self, begin: int, end: int) -> np.ndarray:
+        """Bytes `begin` to `end` (a uint8 row)."""
+        pieces = []
+        while begin < end:
+            first = begin // self.block_bytes * self._block
+            held = self._elements(first)
+            offset = begin - first * self._itemsize
+            piece = held[offset : offset + end - begin]
+            if not piece.size:
+                raise ValueError(f"bytes {begin:,} to {end:,} of a part of {self.nbytes:,} bytes were read")
+            pieces.append(piece)
+            begin += piece.size
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _block_of(data: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    return jax.lax.dynamic_slice(data.reshape(-1), (start,), (size,))
+
+
+def host_parts(
+    value: Any, block_bytes: int | None = None
+) -> tuple[tuple[int, ...], np.dtype, list[tuple[Index, np.ndarray | DevicePart]]]:
     """An array's global shape, dtype and the distinct parts this process holds, as numpy.
 
     A numpy array (the host copy of a replicated array) is one part, the
-    whole; a `jax.Array` gives its addressable shards, each place once.
+    whole; a `jax.Array` gives its addressable shards, each place once: as
+    numpy, or (with `block_bytes`) each a `DevicePart` read a block at a time.
     """
     if isinstance(value, jax.Array):
-        parts = [(index, np.asarray(shard.data)) for index, shard in distinct_shards(value)]
+        parts: list[tuple[Index, np.ndarray | DevicePart]] = [
+            (index, np.asarray(shard.data) if block_bytes is None else DevicePart(shard.data, block_bytes))
+            for index, shard in distinct_shards(value)
+        ]
         return tuple(value.shape), np.dtype(value.dtype), parts
     array = np.asarray(value)
     return array.shape, array.dtype, [([[0, size] for size in array.shape], array)]

@@ -59,6 +59,7 @@ from flaxstate import collectives
 from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.stores.local import (
     ARRAYS,
+    Chunk,
     LocalStore,
     open_partial,
     pack_step,
@@ -69,7 +70,7 @@ from flaxstate.checkpoint.stores.local import (
     stored_meta,
     write_packed,
 )
-from flaxstate.checkpoint.stores.parts import held_parts
+from flaxstate.checkpoint.stores.parts import DevicePart, held_parts
 
 logger = logging.getLogger("flaxstate")
 
@@ -178,12 +179,16 @@ def plan_for_this_run(peers: int, owner: str) -> PeerPlan:
     return made
 
 
-def framed(meta: dict[str, Any], chunks: list[np.ndarray]) -> list[np.ndarray]:
+def framed(meta: dict[str, Any], chunks: list[Chunk]) -> list[Chunk]:
     """A local step's bytes as sent, in pieces (no copy of the chunks): the length of its meta's JSON (8 bytes),
     the JSON, then `arrays.bin`'s bytes."""
     text = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     length = np.frombuffer(len(text).to_bytes(8, "little"), np.uint8)
-    return [length, text, *(chunk.reshape(-1).view(np.uint8) for chunk in chunks)]
+    return [
+        length,
+        text,
+        *(chunk if isinstance(chunk, DevicePart) else chunk.reshape(-1).view(np.uint8) for chunk in chunks),
+    ]
 
 
 def unpack(buffer: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
@@ -195,13 +200,14 @@ def unpack(buffer: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
 
 
 class Outgoing:
-    """The bytes a process sends, in pieces read a slice at a time: arrays (views) and files (read as needed).
+    """The bytes a process sends, in pieces read a slice at a time: arrays (views), parts on a device and files
+    (read as needed).
 
     Args:
-        pieces: numpy arrays (their bytes) and paths of files (their whole contents), in order.
+        pieces: numpy arrays (their bytes), `DevicePart`s and paths of files (their whole contents), in order.
     """
 
-    def __init__(self, pieces: Sequence[np.ndarray | Path]) -> None:
+    def __init__(self, pieces: Sequence[Chunk | Path]) -> None:
         self._pieces = pieces
         self._sizes = [piece.stat().st_size if isinstance(piece, Path) else piece.nbytes for piece in pieces]
         self.size = sum(self._sizes)
@@ -218,6 +224,8 @@ class Outgoing:
                         file.seek(begin)
                         if file.readinto(target.data) != target.size:
                             raise OSError(f"{piece} ended at {begin + target.size:,} bytes while it was sent")
+                elif isinstance(piece, DevicePart):
+                    target[:] = piece.read(begin, end)
                 else:
                     target[:] = piece.reshape(-1).view(np.uint8)[begin:end]
                 written += end - begin
@@ -366,7 +374,7 @@ class Exchanged:
     """
 
     anyone_saved: bool
-    packed: tuple[dict[str, Any], list[np.ndarray]] | None = None
+    packed: tuple[dict[str, Any], list[Chunk]] | None = None
     received: tuple[tuple[int, jax.Array | np.ndarray | Incoming | None], ...] = ()
 
     def keep(self, directory: Path, step: int, keep: int | None) -> None:
@@ -428,7 +436,8 @@ class PeerCopies:
         replicated = replicated_elsewhere([held for _, held in offers], self.plan.hosts, len(self.plan.rounds))
         if all(replicated):  # pure data parallelism over hosts: nothing moves
             return Exchanged(False, None, tuple((owner, None) for owner in self.plan.sources(me)))
-        packed = pack_step(flat, header)
+        block = None if self.host_memory_budget is None else budget.chunk_bytes(self.host_memory_budget)
+        packed = pack_step(flat, header, block)
         outgoing = Outgoing([] if replicated[me] else list(framed(*packed)))
         received: list[tuple[int, jax.Array | Incoming | None]] = []
         for owner, holders in zip(self.plan.sources(me), self.plan.rounds, strict=True):

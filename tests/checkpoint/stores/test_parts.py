@@ -7,6 +7,7 @@ read: tests/checkpoint/stores/test_local.py and tests/checkpoint/tiers/.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flaxstate.checkpoint.stores import parts
 
@@ -18,6 +19,19 @@ def test_a_host_array_is_one_part_the_whole_and_a_device_array_its_one_shard():
     shape, dtype, held = parts.host_parts(device)
     assert shape == (2, 5) and dtype == jnp.bfloat16 and len(held) == 1
     np.testing.assert_array_equal(held[0][1], np.ones((2, 5), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("block_bytes", [1, 24, 100, 4096])
+def test_a_part_on_its_device_reads_any_range_of_its_bytes_a_block_at_a_time(block_bytes):
+    # 7 x 5 float32 (140 bytes): blocks of one element, of 6, of 25 (the last one clamped), and the whole.
+    device = jnp.arange(35, dtype=jnp.float32).reshape(7, 5) * 1.5
+    expected = np.asarray(device).tobytes()
+    ((_, part),) = parts.host_parts(device, block_bytes)[2]
+    assert isinstance(part, parts.DevicePart) and part.nbytes == len(expected) == 140
+    assert part.block_bytes == min(max(block_bytes // 4, 1), 35) * 4
+    for begin, end in [(0, 140), (0, 1), (3, 9), (22, 97), (139, 140), (50, 51), (1, 139)]:
+        assert part.read(begin, end).tobytes() == expected[begin:end], (begin, end)
+    assert parts.host_parts(jnp.float32(2.5), block_bytes)[2][0][1].read(0, 4).tobytes() == np.float32(2.5).tobytes()
 
 
 def test_distinct_keeps_the_first_item_of_each_place_in_one_shared_order():

@@ -9,7 +9,8 @@ line: `per_host` (the plan's), `state_bytes`, and the measured figures.
 With `budget`, the writer and the reader get `host_memory_budget=budget`; with
 `local`, the writer is a local tier (`per_process=True`) and the reader reads
 `[dir/local, dir/run]` (the persistent tier holds the first record, saved
-before the measured save, so that the local tier's newer step is the one restored).
+before the measured save, so that the local tier's newer step is the one restored); with
+`record_memory`, the loop's records are held there (`"device"`: saved from the devices).
 Mode `peers` (two processes, each on a host of its own): the kernels' hidden
 units sharded over both, so that each holds half the state; a local tier with
 `peers=1` saves the second record, whose peak above what the process held (its
@@ -84,6 +85,7 @@ def added_at_peak(operation) -> tuple[object, int]:
 measured: dict[str, int] = {}
 if config["mode"] == "peers":
     os.environ["FLAXSTATE_HOST"] = f"host-{jax.process_index()}"
+if config["mode"] != "restore":
     loop = fs.TrainLoop(
         init=model.init,
         task=task,
@@ -93,7 +95,9 @@ if config["mode"] == "peers":
         stdout=False,
         mesh=mesh,
         axis_rules=rules,
+        record_memory=config.get("record_memory", "host"),
     )
+if config["mode"] == "peers":
     local_tier = fs.CheckpointFileWriter(f"{config['dir']}/local", per_process=True, peers=1, host_memory_budget=budget)
     first = loop.next_checkpoint()
     second = loop.next_checkpoint()
@@ -108,9 +112,6 @@ if config["mode"] == "peers":
 
     measured["peers"] = added_at_peak(save_with_copies)[1]
 elif config["mode"] == "save":
-    loop = fs.TrainLoop(
-        init=model.init, task=task, rng=jax.random.key(0), n_steps=2, n_steps_per_checkpoint=1, stdout=False
-    )
     first = loop.next_checkpoint()
     held = host_resident()
     second = loop.next_checkpoint()
