@@ -1,6 +1,7 @@
 """A process's host memory in `fs.plan`: each kind from the state's shardings, and the prediction against a
 measurement of a fresh process's peak resident memory (a subprocess each)."""
 
+import contextlib
 import json
 import subprocess
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import buckets, processes, toy
 
 import flaxstate as fs
 from flaxstate import host_memory
@@ -91,18 +92,23 @@ def test_the_plan_predicts_a_fresh_process_s_measured_host_memory_within_a_quart
         assert planned == pytest.approx(measured, rel=0.25), (kind, planned, measured, save["state_bytes"])
 
 
-@pytest.mark.parametrize("tier", ["persistent", "local", "device records"])
+@pytest.mark.parametrize("tier", ["persistent", "local", "device records", "s3"])
 def test_a_budget_bounds_a_fresh_process_s_save_and_restore_below_its_largest_array(tmp_path, tier):
     # The same 256 MiB state (its largest array 43 MiB), saved and restored with a 16 MiB budget: an orbax
-    # directory, or a local tier (whose restore without a budget held 166 MiB beyond the state), or an orbax
-    # directory that the loop's device records are saved to (orbax's own save of those held 250 MiB with a budget's
-    # chunks). The worker checks that it restored step 2, which the local tier alone holds there.
+    # directory; a local tier (whose restore without a budget held 166 MiB beyond the state); an orbax directory
+    # that the loop's device records are saved to (orbax's own save of those held 250 MiB with a budget's chunks);
+    # an s3:// bucket (an emulator on 127.0.0.1: 265 MiB a save and 550 to 640 MiB a restore without a budget).
+    # The worker checks that it restored step 2, which the local tier alone holds there.
     budget = 16 * 2**20
     config = {"mib": 256, "dir": str(tmp_path / "run"), "budget": budget, "local": tier == "local"}
     if tier == "device records":
         config["record_memory"] = "device"
-    (saved,) = processes.run("host_memory", {**config, "mode": "save"}, timeout=300)
-    (restored,) = processes.run("host_memory", {**config, "mode": "restore"}, timeout=300)
+    with buckets.moto_s3() if tier == "s3" else contextlib.nullcontext() as server:
+        if server is not None:
+            server.create_bucket("runs")
+            config["dir"] = "s3://runs/run"
+        (saved,) = processes.run("host_memory", {**config, "mode": "save"}, timeout=300)
+        (restored,) = processes.run("host_memory", {**config, "mode": "restore"}, timeout=300)
     save, restore = (json.loads(output.strip().splitlines()[-1]) for output in (saved, restored))
     assert save["largest"] > 2 * budget
     bound = budget + host_memory.BUDGET_ALLOWANCE

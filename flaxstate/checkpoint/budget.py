@@ -35,7 +35,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -45,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from flaxstate import locations, private_apis, settings
+from flaxstate import private_apis, settings
 
 logger = logging.getLogger("flaxstate")
 
@@ -71,20 +70,14 @@ PRIMARY_HOST = 0
 """The process that creates each array's metadata and the sharding file (orbax's primary host)."""
 
 
-def check(budget: int | None, owner: str, directory: str | os.PathLike[str] | None = None) -> int | None:
-    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes, for a writer of
-    `directory` (where given).
+def check(budget: int | None, owner: str) -> int | None:
+    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes.
 
     Raises:
-        ValueError: not a positive int, or too small to hold one row of chunks, or given for an s3:// directory.
+        ValueError: not a positive int, or too small to hold one row of chunks.
     """
     if budget is None:
         return None
-    if directory is not None and locations.scheme_of(directory) == "s3":
-        raise ValueError(
-            f"{owner}: host_memory_budget= bounds the saves of an orbax directory (on a disk or in gs://) and of "
-            f"a local tier; this version does not bound an s3:// store's save ({directory}): drop it there."
-        )
     return settings.count(owner, "host_memory_budget", budget, minimum=MINIMUM)
 
 
@@ -118,11 +111,12 @@ def _chunked(args: Sequence[Any] | None, n: int, budget: int) -> list[Any]:
     return [dataclasses.replace(arg, chunk_byte_size=chunk_bytes(budget)) for arg in (args or [ocp.SaveArgs()] * n)]
 
 
-class _Slots:
+class Slots:
     """At most `slots(budget)` chunks in flight in a process, whichever thread's event loop runs them (orbax saves and
     restores a step's items on loops of their own)."""
 
     def __init__(self, budget: int) -> None:
+        self.budget = budget
         self.size = slots(budget)
         self._free = threading.BoundedSemaphore(self.size)
 
@@ -146,7 +140,7 @@ class _Slots:
             self.release()
 
 
-async def _each(regions: Iterator[Region], slots: _Slots, work: Any) -> None:
+async def _each(regions: Iterator[Region], slots: Slots, work: Any) -> None:
     """Runs `work(region)` for every region, as many at once as the slots allow."""
 
     async def one(region: Region) -> None:
@@ -168,7 +162,7 @@ def _chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
     return tuple(int(size) for size in sizes)
 
 
-def _warn_if_whole(store: ts.TensorStore, budget: int, name: str) -> None:
+def warn_if_whole(store: ts.TensorStore, budget: int, name: str) -> None:
     chunk = math.prod(_chunk_shape(store)) * store.dtype.numpy_dtype.itemsize
     if chunk > chunk_bytes(budget):
         logger.warning(
@@ -183,7 +177,7 @@ def _warn_if_whole(store: ts.TensorStore, budget: int, name: str) -> None:
 class NumpyHandler(ocp.type_handlers.NumpyHandler):
     """orbax's handler of host (numpy) arrays, writing and reading chunk by chunk within a budget."""
 
-    def __init__(self, budget: int, slots: _Slots) -> None:
+    def __init__(self, budget: int, slots: Slots) -> None:
         super().__init__(deepcopy_host_arrays=False)  # records are read-only host copies: referenced, not copied
         self._budget = budget
         self._slots = slots
@@ -198,12 +192,7 @@ class NumpyHandler(ocp.type_handlers.NumpyHandler):
 
     async def _open_and_write(self, value: np.ndarray, tspec: dict[str, Any], ts_context: ts.Context) -> None:
         store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-        value = np.asarray(value)
-
-        async def write(region: Region) -> None:
-            await store[region].write(value[region], can_reference_source_data_indefinitely=True)
-
-        await _each(chunks(value.shape, _chunk_shape(store)), self._slots, write)
+        await write_host(store, np.asarray(value), self._slots)
 
     async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[np.ndarray]:
         args = args or [ocp.RestoreArgs()] * len(infos)
@@ -225,10 +214,37 @@ async def _open_read(info: Any, arg: Any, budget: int) -> ts.TensorStore:
     return store if dtype is None else ts.cast(store, np.dtype(dtype))
 
 
-async def _read_host(info: Any, arg: Any, budget: int, slots: _Slots) -> np.ndarray:
-    """One array read into a numpy array, chunk by chunk."""
+async def _read_host(info: Any, arg: Any, budget: int, slots: Slots) -> np.ndarray:
+    """One array of an orbax item read into a numpy array, chunk by chunk."""
     store = await _open_read(info, arg, budget)
-    _warn_if_whole(store, budget, info.name)
+    warn_if_whole(store, budget, info.name)
+    return await read_host(store, slots)
+
+
+async def write_host(store: ts.TensorStore, value: np.ndarray, slots: Slots) -> None:
+    """Writes a host array into `store` (opened), a chunk at a time, referenced where it is (not copied first)."""
+
+    async def write(region: Region) -> None:
+        await store[region].write(value[region], can_reference_source_data_indefinitely=True)
+
+    await _each(chunks(value.shape, _chunk_shape(store)), slots, write)
+
+
+async def write_shard(store: ts.TensorStore, data: jax.Array, region: Region, slots: Slots) -> None:
+    """Writes one device shard (`data`, at the global `region`) into `store`, a chunk at a time copied from its
+    device alone."""
+
+    async def write(piece_region: Region) -> None:
+        start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
+        size = tuple(cut.stop - cut.start for cut in piece_region)
+        piece = await asyncio.to_thread(on_host, data, start, size)
+        await store[piece_region].write(piece, can_reference_source_data_indefinitely=True)
+
+    await _each(chunks(store.shape, _chunk_shape(store), region), slots, write)
+
+
+async def read_host(store: ts.TensorStore, slots: Slots) -> np.ndarray:
+    """A whole stored array read into a numpy array, chunk by chunk."""
     out = np.empty(store.shape, dtype=store.dtype.numpy_dtype)
 
     async def read(region: Region) -> None:
@@ -236,6 +252,40 @@ async def _read_host(info: Any, arg: Any, budget: int, slots: _Slots) -> np.ndar
 
     await _each(chunks(out.shape, _chunk_shape(store)), slots, read)
     return out
+
+
+async def read_shards(store: ts.TensorStore, sharding: jax.sharding.Sharding, slots: Slots) -> jax.Array:
+    """A stored array read onto this process's devices under `sharding`: each shard made on its device and
+    filled with the chunks it covers, as they are read."""
+    shape = tuple(int(size) for size in store.shape)
+    dtype, grid = store.dtype.numpy_dtype, _chunk_shape(store)
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a device of the sharding holds a part
+        region = _region(index, shape)
+        shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
+        reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
+        try:
+            for piece_region in chunks(shape, grid, region):
+                # A chunk read holds a slot until its copy on the device is in the shard. Where none is free,
+                # the oldest read goes into the shard first; holding none, this waits for another thread's.
+                while reads and not slots.try_acquire():
+                    start, read = reads.popleft()
+                    shard = put(shard, await read, start)
+                    slots.release()
+                if not reads:
+                    await slots.acquire()
+                start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
+                reads.append((start, store[piece_region].read()))
+            while reads:
+                start, read = reads.popleft()
+                shard = put(shard, await read, start)
+                slots.release()
+        finally:
+            for _ in reads:  # a failed read: the slots of those still pending
+                slots.release()
+        shards.append(shard)
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -270,7 +320,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     Saves, metadata and restores of anything but a sharded array of the stored shape stay `inner`'s.
     """
 
-    def __init__(self, budget: int, inner: Any, slots: _Slots) -> None:
+    def __init__(self, budget: int, inner: Any, slots: Slots) -> None:
         self._budget = budget
         self._inner = inner
         self._slots = slots
@@ -324,18 +374,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True, context=info.ts_context)
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
-                await self._write_shard(store, shard.data, _region(shard.index, value.shape))
-
-    async def _write_shard(self, store: ts.TensorStore, data: jax.Array, region: Region) -> None:
-        """Writes one device shard (`data`, the global `region`) into `store`, chunk by chunk."""
-
-        async def write(piece_region: Region) -> None:
-            start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
-            size = tuple(cut.stop - cut.start for cut in piece_region)
-            piece = await asyncio.to_thread(on_host, data, start, size)
-            await store[piece_region].write(piece, can_reference_source_data_indefinitely=True)
-
-        await _each(chunks(store.shape, _chunk_shape(store), region), self._slots, write)
+                await write_shard(store, shard.data, _region(shard.index, value.shape), self._slots)
 
     async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
         if args is None or any(getattr(arg, "sharding", None) is None for arg in args):
@@ -347,41 +386,13 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         shape = tuple(int(size) for size in store.shape)
         if arg.global_shape is not None and tuple(arg.global_shape) != shape:
             return (await self._inner.deserialize([info], [arg]))[0]  # orbax pads or truncates: its own read
-        _warn_if_whole(store, self._budget, info.name)
-        sharding: jax.sharding.Sharding = arg.sharding
-        dtype, grid = store.dtype.numpy_dtype, _chunk_shape(store)
-        shards = []
-        for device, index in sharding.addressable_devices_indices_map(shape).items():
-            assert index is not None  # a device of the sharding holds a part
-            region = _region(index, shape)
-            shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
-            reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
-            try:
-                for piece_region in chunks(shape, grid, region):
-                    # A chunk read holds a slot until its copy on the device is in the shard. Where none is free,
-                    # the oldest read goes into the shard first; holding none, this waits for another thread's.
-                    while reads and not self._slots.try_acquire():
-                        start, read = reads.popleft()
-                        shard = put(shard, await read, start)
-                        self._slots.release()
-                    if not reads:
-                        await self._slots.acquire()
-                    start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
-                    reads.append((start, store[piece_region].read()))
-                while reads:
-                    start, read = reads.popleft()
-                    shard = put(shard, await read, start)
-                    self._slots.release()
-            finally:
-                for _ in reads:  # a failed read: the slots of those still pending
-                    self._slots.release()
-            shards.append(shard)
-        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        warn_if_whole(store, self._budget, info.name)
+        return await read_shards(store, arg.sharding, self._slots)
 
 
 def registry(budget: int) -> Any:
     """orbax's default type handlers, with host and device arrays written and read within `budget`."""
-    slots = _Slots(budget)  # one process's chunks in flight, host and device arrays together
+    slots = Slots(budget)  # one process's chunks in flight, host and device arrays together
     own = {
         np.ndarray: NumpyHandler(budget, slots),
         jax.Array: ArrayHandler(budget, ocp.type_handlers.get_type_handler(jax.Array), slots),

@@ -91,13 +91,12 @@ class CheckpointFileReader:
                 that a writer with a budget wrote; a local tier's step is read
                 in slices of its stored parts' rows. `None` (the default):
                 orbax's own restore, which holds each array whole on the host
-                first. Not for an s3:// directory.
+                first.
 
         Raises:
             ValueError: a list that is not `[local_dir, persistent_dir]`,
                 tiers that are one directory or one inside the other (naming
-                both), or `host_memory_budget` below 32 KiB or given for an
-                s3:// directory.
+                both), or `host_memory_budget` below 32 KiB.
         """
         self.local_dir: Path | None = None
         """The local tier's directory, or `None` (one directory)."""
@@ -126,11 +125,6 @@ class CheckpointFileReader:
             )
         self.rename = rename
         self.host_memory_budget = budget.check(host_memory_budget, owner)
-        if self.host_memory_budget is not None and stores.is_object_store(self.output_dir):
-            raise ValueError(
-                f"{owner} host_memory_budget= bounds the restores of an orbax directory (on a disk or in gs://) "
-                "and of a local tier; this version does not bound an s3:// store's: drop it there."
-            )
 
     def __repr__(self) -> str:
         where = repr(str(self.output_dir))

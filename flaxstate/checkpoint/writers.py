@@ -98,7 +98,7 @@ class _Writer:
         host_memory_budget: int | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
-        host_memory_budget = budget.check(host_memory_budget, owner, output_dir)
+        host_memory_budget = budget.check(host_memory_budget, owner)
         keep = settings.count(owner, "keep", keep)
         every_seconds = settings.optional_seconds(owner, "every_seconds", every_seconds)
         overwrite = settings.flag(owner, "overwrite", overwrite)
@@ -396,7 +396,8 @@ class CheckpointFileWriter(_Writer):
                 without one (its restore is what the reader's budget bounds);
                 with `peers`, the exchange moves the parts in slices of an
                 eighth of it, written to the copy's file as they come, and the
-                loop waits for the move. Refused for an s3:// directory.
+                loop waits for the move. An s3:// directory stores each array
+                in chunks of it too (`flaxstate.checkpoint.stores.s3`).
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
@@ -405,10 +406,9 @@ class CheckpointFileWriter(_Writer):
                 is not JSON-serializable.
             ValueError: `keep` below 1, `every_seconds` not positive,
                 `peers` not below the process count, or without `per_process`,
-                or `host_memory_budget` below 32 KiB, or given for an s3://
-                directory.
+                or `host_memory_budget` below 32 KiB.
         """
-        budget.check(host_memory_budget, "CheckpointFileWriter", output_dir)  # before a bucket is asked for
+        budget.check(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
         every = "" if every_seconds is None else f", every_seconds={every_seconds}"
         every += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
         local = ", per_process=True" if per_process else ""

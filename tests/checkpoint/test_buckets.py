@@ -304,3 +304,19 @@ def test_saved_by_two_processes_in_the_bucket_restores_in_one_and_the_reverse(bu
     assert "restored on 1 devices" in devices("restore", "two", 1)
     devices("save", "one", 1)
     assert "restored on 2 devices" in devices("restore", "one", 2)
+
+
+def test_a_budget_saves_each_process_s_shards_to_the_bucket_chunk_by_chunk_and_one_process_restores_them(
+    bucket, tmp_path
+):
+    # The smallest budget (4 KiB chunks): two processes each write their half of a 40 KiB kernel from their
+    # devices; one process reads it back a chunk at a time onto its device, and without a budget.
+    url = f"{bucket.scheme}://runs/budget"
+    config = {"output_dir": url, "width": 2560, "budget": 32768, "out": str(tmp_path / "state.npz")}
+    processes.run("devices.py", {**config, "mode": "save", "sharded": True}, n_processes=2, timeout=180)
+    (output,) = processes.run("devices.py", {**config, "mode": "restore"}, timeout=180)
+    assert "restored on 1 devices" in output and "decoded whole" not in output, output
+    (output,) = processes.run("devices.py", {**config, "mode": "restore", "budget": None}, timeout=180)
+    assert "restored on 1 devices" in output
+    objects = bucket.objects("runs", "budget/1/")
+    assert len(objects) > 60, objects  # in 4 KiB chunks: 83 (gs) and 95 (s3) objects, 32 and 41 without a budget

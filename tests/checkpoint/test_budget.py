@@ -67,7 +67,6 @@ def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path):
     [
         ({"host_memory_budget": 1000}, r"CheckpointFileWriter host_memory_budget must be .*at least 32768"),
         ({"host_memory_budget": "1G"}, r"CheckpointFileWriter host_memory_budget must be"),
-        ({"host_memory_budget": BUDGET, "output_dir": "s3://bucket/run"}, r"does not bound an s3:// store's save"),
     ],
 )
 def test_a_writer_names_a_bad_budget(tmp_path, kwargs, message):

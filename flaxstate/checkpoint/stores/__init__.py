@@ -146,13 +146,12 @@ def open_store(
         best: keep the best by a metric instead of the newest (an orbax directory).
         read_only: open for reading: nothing is created.
         copies: the peer copies a local tier hands each save to (`flaxstate.checkpoint.tiers.peers.PeerCopies`).
-        host_memory_budget: bytes a save or a restore may hold beyond the state (`flaxstate.checkpoint.budget`;
-            an orbax directory, on a disk or in gs://).
+        host_memory_budget: bytes a save or a restore may hold beyond the state (`flaxstate.checkpoint.budget`).
     """
     if per_process:
         return LocalStore(
             directory, keep=keep, read_only=read_only, copies=copies, host_memory_budget=host_memory_budget
         )
     if is_object_store(directory):
-        return ObjectStore(directory, keep=keep, best=best, read_only=read_only)
+        return ObjectStore(directory, keep=keep, best=best, read_only=read_only, host_memory_budget=host_memory_budget)
     return CheckpointStore(directory, keep=keep, best=best, read_only=read_only, host_memory_budget=host_memory_budget)

@@ -47,8 +47,8 @@ from jax.experimental import multihost_utils
 from jax.experimental.array_serialization import serialization
 
 from flaxstate import background, locations, tree_paths
+from flaxstate.checkpoint import budget, saving, steps
 from flaxstate.checkpoint import meta as meta_format
-from flaxstate.checkpoint import saving, steps
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
@@ -91,16 +91,26 @@ class ObjectStore(saving.SaveSlot):
         keep: how many steps to keep (the newest, or with `best`, the best).
         best: keep the best by a metric instead of the newest.
         read_only: open for reading; nothing is created.
+        host_memory_budget: bytes a save or a restore may hold beyond the state: each array is stored in
+            chunks of at most `budget.chunk_bytes` (a sharded one's dividing its shards), written and read a
+            chunk at a time (`flaxstate.checkpoint.budget`); `None`, whole shards and arrays.
     """
 
     shared = True
     """Every process writes this one directory together: only the primary process changes it."""
 
     def __init__(
-        self, directory: str | Path, keep: int | None = None, best: BestPolicy | None = None, read_only: bool = False
+        self,
+        directory: str | Path,
+        keep: int | None = None,
+        best: BestPolicy | None = None,
+        read_only: bool = False,
+        host_memory_budget: int | None = None,
     ) -> None:
         super().__init__()
         self.directory = locations.as_path(directory)
+        self._budget = host_memory_budget
+        self._slots = None if host_memory_budget is None else budget.Slots(host_memory_budget)
         self._keep = keep
         self._best = best
         self._listed: set[int] = set()
@@ -139,7 +149,10 @@ class ObjectStore(saving.SaveSlot):
                 shards.append((value, _array_spec(step_dir, number)))
             elif primary:
                 wholes.append((np.asarray(value), _array_spec(step_dir, number)))
-        asyncio.run(_write_arrays(shards, wholes))
+        if self._budget is None or self._slots is None:
+            asyncio.run(_write_arrays(shards, wholes))
+        else:
+            asyncio.run(_write_bounded(shards, wholes, budget.chunk_bytes(self._budget), self._slots))
         (step_dir / f"{DONE}{jax.process_index()}").write_text("")
         if not primary:
             return
@@ -235,7 +248,9 @@ class ObjectStore(saving.SaveSlot):
             raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
         step_dir = self.directory / str(step)
         numbers = [meta["arrays"][path]["number"] for path in paths]
-        read = steps.reading(step_dir, lambda: dict(zip(paths, _read_wholes(step_dir, numbers), strict=True)))
+        read = steps.reading(
+            step_dir, lambda: dict(zip(paths, _read_wholes(step_dir, numbers, self._slots), strict=True))
+        )
         _check_committed(step_dir)
         return read
 
@@ -263,8 +278,14 @@ class ObjectStore(saving.SaveSlot):
                     wholes[new] = number
                 else:
                     sharded.append((new, sharding, _array_spec(step_dir, number), stored[path]))
-            flat: dict[str, Any] = dict(zip(wholes, _read_wholes(step_dir, list(wholes.values())), strict=True))
-            if sharded:
+            flat: dict[str, Any] = dict(
+                zip(wholes, _read_wholes(step_dir, list(wholes.values()), self._slots), strict=True)
+            )
+            if sharded and self._slots is not None:
+                specs = [(new, sharding, spec) for new, sharding, spec, _ in sharded]
+                arrays = asyncio.run(_read_bounded(specs, self._slots))
+                flat.update({new: array for (new, *_), array in zip(sharded, arrays, strict=True)})
+            elif sharded:
                 arrays = serialization.run_deserialization(
                     [sharding for _, sharding, _, _ in sharded],
                     [spec for _, _, spec, _ in sharded],
@@ -293,17 +314,81 @@ async def _write_arrays(shards: list[tuple[jax.Array, dict[str, Any]]], wholes: 
     )
 
 
+async def _write_bounded(
+    shards: list[tuple[jax.Array, dict[str, Any]]],
+    wholes: list[tuple[np.ndarray, dict]],
+    most: int,
+    slots: budget.Slots,
+) -> None:
+    """`_write_arrays` within a budget: arrays in chunks of at most `most` bytes, a chunk at a time in host memory
+    (a device shard's sliced on its device)."""
+
+    async def whole(value: np.ndarray, spec: dict[str, Any]) -> None:
+        grid = _chunks(value.shape, max(1, most // value.dtype.itemsize))
+        metadata = {"shape": list(value.shape), "data_type": value.dtype.name, "chunk_grid": grid}
+        await budget.write_host(await ts.open({**spec, "metadata": metadata}, create=True), value, slots)
+
+    async def sharded(value: jax.Array, spec: dict[str, Any]) -> None:
+        shard_shape = value.addressable_shards[0].data.shape
+        grid = _dividing_chunks(shard_shape, max(1, most // value.dtype.itemsize))
+        dtype = jnp.dtype(value.dtype).name
+        spec = {**spec, "metadata": {"shape": list(value.shape), "data_type": dtype, "chunk_grid": grid}}
+        if jax.process_index() == 0:  # the array's metadata; the others' writes assume it, as JAX's serialization
+            await ts.open(spec, create=True, open=True)
+        store = await ts.open(spec, open=True, assume_metadata=True)
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                region = tuple(
+                    slice(*part.indices(size)[:2]) for part, size in zip(shard.index, value.shape, strict=True)
+                )
+                await budget.write_shard(store, shard.data, region, slots)
+
+    await asyncio.gather(
+        *(sharded(value, spec) for value, spec in shards), *(whole(value, spec) for value, spec in wholes)
+    )
+
+
+async def _read_bounded(
+    specs: list[tuple[str, jax.sharding.Sharding, dict[str, Any]]], slots: budget.Slots
+) -> list[jax.Array]:
+    """Arrays read onto this process's devices, each shard filled a stored chunk at a time."""
+    arrays = []
+    for name, sharding, spec in specs:
+        store = await ts.open(spec, open=True)
+        budget.warn_if_whole(store, slots.budget, name)
+        arrays.append(await budget.read_shards(store, sharding, slots))
+    return arrays
+
+
 CHUNK_ELEMENTS = 100_000_000
 """At most this many elements an object of an array written whole (JAX's serialization's own chunk bound)."""
 
 
-def _chunks(shape: tuple[int, ...]) -> dict[str, Any]:
-    """zarr3's regular grid for an array written whole: whole rows of the first axis, few objects, none too large."""
+def _chunks(shape: tuple[int, ...], most: int = CHUNK_ELEMENTS) -> dict[str, Any]:
+    """zarr3's regular grid for an array written whole: chunks of at most `most` elements (where one element is
+    not more), whole rows of the first axes where they fit, few objects."""
     chunk = [max(1, size) for size in shape]
-    if chunk:
-        row = math.prod(chunk[1:])
-        chunk[0] = max(1, min(chunk[0], CHUNK_ELEMENTS // max(1, row)))
+    for axis in range(len(chunk)):
+        inner = math.prod(chunk[axis + 1 :])
+        chunk[axis] = max(1, min(chunk[axis], most // max(1, inner)))
     return {"name": "regular", "configuration": {"chunk_shape": chunk}}
+
+
+def _dividing_chunks(shard_shape: tuple[int, ...], most: int) -> dict[str, Any]:
+    """zarr3's regular grid for a sharded array: chunks that divide its shards (no two processes write one
+    chunk), of at most `most` elements where a divisor allows."""
+    chunk = [max(1, size) for size in shard_shape]
+    for axis in range(len(chunk)):
+        inner = math.prod(chunk[axis + 1 :])
+        limit = max(1, most // max(1, inner))
+        chunk[axis] = _largest_divisor(chunk[axis], limit)
+    return {"name": "regular", "configuration": {"chunk_shape": chunk}}
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` not above `at_most` (1 at least)."""
+    divisors = {d for small in range(1, math.isqrt(n) + 1) if n % small == 0 for d in (small, n // small)}
+    return max(d for d in divisors if d <= at_most) if at_most >= 1 else 1
 
 
 def _wait_for_processes(step_dir: Path) -> None:
@@ -362,8 +447,19 @@ def _check_committed(step_dir: Path) -> None:
         raise VanishedStepError(f"{step_dir} was deleted while it was read.")
 
 
-def _read_wholes(step_dir: Path, numbers: list[int]) -> list[np.ndarray]:
-    """Whole arrays of a step, as numpy, read concurrently."""
+def _read_wholes(step_dir: Path, numbers: list[int], slots: budget.Slots | None = None) -> list[np.ndarray]:
+    """Whole arrays of a step, as numpy, read concurrently (with `slots`, a budget's chunks at a time)."""
+    if slots is not None:
+
+        async def bounded() -> list[np.ndarray]:
+            stored = []
+            for number in numbers:
+                store = await ts.open(_array_spec(step_dir, number), open=True)
+                budget.warn_if_whole(store, slots.budget, f"{step_dir / ARRAYS}/{number}")
+                stored.append(await budget.read_host(store, slots))
+            return stored
+
+        return asyncio.run(bounded())
     opening = [ts.open(_array_spec(step_dir, number), open=True) for number in numbers]
     reading = [opened.result().read() for opened in opening]
     return [np.asarray(read.result()) for read in reading]
