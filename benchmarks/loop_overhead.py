@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 import flaxstate as fs
+from flaxstate import fingerprints
 
 
 class MLP(nn.Module):
@@ -60,7 +61,9 @@ Runner = Callable[[int], None]
 """Trains n steps and returns when the devices are done."""
 
 
-def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: int, per_call: bool = False) -> Runner:
+def flaxstate_runner(
+    model: MLP, data: list, n_steps_per_dispatch: int, steps: int, per_call: bool = False, fingerprinted: bool = True
+) -> Runner:
     task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
     # One record a round: the host waits for the devices once, at its end, as the other loops do.
     loop = fs.TrainLoop(
@@ -76,7 +79,11 @@ def flaxstate_runner(model: MLP, data: list, n_steps_per_dispatch: int, steps: i
 
     def run(n_steps: int) -> None:
         assert n_steps == steps
-        loop.next_checkpoint()
+        fingerprints.ENABLED = fingerprinted  # the resume audit's fingerprints (`flaxstate.fingerprints`)
+        try:
+            loop.next_checkpoint()
+        finally:
+            fingerprints.ENABLED = True
 
     def run_per_call(n_steps: int) -> None:
         """`loop.run(n)` once a round, as a notebook cell (or flax_extra's habit) calls it: the run ends each time."""
@@ -313,12 +320,14 @@ def main() -> None:
             "hand-written jit, K=1": handwritten_jit_runner(model, data, 1),
             "hand-written jit, K=1, a record a round": handwritten_jit_runner(model, data, 1, record=True),
             "flaxstate TrainLoop, K=1": flaxstate_runner(model, data, 1, steps),
+            "flaxstate TrainLoop, K=1, no fingerprints": flaxstate_runner(model, data, 1, steps, fingerprinted=False),
             "flaxstate TrainLoop, K=1, run() per call": flaxstate_runner(model, data, 1, steps, per_call=True),
             "flax_extra TrainLoop (shim)": flax_extra_runner(model, data, 1),
             "hand-written pmap + scan, K=10": handwritten_pmap_runner(model, data, 10),
             "hand-written jit + scan, K=10": handwritten_jit_runner(model, data, 10),
             "hand-written jit + scan, K=10, a record a round": handwritten_jit_runner(model, data, 10, record=True),
             "flaxstate TrainLoop, K=10": flaxstate_runner(model, data, 10, steps),
+            "flaxstate TrainLoop, K=10, no fingerprints": flaxstate_runner(model, data, 10, steps, fingerprinted=False),
             "flaxstate TrainLoop, K=10, run() per call": flaxstate_runner(model, data, 10, steps, per_call=True),
         }
         if args.contenders:

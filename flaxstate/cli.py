@@ -4,6 +4,8 @@ flaxstate ls DIR                  a table of the checkpoints (best marked per wr
 flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes, logical axes; metadata
 flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
 flaxstate goodput DIR [--json]    where the run's time went, per session and in total (its goodput ledger)
+flaxstate audit DIR [--json]      each resume's verdict: replayed bit for bit, or the first step that differs
+                                  and why (exit 0: every replay bit for bit, 1: one differs, 2: an error)
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
@@ -25,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import goodput, launch, plotting
+from flaxstate import audit, goodput, launch, plotting
 from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
@@ -152,15 +154,39 @@ def command_plot(args: argparse.Namespace) -> None:
     print(f"wrote {args.output} ({', '.join(sorted(scalars))})")
 
 
-def command_goodput(args: argparse.Namespace) -> None:
-    path = args.dir / (ledger.SESSIONS if is_url(args.dir) else ledger.FILENAME)
+def _ledger_events(run_dir: Path) -> tuple[Path, list[dict]]:
+    """The run's ledger (where it is) and its events.
+
+    Raises:
+        UsageError: the directory keeps no ledger.
+    """
+    path = run_dir / (ledger.SESSIONS if is_url(run_dir) else ledger.FILENAME)
     try:
-        events = ledger.run_events(args.dir)
+        return path, ledger.run_events(run_dir)
     except FileNotFoundError:
         raise UsageError(
             f"{path} does not exist: a run's CheckpointFileWriter(output_dir) keeps its goodput ledger there "
             "(unless made with ledger=False); give the run's directory."
         ) from None
+
+
+def command_audit(args: argparse.Namespace) -> int:
+    path, events = _ledger_events(args.dir)
+    if not any(event.get("event") == "session" for event in events):
+        raise UsageError(f"{path} holds no session: the run wrote no record yet.")
+    found = audit.resumes(events)
+    if args.json:
+        print(json.dumps({"resumes": [resume.to_json() for resume in found]}, indent=2))
+    elif not found:
+        print("no resume: the run was never resumed")
+    else:
+        for resume in found:
+            print(f"session {resume.session}: {resume.line()}")
+    return int(any(resume.differs for resume in found))
+
+
+def command_goodput(args: argparse.Namespace) -> None:
+    path, events = _ledger_events(args.dir)
     summary = goodput.report(events)
     if not summary["sessions"]:
         raise UsageError(f"{path} holds no session: the run wrote no record yet.")
@@ -203,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     time_spent.add_argument("dir", type=_run_dir)
     time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
     time_spent.set_defaults(run=command_goodput)
+    audited = commands.add_parser("audit", help="each resume's verdict (exit 0 bit for bit, 1 a replay differs)")
+    audited.add_argument("dir", type=_run_dir)
+    audited.add_argument("--json", action="store_true", help='one JSON object: {"resumes": [...]}')
+    audited.set_defaults(run=command_audit)
     starter = commands.add_parser(
         "launch", help="N processes of a command on this machine, all started again after a failure"
     )
@@ -231,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (`sys.argv[1:]` by default).
 
     Returns:
-        the exit status: 0, or 2 for bad input (one line on stderr); `diff`: 1 when the checkpoints differ.
+        the exit status: 0, or 2 for bad input (one line on stderr); `diff`: 1 when the checkpoints differ;
+        `audit`: 1 when a resume's replay differs.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -45,20 +45,23 @@ BUCKETS = (
 
 
 @dataclasses.dataclass
-class _Session:
+class SessionEvents:
+    """One session's events: its `session` line, records and saves, the time of its last event, and whether it ended."""
+
     start: dict[str, Any]
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     saves: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    audits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_time: float = 0.0
     ended: bool = False
 
 
-def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
+def sessions_of(events: Iterable[dict[str, Any]]) -> list[SessionEvents]:
     """The events grouped by session (the newest run's only), oldest first."""
     events = list(events)
     runs = [event.get("run_id") for event in events if event.get("event") == "session"]
     run_id = runs[-1] if runs else None
-    sessions: list[_Session] = []
+    sessions: list[SessionEvents] = []
     seen: set[tuple[Any, Any, Any]] = set()
     for event in events:
         if event.get("run_id") != run_id:
@@ -72,7 +75,7 @@ def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
             if key in seen:
                 continue
             seen.add(key)
-            sessions.append(_Session(event, last_time=float(event["time"])))
+            sessions.append(SessionEvents(event, last_time=float(event["time"])))
             continue
         if not sessions:
             continue
@@ -80,6 +83,8 @@ def _sessions(events: Iterable[dict[str, Any]]) -> list[_Session]:
         session.last_time = max(session.last_time, float(event.get("time", session.last_time)))
         if kind == "record":
             session.records.append(event)
+        elif kind == "audit":
+            session.audits.append(event)
         elif kind == "save":
             session.saves.append(event)
         elif kind == "end":
@@ -103,7 +108,15 @@ def _productive(record: dict[str, Any]) -> float:
     return max(float(record["elapsed"]) - float(record["compile"]) - float(record["idle"]), 0.0)
 
 
-def _account(session: _Session, resumed_at: int | None, down_time: float) -> dict[str, Any]:
+def _audit(session: SessionEvents) -> dict[str, Any] | None:
+    """The resume audit's verdict that the session's writer logged (`flaxstate.audit`), or `None`."""
+    if not session.audits:
+        return None
+    logged = session.audits[-1]
+    return {name: logged.get(name) for name in ("verdict", "replayed", "first_different_step", "against")}
+
+
+def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -> dict[str, Any]:
     """One session's wall time split; `resumed_at`: the step the next session resumed from (`None`: none)."""
     seen = max(session.last_time - float(session.start["time"]), 0.0)
     lost_steps, lost_seconds, productive = 0, 0.0, 0.0
@@ -141,6 +154,7 @@ def _account(session: _Session, resumed_at: int | None, down_time: float) -> dic
         "processes": session.start.get("processes"),
         "devices": session.start.get("devices"),
         "device_kind": session.start.get("device_kind"),
+        "audit": _audit(session),
         **{name: _peak(record.get(name) for record in session.records) for name in PEAKS},
         **{name: buckets[name] for name in BUCKETS},
     }
@@ -159,7 +173,7 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         session's `wall_time` includes the down time before it.
     """
     events = list(events)
-    sessions = _sessions(events)
+    sessions = sessions_of(events)
     accounts: list[dict[str, Any]] = []
     for index, session in enumerate(sessions):
         following = sessions[index + 1] if index + 1 < len(sessions) else None
@@ -196,6 +210,13 @@ def _bytes(size: int | None) -> str:
     return "-" if size is None else f"{size / 2**30:,.2f} GiB"
 
 
+def _verdict(logged: dict[str, Any] | None) -> str:
+    if logged is None:
+        return "-"
+    step = logged.get("first_different_step")
+    return str(logged["verdict"]) + ("" if step is None else f" at step {step}")
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The report as a table: a column each session and one for the total, seconds and percent of wall time."""
     columns = [(f"session {index + 1}", account) for index, account in enumerate(summary["sessions"])]
@@ -214,6 +235,9 @@ def format_report(summary: dict[str, Any]) -> str:
     rows.append(["steps trained", *[str(account["steps"]) for _, account in columns]])
     rows.append(["lost steps", *[str(account["lost_steps"]) for _, account in columns]])
     rows.append(["preemptions", *[str(account["preemptions"]) for _, account in columns]])
+    audits = [account.get("audit") for account in summary["sessions"]]
+    if any(audits):
+        rows.append(["resume audit", *[_verdict(each) for each in audits], ""])
     for name in PEAKS:
         if any(account[name] is not None for _, account in columns):
             label = name.replace("_", " ").replace("memory peak", "memory, peak")

@@ -134,6 +134,8 @@ class Session:
         n_devices: the devices of the run (all processes').
         device_kind: the devices' kind, e.g. "NVIDIA H100 80GB HBM3" or "cpu".
         mesh: the loop's mesh, `{axis name: size}`.
+        restored_fingerprint: the restored state's fingerprint (`flaxstate.fingerprints`),
+            checked against the step's record of the session that saved it; `None` for a fresh start.
     """
 
     started: float
@@ -144,6 +146,7 @@ class Session:
     n_devices: int = 1
     device_kind: str = ""
     mesh: Mapping[str, int] | None = None
+    restored_fingerprint: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +297,14 @@ class Checkpoint:
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
             host copy on the devices again. `None` for records made by hand.
+        state_fingerprint: 16 hex digits of the state's bits, the same on any
+            mesh and process count (`flaxstate.fingerprints`); `None` for
+            records made by hand.
+        data_fingerprint: 16 hex digits of the batches trained since the
+            previous record (their global indices with `fs.global_batches`,
+            else their bytes); `None` for records made by hand. The goodput
+            ledger keeps both, and a resume's replay is checked against them
+            (`flaxstate.audit`).
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -324,6 +335,8 @@ class Checkpoint:
     evaluation_cut_short: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     preemption_noticed: Callable[[], bool] | None = dataclasses.field(default=None, repr=False, compare=False)
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    state_fingerprint: str | None = None
+    data_fingerprint: str | None = None
 
     @property
     def data_time(self) -> float:

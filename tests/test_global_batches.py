@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import itertools
+import shutil
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ from flaxstate_testing import processes, toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
+from flaxstate import audit
+from flaxstate.checkpoint import ledger
 from flaxstate.training.data import DataStream
 
 X = np.arange(30, dtype=np.float32).reshape(15, 2)
@@ -200,3 +203,19 @@ def test_a_transform_in_grain_workers_and_threads_keeps_the_exact_position(tmp_p
         for (got_x, got_y), (want_x, want_y) in zip(got, want, strict=True):
             np.testing.assert_array_equal(got_x, want_x)
             np.testing.assert_array_equal(got_y, want_y)
+
+
+def test_a_replay_on_another_process_count_is_audited_by_the_global_batches_indices(tmp_path):
+    # Two processes train to step 20; their save of step 20 is lost (removed), so one process resumes from step 15
+    # and trains 16-20 again: the same global examples (the indices match), and the same state where the reduction
+    # over one process's batch gives the bits of two processes' (else the audit says the state alone differs).
+    run_dir = tmp_path / "moved"
+    run(tmp_path, "first", 2, 20, run_dir=run_dir)
+    shutil.rmtree(run_dir / "20")
+    _, _, outputs = run(tmp_path, "then", 1, 20, resume=True, run_dir=run_dir)
+    assert "start 15" in outputs[0]
+    (resume,) = audit.resumes(ledger.run_events(run_dir))
+    assert resume.replayed == (16, 20) and resume.verdict in ("bit-exact", "state differs"), resume
+    if resume.verdict == "state differs":
+        assert "the batches are the same and the state differs" in resume.line()
+        assert resume.line() in outputs[0]  # said at runtime, in one line

@@ -10,7 +10,12 @@ thread of its own within a second (the end of a session waits for it):
   seconds of start-up and of restoring, the step resumed from, processes,
   devices), written with the session's first record;
 - `record`: each record (its step and steps, seconds training, compiling,
-  waiting for the data and for the host, and outside the loop before it);
+  waiting for the data and for the host, and outside the loop before it,
+  memory, and its fingerprints: `from`, the previous record's step,
+  `state_fp` and `data_fp`, see `flaxstate.fingerprints`);
+- `audit`: a resumed session's verdict on its replay (`flaxstate.audit`),
+  once it is known: at the first difference, at the end of the replay, or at
+  the session's end;
 - `save`: each save (the seconds the writer's call blocked);
 - `completed`: a save known to be complete (at the next save or wait), with
   its seconds from start to end (it runs in the background);
@@ -43,6 +48,8 @@ from typing import IO, Any
 
 import jax
 
+from flaxstate import audit
+from flaxstate.goodput import SessionEvents, sessions_of
 from flaxstate.locations import as_path, is_url
 from flaxstate.records import MEMORY_FIELDS, Checkpoint
 
@@ -125,6 +132,10 @@ class Ledger:
         self._last_completed: int | None = None
         self._file: IO[str] | _SessionObject | None = None
         self._syncer: _Syncer
+        self._earlier: list[SessionEvents] = []
+        """The sessions before this one (read at a resumed session's first record), for its audit."""
+        self._mine: SessionEvents | None = None
+        """This session's events, while its replay is audited (then `None`)."""
 
     def record(self, checkpoint: Checkpoint) -> None:
         """Logs a record (and, at a session's first record, the session)."""
@@ -134,34 +145,63 @@ class Ledger:
             self._claim(checkpoint.run_id)
         if not self._session_written and checkpoint.session is not None:
             session = checkpoint.session
-            self._append(
-                {
-                    "event": "session",
-                    "time": session.started,
-                    "pid": os.getpid(),
-                    "startup": session.startup,
-                    "restore": session.restore,
-                    "restored_step": session.restored_step,
-                    "processes": session.n_processes,
-                    "devices": session.n_devices,
-                    "device_kind": session.device_kind,
-                }
-            )
-            self._session_written = True
-        self._append(
-            {
-                "event": "record",
-                "step": int(checkpoint.step),
-                "steps": int(checkpoint.n_completed_steps),
-                "elapsed": checkpoint.elapsed_time,
-                "compile": checkpoint.compile_time,
-                "data_wait": checkpoint.data_time,
-                "idle": checkpoint.idle_time,
-                "outside": checkpoint.outside_time,
-                "preempted": checkpoint.preempted,
-                **{name: getattr(checkpoint, name) for name in MEMORY_FIELDS},
+            started = {
+                "event": "session",
+                "time": session.started,
+                "pid": os.getpid(),
+                "startup": session.startup,
+                "restore": session.restore,
+                "restored_step": session.restored_step,
+                "restored_fp": session.restored_fingerprint,
+                "processes": session.n_processes,
+                "devices": session.n_devices,
+                "device_kind": session.device_kind,
             }
-        )
+            if session.restored_step is not None:
+                self._begin_audit(started)
+            self._append(started)
+            self._session_written = True
+        step = int(checkpoint.step)
+        record = {
+            "event": "record",
+            "step": step,
+            "steps": int(checkpoint.n_completed_steps),
+            "from": step - int(checkpoint.n_completed_steps),
+            "elapsed": checkpoint.elapsed_time,
+            "compile": checkpoint.compile_time,
+            "data_wait": checkpoint.data_time,
+            "idle": checkpoint.idle_time,
+            "outside": checkpoint.outside_time,
+            "preempted": checkpoint.preempted,
+            "state_fp": checkpoint.state_fingerprint,
+            "data_fp": checkpoint.data_fingerprint,
+            **{name: getattr(checkpoint, name) for name in MEMORY_FIELDS},
+        }
+        self._append(record)
+        self._audit(record)
+
+    def _begin_audit(self, started: dict[str, Any]) -> None:
+        """Reads the sessions before this resumed one, whose records its replay is checked against."""
+        try:
+            self._earlier = sessions_of(run_events(self.path.parent))
+        except OSError:
+            self._earlier = []
+        self._mine = SessionEvents(started)
+
+    def _audit(self, record: dict[str, Any], ending: bool = False) -> None:
+        """Logs and keeps the resume's verdict once it is known (see `flaxstate.audit`)."""
+        mine = self._mine
+        if mine is None:
+            return
+        if not ending:
+            mine.records.append(record)
+        resume = audit.verdict(self._earlier, mine, len(self._earlier) + 1)
+        end = audit.replay_end(self._earlier, mine)
+        if resume is None or not (ending or resume.differs or end is None or int(record["step"]) >= end):
+            return
+        self._mine = None
+        (logger.warning if resume.differs else logger.info)("%s", resume.line())
+        self._append({"event": "audit", **resume.to_json()})
 
     def saved(self, step: int, blocking: float, completed: tuple[int, float | None] | None = None) -> None:
         """Logs a save of `step` that blocked the writer's call for `blocking` seconds.
@@ -179,6 +219,7 @@ class Ledger:
         """Logs the end of a session: its final or preempted record is on disk."""
         if self._primary and self._run_id is not None:
             self._completed(completed)
+            self._audit({}, ending=True)  # a replay cut short: what it compared
             self._append({"event": "end", "step": int(checkpoint.step), "preempted": checkpoint.preempted}, sync=True)
 
     def _completed(self, completed: tuple[int, float | None] | None) -> None:

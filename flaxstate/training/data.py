@@ -39,6 +39,8 @@ from typing import Any
 
 import jax
 
+from flaxstate import fingerprints
+
 logger = logging.getLogger("flaxstate")
 
 
@@ -79,6 +81,12 @@ class DataStream:
         """Batches handed out before a `rewind`, to hand out again before new ones."""
         self._raised: BaseException | None = None
         """What the data raised at the last draw, if it raised."""
+        self._indexed = self._global and callable(getattr(data, "indices", None))
+        """Global batches known by their source indices (`fs.global_batches`): fingerprinted by them."""
+        self._digest = fingerprints.BatchDigest()
+        """The bytes of the batches committed since the last `take_fingerprint` (data not `_indexed`)."""
+        self._fingerprinted = 0
+        """The committed batches that `take_fingerprint` has covered."""
 
     def peek(self) -> Any:
         """Returns the first batch without consuming it from the stream."""
@@ -133,14 +141,30 @@ class DataStream:
             batches.append(batch)
         return batches
 
-    def commit(self, n_batches: int) -> None:
-        """Marks the oldest `n_batches` batches in flight as trained."""
+    def commit(self, n_batches: int, batch: Any = None) -> None:
+        """Marks the oldest `n_batches` batches in flight as trained.
+
+        Args:
+            batch: their dispatch's host batch, `(inputs, targets)` (K stacked
+                for K), digested for the record's fingerprint (but global batches').
+        """
         if n_batches == 1:
             self._in_flight.popleft()
         else:
             for _ in range(n_batches):
                 self._in_flight.popleft()
         self._n_committed += n_batches
+        if batch is not None and not self._indexed and fingerprints.ENABLED:
+            self._digest.add(batch)
+
+    def take_fingerprint(self) -> tuple[str | None, int | None]:
+        """The batches committed since the last call: their global indices' fingerprint (`fs.global_batches`,
+        else `None`), and this process's digest of their bytes (0 for global batches, `None` where unknown)."""
+        first, self._fingerprinted = self._fingerprinted, self._n_committed
+        if self._indexed:
+            data: Any = self._data
+            return fingerprints.of_indices([data.indices(step) for step in range(first, self._n_committed)]), 0
+        return None, self._digest.take()
 
     def rewind(self) -> None:
         """Makes the batches in flight come again, in order, before new ones (after an interruption)."""
@@ -230,7 +254,7 @@ class DataStream:
         state = position.get("iterator_state")
         if state is not None and self._stateful:
             self._iterator.set_state(state)
-            self._n_committed = self._n_drawn = n_batches
+            self._n_committed = self._n_drawn = self._fingerprinted = n_batches
             return None
         self._advance(n_batches)
         return None
@@ -267,7 +291,7 @@ class DataStream:
                     self._redraw.popleft()
                 else:
                     self._draw()
-        self._n_committed = n_batches
+        self._n_committed = self._fingerprinted = n_batches
 
     def _recreate(self, n_batches: int) -> None:
         """Starts the data again with `iter(data)` and draws `n_batches` batches from it (global data: starts there)."""

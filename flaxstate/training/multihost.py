@@ -67,22 +67,26 @@ def local_position(position: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def gather_waits(
-    data_time: float, idle_time: float, elapsed_time: float, requested: bool
-) -> tuple[tuple[tuple[float, float, float], ...], bool]:
-    """Every process's waits of a record, and whether any process asked for a checkpoint (one collective).
+    data_time: float, idle_time: float, elapsed_time: float, requested: bool, digest: int | None = 0
+) -> tuple[tuple[tuple[float, float, float], ...], bool, tuple[int | None, ...]]:
+    """Every process's waits of a record, whether any process asked for a checkpoint, and every process's
+    digest of its batches (one collective).
 
     Args:
         data_time, idle_time, elapsed_time: this process's, for the record.
         requested: whether this process was asked for a checkpoint (SIGUSR1).
+        digest: this process's CRC-32 of its batches (`flaxstate.fingerprints.BatchDigest`; `None`: unknown).
 
     Returns:
         `(data_time, idle_time, elapsed_time)` of each process in process
-        order, and whether any was asked.
+        order, whether any was asked, and each process's digest (`None` where unknown).
     """
     if jax.process_count() == 1:
-        return ((data_time, idle_time, elapsed_time),), requested
+        return ((data_time, idle_time, elapsed_time),), requested, (digest,)
+    halves = [-1.0, -1.0] if digest is None else [float(digest >> 16), float(digest & 0xFFFF)]  # exact as float32
     rows = np.asarray(
-        multihost_utils.process_allgather(np.asarray([data_time, idle_time, elapsed_time, float(requested)]))
-    ).reshape(jax.process_count(), 4)
-    waits = tuple((float(data), float(idle), float(elapsed)) for data, idle, elapsed, _ in rows)
-    return waits, bool(np.any(rows[:, 3] > 0))
+        multihost_utils.process_allgather(np.asarray([data_time, idle_time, elapsed_time, float(requested), *halves]))
+    ).reshape(jax.process_count(), 6)
+    waits = tuple((float(data), float(idle), float(elapsed)) for data, idle, elapsed, *_ in rows)
+    digests = tuple(None if high < 0 else (int(high) << 16) | int(low) for *_, high, low in rows)
+    return waits, bool(np.any(rows[:, 3] > 0)), digests

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
+from flaxstate import fingerprints
 from flaxstate.records import Checkpoint, Session, Timing
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import copies, memory, multihost, startup, throughput
@@ -39,8 +40,11 @@ def scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
     return {"train": {"loss_scale": float(scale), "skipped_steps": int(n_skipped)}}
 
 
-def session(placement: Placement, restore_seconds: float, restored_step: int | None) -> Session:
-    """This process's session: its start, startup and restore, and the devices it trains on."""
+def session(
+    placement: Placement, restore_seconds: float, restored_step: int | None, restored_fingerprint: str | None = None
+) -> Session:
+    """This process's session: its start, startup and restore, the devices it trains on, and the restored
+    state's fingerprint."""
     started = startup.process_start_time()
     devices = list(placement.mesh.devices.flat)
     return Session(
@@ -52,6 +56,7 @@ def session(placement: Placement, restore_seconds: float, restored_step: int | N
         n_devices=len(devices),
         device_kind=devices[0].device_kind,
         mesh=dict(placement.mesh.shape),
+        restored_fingerprint=restored_fingerprint,
     )
 
 
@@ -108,12 +113,15 @@ class Recorder:
             preemption_noticed: whether a preemption notice has come (records carry it for an evaluation).
         """
         devices = list(placement.mesh.devices.flat)
+        restored = None
+        if begun.restored_step is not None:
+            restored = fingerprints.text(fingerprints.of_state(jax.tree.leaves(begun.state)))
         return cls(
             copy=copies.record_copier(placement.mesh, shardings, record_memory),
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
-            session=session(placement, begun.restore_seconds, begun.restored_step),
+            session=session(placement, begun.restore_seconds, begun.restored_step, restored),
             rng=begun.rng,
             run_id=begun.run_id,
             batch_size=look.batch_size,
@@ -150,8 +158,13 @@ class Recorder:
         """
         self.last_loss = self.last_loss if trained.loss is None else trained.loss
         position = multihost.gather_position(self.data.position(), self.batch_size)
+        state_lanes = fingerprints.of_state(leaves) if fingerprints.ENABLED else None  # before the copy: both read
+        indices, digest = self.data.take_fingerprint()
         waits = trained.waits
-        process_waits, requested = multihost.gather_waits(waits.data, waits.idle, trained.elapsed, requested)
+        process_waits, requested, digests = multihost.gather_waits(
+            waits.data, waits.idle, trained.elapsed, requested, digest
+        )
+        data_fingerprint = indices if indices is not None else fingerprints.of_digests(digests)
         host_state, grads = self.copy(leaves, treedef, None if preempted else trained.grads)
         self.views.publish(host_state, leaves, treedef)
         record = Checkpoint(
@@ -187,6 +200,8 @@ class Recorder:
             host_memory_peak=memory.host_peak(),
             preemption_noticed=self.preemption_noticed,
             device_state=functools.partial(self.views.lookup, host_state),
+            state_fingerprint=None if state_lanes is None else fingerprints.text(state_lanes),
+            data_fingerprint=data_fingerprint if state_lanes is not None else None,
         )
         self.progress.record(record)
         return record

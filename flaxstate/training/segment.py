@@ -219,8 +219,8 @@ class SegmentRunner:
                 self.check_batch(each)
         return batching.stack(batches, first_step)
 
-    def _draw(self, sizes: Sequence[int], waits: WaitTimes) -> Iterator[tuple[int, Any]]:
-        """Each dispatch's `(n_steps, batch)` in turn, drawn when asked.
+    def _draw(self, sizes: Sequence[int], waits: WaitTimes) -> Iterator[tuple[int, Any, Any]]:
+        """Each dispatch's `(n_steps, host batch, batch)` in turn, drawn when asked.
 
         Under several processes a batch is placed on the devices as it is
         drawn; one process hands host arrays to the compiled call.
@@ -229,7 +229,7 @@ class SegmentRunner:
         first_step = self.step + 1
         for n in sizes:
             batch = self._host_batch(n, first_step, waits)
-            yield n, self._placement.to_devices(batch, stacked=n > 1) if several_processes else batch
+            yield n, batch, self._placement.to_devices(batch, stacked=n > 1) if several_processes else batch
             first_step += n
 
     def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> Any:
@@ -253,7 +253,7 @@ class SegmentRunner:
         updates = {n: self._program.update(n) for n in set(sizes)}
         grads = None
         for n_left in range(len(sizes) - 1, -1, -1):
-            n, batch = queue.popleft()
+            n, host_batch, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
             compiled = (n, n_left == 0)  # the record's dispatch runs a program of its own
             if compiled in self._compiled:
@@ -272,7 +272,7 @@ class SegmentRunner:
             self.step += n
             self._clock.dispatched(losses)
             watchdog.dispatched(losses)
-            self._data.commit(n)
+            self._data.commit(n, host_batch)  # its bytes digested while the devices run it
             segment.watch.add(losses, n)
             self._progress.advance(n)
             if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)

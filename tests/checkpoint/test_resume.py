@@ -1,6 +1,10 @@
 """Exact resume: a run stopped anywhere (even by kill -9) ends bit for bit as an uninterrupted one."""
 
+import json
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -39,8 +43,22 @@ def test_resume_with_steps_per_dispatch(tmp_path):
     assert_same(resumed, reference)
 
 
+def audit(run_dir):
+    """`flaxstate audit RUN --json`: its exit status and each resume's verdict."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flaxstate", "audit", str(run_dir), "--json"],
+        env=processes.worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)["resumes"]
+
+
 def run_and_kill(tmp_path, name, after_record, delay, **config):
-    """Starts a run, waits for a record line, then kills it with SIGKILL after `delay` seconds."""
+    """Starts a run, waits for a record line, then kills it with SIGKILL after `delay` seconds; returns the last
+    record step it printed."""
     config = {"output_dir": str(tmp_path / name), "out": str(tmp_path / f"{name}.npz"), **config}
     process = processes.start("resume.py", config)
     lines = []
@@ -57,6 +75,7 @@ def run_and_kill(tmp_path, name, after_record, delay, **config):
         processes.kill(process)
         process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL, "".join(lines) + process.stdout.read()
+    return max(int(line.split()[1]) for line in lines if line.startswith("record "))
 
 
 # Kill points: right after a save started (its bytes still being written), a little later, and
@@ -66,7 +85,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, delay):
     # 100 steps: the run goes on well past every kill point, so the kill always lands mid-run.
     config = {"data": "grain", "n_steps": 100, "every": 10, "width": 200_000, "keep": 2}
     reference, _ = run(tmp_path, "reference", resume=False, **config)
-    run_and_kill(tmp_path, "killed", after_record=20, delay=delay, **config)
+    printed = run_and_kill(tmp_path, "killed", after_record=20, delay=delay, **config)
     entries = sorted(p.name for p in (tmp_path / "killed").iterdir())
     print("after kill -9:", entries)
     steps = sorted(int(name) for name in entries if name.isdigit())
@@ -75,3 +94,33 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, delay):
     start = int(output.split("start ")[1].split()[0])
     assert start == steps[-1], output
     assert_same(resumed, reference)
+    # The resume audited itself: the steps it trained again gave the bits the killed session logged.
+    status, (resume,) = audit(tmp_path / "killed")
+    assert status == 0 and resume["from_step"] == start, resume
+    if start < printed:  # the killed session logged records past the step resumed from
+        assert resume["verdict"] == "bit-exact" and resume["replayed"][0] == start + 1, resume
+    else:
+        assert resume["verdict"] in ("bit-exact", "nothing replayed"), resume
+
+
+def test_a_resume_audit_names_the_first_step_that_differs_and_why(tmp_path):
+    # Killed after its record of step 20 (or of 25, where the kill came late), with step 10 its newest checkpoint:
+    # each resume replays 11-20 at least, from a copy of the killed run. The same settings replay bit for bit;
+    # data whose iterator does not restore its position, and a changed learning rate, are named at step 15, the
+    # first record replayed.
+    config = {"data": "positioned", "n_steps": 25, "every": 5, "save_steps": [10], "wait_saved": True, "keep": 5}
+    run_and_kill(tmp_path, "killed", after_record=20, delay=0.0, **config)
+    resumes = {"same": {}, "forgetful": {"data": "forgetful"}, "lr": {"lr": 2e-2}}
+    found = {}
+    for name, change in resumes.items():
+        shutil.copytree(tmp_path / "killed", tmp_path / name)
+        _, output = run(tmp_path, name, **{**config, **change})
+        assert "start 10" in output, output
+        status, (resume,) = audit(tmp_path / name)
+        found[name] = (status, resume["verdict"], resume["first_different_step"], resume["replayed"], output)
+    status, verdict, first_different, (first, last), _ = found["same"]
+    assert (status, verdict, first_different, first) == (0, "bit-exact", None, 11) and last >= 20  # to its last record
+    assert found["forgetful"][:4] == (1, "data differs", 15, [11, 15])
+    assert "resume audit: step 15 differs from session 1: the batches differ (data position)" in found["forgetful"][4]
+    assert found["lr"][:4] == (1, "state differs", 15, [11, 15])
+    assert "step 15 differs from session 1: the batches are the same and the state differs" in found["lr"][4]

@@ -12,6 +12,8 @@ import numpy as np
 import optax
 
 import flaxstate as fs
+from flaxstate import audit
+from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.stores.local import ARRAYS, stored_meta
 from flaxstate_testing import toy
 
@@ -123,3 +125,8 @@ def local_steps(local_dir: Path, process: int) -> list[int]:
 def read_packed(step_dir: Path) -> tuple[dict, np.ndarray]:
     """A local step's meta as stored and its `arrays.bin`'s bytes."""
     return stored_meta(step_dir), np.fromfile(step_dir / ARRAYS, dtype=np.uint8)
+
+
+def resume_verdicts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Each resume's verdict in a run directory's goodput ledger (`flaxstate audit --json`'s `resumes`)."""
+    return [resume.to_json() for resume in audit.resumes(ledger.run_events(run_dir))]

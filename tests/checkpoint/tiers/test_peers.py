@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flaxstate_testing import processes
-from flaxstate_testing.checkpoints import assert_same, local_steps, read_packed, restored_local_step
+from flaxstate_testing.checkpoints import (
+    assert_same,
+    local_steps,
+    read_packed,
+    restored_local_step,
+    resume_verdicts,
+)
 
 import flaxstate as fs
 from flaxstate.checkpoint import budget
@@ -137,6 +143,10 @@ def test_a_replaced_host_gets_its_parts_from_its_peer_and_resumes_from_the_local
     assert f"process 1's parts of step {newest} come from process {2 % n}'s peer copy" in outputs[0]
     assert all(f"start {newest}" in output for output in outputs), outputs
     assert_same(final, killed["straight"])
+    # The state restored through the peer's copy is the one the killed run logged at its step, and the steps
+    # trained again up to step 70 give the same bits.
+    (resume,) = resume_verdicts(directory / "persistent")
+    assert resume["from_step"] == newest and resume["verdict"] == ("bit-exact" if newest < 70 else "nothing replayed")
     # Its own saves, and its copies of process 0's, go on after the restart.
     assert local_steps(directory / "local-1", 1)[-1] == kept_copies(directory, 1, 0)[-1] == 100
 

@@ -45,6 +45,37 @@ else:
     data = toy.shard(global_batches * 100, jax.process_index(), jax.process_count())
 
 
+class Positioned:
+    """Data whose iterators save their position (`get_state`) and restore it, or (`forgetful`, a pipeline's bug)
+    do not: a resume then starts from the beginning."""
+
+    def __init__(self, batches, forgetful):
+        self.batches, self.forgetful = batches, forgetful
+
+    def __iter__(self):
+        return _PositionedIterator(self)
+
+
+class _PositionedIterator:
+    def __init__(self, data):
+        self.data, self.index = data, 0
+
+    def __next__(self):
+        self.index += 1
+        return self.data.batches[self.index - 1]
+
+    def get_state(self):
+        return {"index": self.index}
+
+    def set_state(self, state):
+        if not self.data.forgetful:
+            self.index = state["index"]
+
+
+if config["data"] in ("positioned", "forgetful"):
+    data = Positioned(data, forgetful=config["data"] == "forgetful")
+
+
 class Slow:
     """The data, each batch `data_sleep` seconds late (so that a signal lands in training)."""
 
@@ -101,7 +132,7 @@ if local_dir is not None:
     shown.setLevel(logging.INFO)
     shown.addHandler(logging.StreamHandler(sys.stdout))
     shown.propagate = False
-optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(1e-2)
+optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" else optax.adam(config.get("lr", 1e-2))
 loop = fs.TrainLoop(
     init=fs.CheckpointFileReader(
         [local_dir, output_dir] if local_dir else output_dir,

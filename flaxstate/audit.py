@@ -1,0 +1,162 @@
+"""A resume that proves itself: each resume's replay checked against the fingerprints that earlier sessions logged.
+
+A session that resumes from step s of a run that had reached step e > s
+trains steps s+1..e again. The goodput ledger (`flaxstate.checkpoint.ledger`)
+keeps each record's fingerprints (`flaxstate.fingerprints`): of the state at
+its step, and of the batches trained since the previous record. The audit of
+a resume compares, step by step, the records it replays with the newest
+earlier session's records of the same steps:
+
+- the restored state against the record that saved it (a partial or wrong
+  restore shows there, before any step);
+- at each replayed record, the batches first (compared where both records
+  cover the same steps), then the state.
+
+Its verdict names the first step that differs and why: `"data differs"` (the
+batches differ: the data did not resume where it was), `"state differs"`
+(the same batches, or batches not comparable, and another state: a changed
+program or setting, a nondeterministic kernel, a partial restore),
+`"bit-exact"`, or `"nothing replayed"` (the resume started at the newest
+step reached, or the records fall at other steps). The audit reports; it
+never stops a run. The writer of the run directory logs each resume's
+verdict in one line and keeps it in the ledger (`audit` events);
+`flaxstate audit RUN` prints every resume's verdict from the records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from flaxstate.goodput import SessionEvents, sessions_of
+
+BIT_EXACT = "bit-exact"
+DATA_DIFFERS = "data differs"
+STATE_DIFFERS = "state differs"
+NOTHING_REPLAYED = "nothing replayed"
+VERDICTS = (BIT_EXACT, DATA_DIFFERS, STATE_DIFFERS, NOTHING_REPLAYED)
+
+_WHY = {
+    DATA_DIFFERS: "the batches differ (data position)",
+    STATE_DIFFERS: "the batches are the same and the state differs (a changed program, settings or nondeterminism)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """One resume's verdict.
+
+    Attributes:
+        session: the resumed session's number in the ledger (the first is 1).
+        from_step: the step it resumed from.
+        replayed: the first and last step of the replay that it compared, or `None`.
+        verdict: one of `VERDICTS`.
+        first_different_step: the first step whose fingerprints differ, or `None`.
+        against: the number of the session whose records the first difference was compared with, or `None`.
+        restore_differs: whether the restored state itself differs from the record that saved it.
+        data_compared: whether any batches were compared (records covering the same steps).
+    """
+
+    session: int
+    from_step: int
+    replayed: tuple[int, int] | None
+    verdict: str
+    first_different_step: int | None = None
+    against: int | None = None
+    restore_differs: bool = False
+    data_compared: bool = True
+
+    @property
+    def differs(self) -> bool:
+        """Whether the replay differs."""
+        return self.verdict in (DATA_DIFFERS, STATE_DIFFERS)
+
+    def line(self) -> str:
+        """The verdict in one line: `resume audit: steps 41-57 replayed bit for bit`, or names the first
+        different step, the session it differs from and why."""
+        if self.verdict == BIT_EXACT and self.replayed is not None:
+            first, last = self.replayed
+            return f"resume audit: steps {first}-{last} replayed bit for bit"
+        if self.verdict == NOTHING_REPLAYED:
+            return f"resume audit: nothing replayed (resumed from step {self.from_step}, the newest step reached)"
+        why = _WHY[self.verdict]
+        if self.restore_differs:
+            why = "the restored state differs from the one saved (a partial or wrong restore)"
+        elif self.verdict == STATE_DIFFERS and not self.data_compared:
+            why = "the state differs (the batches were not compared: records at other steps)"
+        return f"resume audit: step {self.first_different_step} differs from session {self.against}: {why}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON that `flaxstate audit --json` lists and the ledger's `audit` event holds."""
+        return {
+            "session": self.session,
+            "from_step": self.from_step,
+            "replayed": list(self.replayed) if self.replayed is not None else None,
+            "verdict": self.verdict,
+            "first_different_step": self.first_different_step,
+            "against": self.against,
+        }
+
+
+def _newest(sessions: Sequence[SessionEvents]) -> dict[int, tuple[int, dict[str, Any]]]:
+    """Each step recorded by `sessions`, with the newest session's record of it and that session's number."""
+    by_step: dict[int, tuple[int, dict[str, Any]]] = {}
+    for number, session in enumerate(sessions, start=1):
+        for record in session.records:
+            by_step[int(record["step"])] = (number, record)
+    return by_step
+
+
+def _differs(mine: Any, theirs: Any) -> bool | None:
+    """Whether two fingerprints differ (`None`: one of them is unknown)."""
+    return None if mine is None or theirs is None else mine != theirs
+
+
+def verdict(earlier: Sequence[SessionEvents], session: SessionEvents, number: int) -> Resume | None:
+    """The audit of `session` (the `number`-th) against the `earlier` ones, from its records so far.
+
+    Returns:
+        `None` for a session that started fresh.
+    """
+    restored = session.start.get("restored_step")
+    if restored is None:
+        return None
+    start = int(restored)
+    saved = _newest(earlier)
+    if start in saved:
+        against, record = saved[start]
+        if _differs(session.start.get("restored_fp"), record.get("state_fp")):
+            return Resume(number, start, None, STATE_DIFFERS, start, against, restore_differs=True)
+    reached = max(saved, default=start)
+    compared: list[int] = []
+    data_compared = False
+    for record in session.records:
+        step = int(record["step"])
+        if step <= start or step > reached or step not in saved:
+            continue
+        against, theirs = saved[step]
+        same_span = record.get("from") is not None and record.get("from") == theirs.get("from")
+        data = _differs(record.get("data_fp"), theirs.get("data_fp")) if same_span else None
+        data_compared = data_compared or data is not None
+        compared.append(step)
+        if data:
+            return Resume(number, start, (start + 1, step), DATA_DIFFERS, step, against, data_compared=True)
+        if _differs(record.get("state_fp"), theirs.get("state_fp")):
+            return Resume(number, start, (start + 1, step), STATE_DIFFERS, step, against, data_compared=data_compared)
+    if not compared:
+        return Resume(number, start, None, NOTHING_REPLAYED)
+    return Resume(number, start, (start + 1, compared[-1]), BIT_EXACT, data_compared=data_compared)
+
+
+def replay_end(earlier: Sequence[SessionEvents], session: SessionEvents) -> int | None:
+    """The newest step that the sessions before `session` recorded (its replay ends there), or `None`."""
+    steps = [int(record["step"]) for each in earlier for record in each.records]
+    return max(steps, default=None)
+
+
+def resumes(events: Iterable[dict[str, Any]]) -> list[Resume]:
+    """Every resume's verdict in a ledger's events (the newest run's), oldest first."""
+    sessions = sessions_of(events)
+    verdicts = (verdict(sessions[:index], session, index + 1) for index, session in enumerate(sessions))
+    return [each for each in verdicts if each is not None]

@@ -1,0 +1,140 @@
+"""Fingerprints of a training state and of the batches trained: what a resume's replay is checked against.
+
+A record carries two (`Checkpoint.state_fingerprint`, `Checkpoint.data_fingerprint`),
+each 16 hex digits, and the goodput ledger keeps them with its step
+(`flaxstate.audit` compares those of a replay with the earlier sessions').
+
+- The state's: every leaf's bits as 32-bit words, each mixed with its global
+  place (the leaf's offset in the state plus its flat index; in the second
+  lane, its shape and dtype too), summed modulo 2^32 in two lanes. Integer
+  sums are exact in any order, so the fingerprint is the same on any mesh and
+  any number of processes, and one compiled program computes it on the
+  devices from the loop's own arrays (no host copy): a reduction of the
+  state, whose result is 8 bytes, once a record. A single changed bit of any
+  element changes the first lane.
+- The data's: where the data is `fs.global_batches`, the source indices of the
+  global batches trained (the same on any process count: nothing is read);
+  else a CRC-32 of the bytes of the batches trained since the previous
+  record, leaf by leaf and in order, read by the loop as it dispatches them
+  (`BatchDigest`; several processes' are combined in process order, by the
+  record's one gather).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ENABLED = True
+"""Whether loops fingerprint their records (`benchmarks/loop_overhead.py` turns it off to measure what they cost)."""
+_ODD = np.uint32(0x9E3779B1)
+"""A multiplier of the second lane (the 32-bit golden ratio, odd)."""
+_MIX = np.uint32(0x85EBCA6B)
+"""MurmurHash3's finalizer constant: mixes a word with its place in the second lane."""
+
+
+def _words(leaf: jax.Array) -> jax.Array:
+    """A leaf's bits as uint32 words (one a element; two for a 64-bit one; a bool or a narrower type widened)."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    if leaf.dtype == jnp.bool_:
+        return leaf.astype(jnp.uint32)
+    width = np.dtype(leaf.dtype).itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[width]
+    bits = jax.lax.bitcast_convert_type(leaf, unsigned)  # 8 bytes: a last axis of two words
+    return bits.astype(jnp.uint32)
+
+
+@jax.jit
+def _lanes(leaves: Sequence[jax.Array]) -> jax.Array:
+    first = second = jnp.uint32(0)
+    offset = 0
+    for leaf in leaves:
+        words = _words(leaf)
+        place = (jnp.arange(words.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)).reshape(words.shape)
+        first += jnp.sum(words * (place * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+        layout = jnp.uint32(zlib.crc32(f"{leaf.shape}{leaf.dtype}".encode()))  # a reshaped leaf differs
+        mixed = (words ^ ((place + layout) * _ODD)) * _MIX
+        second += jnp.sum(mixed ^ (mixed >> 15), dtype=jnp.uint32)
+        offset += words.size
+    return jnp.stack([first, second])
+
+
+def of_state(leaves: Sequence[jax.Array]) -> jax.Array:
+    """The state's fingerprint as two uint32 on the devices (dispatched, not waited for): `text` reads it.
+
+    Args:
+        leaves: the state's arrays (global arrays of every process: a collective of a few bytes).
+    """
+    return _lanes(list(leaves))
+
+
+def text(lanes: Any) -> str:
+    """A fingerprint's 16 hex digits (waits for the devices)."""
+    first, second = (int(lane) for lane in np.asarray(jax.device_get(lanes), dtype=np.uint32))
+    return f"{first:08x}{second:08x}"
+
+
+class BatchDigest:
+    """CRC-32s of the bytes of the batches trained since it was last `taken`, one a leaf of the batch.
+
+    A leaf's CRC runs over its bytes batch after batch, so K batches stacked
+    for one dispatch give what the K batches give one by one: the loop adds
+    each dispatch's host batch as it dispatched it (any K), in its thread,
+    while the devices run it. A batch whose leaves are on the devices already
+    (JAX arrays) is not read: the digest is then unknown (`None`).
+    """
+
+    def __init__(self) -> None:
+        self._crcs: list[int] = []
+        self._unknown = False
+
+    def add(self, batch: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
+        """Adds one dispatch's batch, `(inputs, targets)` (`flaxstate.training.batching.normalize`'s form)."""
+        leaves = (*batch[0], *batch[1])
+        crcs = self._crcs
+        if len(crcs) < len(leaves):
+            crcs.extend([0] * (len(leaves) - len(crcs)))
+        for index, leaf in enumerate(leaves):
+            if not isinstance(leaf, np.ndarray):
+                if isinstance(leaf, jax.Array):
+                    self._unknown = True
+                    continue
+                leaf = np.asarray(leaf)
+            if not leaf.flags.c_contiguous:
+                leaf = np.ascontiguousarray(leaf)
+            crcs[index] = zlib.crc32(leaf.data.cast("B"), crcs[index])
+
+    def take(self) -> int | None:
+        """The digest of the batches added since the last `take` (then starts again); `None` where unknown."""
+        crcs, unknown = self._crcs, self._unknown
+        self._crcs, self._unknown = [], False
+        if unknown:
+            return None
+        return zlib.crc32(b"".join(crc.to_bytes(4, "little") for crc in crcs), len(crcs))
+
+
+def of_indices(indices: Sequence[np.ndarray]) -> str:
+    """The fingerprint of global batches by their source indices, in order (16 hex digits)."""
+    crc = first = 0
+    for batch in indices:
+        data = np.ascontiguousarray(batch, dtype=np.int64).view(np.uint8).data
+        crc = zlib.crc32(data, crc)
+        first = zlib.adler32(data, first)
+    return f"{crc:08x}{first:08x}"
+
+
+def of_digests(digests: Sequence[int | None]) -> str | None:
+    """The fingerprint of every process's `BatchDigest`, in process order (16 hex digits; `None` where one is
+    unknown)."""
+    if any(digest is None for digest in digests):
+        return None
+    known = [int(digest) for digest in digests if digest is not None]
+    crc = functools.reduce(lambda total, each: zlib.crc32(each.to_bytes(4, "little"), total), known, 0)
+    return f"{crc:08x}{len(known):08x}"
