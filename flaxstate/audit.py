@@ -149,8 +149,8 @@ def verdict(earlier: Sequence[SessionEvents], session: SessionEvents, number: in
     return Resume(number, start, (start + 1, compared[-1]), BIT_EXACT, data_compared=data_compared)
 
 
-def replay_end(earlier: Sequence[SessionEvents], session: SessionEvents) -> int | None:
-    """The newest step that the sessions before `session` recorded (its replay ends there), or `None`."""
+def replay_end(earlier: Sequence[SessionEvents]) -> int | None:
+    """The newest step that the `earlier` sessions recorded (a resumed session's replay ends there), or `None`."""
     steps = [int(record["step"]) for each in earlier for record in each.records]
     return max(steps, default=None)
 

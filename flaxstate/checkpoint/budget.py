@@ -150,7 +150,7 @@ async def _each(regions: Iterator[Region], slots: Slots, work: Any) -> None:
     await asyncio.gather(*(one(region) for region in regions))
 
 
-def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
     """A shard's index (slices that may be open) as the region of the array it covers."""
     return tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape, strict=True))
 
@@ -262,7 +262,7 @@ async def read_shards(store: ts.TensorStore, sharding: jax.sharding.Sharding, sl
     shards = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a device of the sharding holds a part
-        region = _region(index, shape)
+        region = region_of(index, shape)
         shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
         reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
         try:
@@ -374,7 +374,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True, context=info.ts_context)
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
-                await write_shard(store, shard.data, _region(shard.index, value.shape), self._slots)
+                await write_shard(store, shard.data, region_of(shard.index, value.shape), self._slots)
 
     async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list[Any]:
         if args is None or any(getattr(arg, "sharding", None) is None for arg in args):

@@ -136,6 +136,8 @@ class Ledger:
         """The sessions before this one (read at a resumed session's first record), for its audit."""
         self._mine: SessionEvents | None = None
         """This session's events, while its replay is audited (then `None`)."""
+        self._replay_end: int | None = None
+        """The newest step that the sessions before this one recorded: this one's replay ends there."""
 
     def record(self, checkpoint: Checkpoint) -> None:
         """Logs a record (and, at a session's first record, the session)."""
@@ -187,6 +189,7 @@ class Ledger:
         except OSError:
             self._earlier = []
         self._mine = SessionEvents(started)
+        self._replay_end = audit.replay_end(self._earlier)
 
     def _audit(self, record: dict[str, Any], ending: bool = False) -> None:
         """Logs and keeps the resume's verdict once it is known (see `flaxstate.audit`)."""
@@ -196,7 +199,7 @@ class Ledger:
         if not ending:
             mine.records.append(record)
         resume = audit.verdict(self._earlier, mine, len(self._earlier) + 1)
-        end = audit.replay_end(self._earlier, mine)
+        end = self._replay_end
         if resume is None or not (ending or resume.differs or end is None or int(record["step"]) >= end):
             return
         self._mine = None

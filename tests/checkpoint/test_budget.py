@@ -8,7 +8,7 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 from etils import epath
-from flaxstate_testing import toy
+from flaxstate_testing import buckets, toy
 from flaxstate_testing.checkpoints import assert_trees_equal, fresh_state, records
 
 import flaxstate as fs
@@ -130,6 +130,14 @@ def test_arrays_on_the_devices_are_saved_under_a_budget_a_block_at_a_time_as_the
             writer(recs[-1])
     assert {name for name, _ in read} == {"device part", "orbax"}
     assert max(size for _, size in read) <= budget.chunk_bytes(BUDGET)
+    with buckets.moto_s3() as server:  # an s3:// store's save reads the device the same way (an emulator on 127.0.0.1)
+        server.create_bucket("runs")
+        read.clear()
+        with fs.CheckpointFileWriter("s3://runs/devices", host_memory_budget=BUDGET) as writer:
+            writer(recs[-1])
+        assert read and max(size for _, size in read) <= budget.chunk_bytes(BUDGET)
+        in_s3 = fs.CheckpointFileReader("s3://runs/devices", host_memory_budget=BUDGET).restore(fresh_state(MODEL))
+        assert_trees_equal(in_s3, recs[-1].state)
     local, whole = (tmp_path / name / "process-0" / "4" / "arrays.bin" for name in ("local", "local-whole"))
     assert local.read_bytes() == whole.read_bytes()
     assert stored_chunk_bytes(tmp_path / "orbax" / "4", "target.Dense_0.kernel") <= budget.chunk_bytes(BUDGET)

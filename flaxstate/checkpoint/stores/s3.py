@@ -109,8 +109,8 @@ class ObjectStore(saving.SaveSlot):
     ) -> None:
         super().__init__()
         self.directory = locations.as_path(directory)
-        self._budget = host_memory_budget
         self._slots = None if host_memory_budget is None else budget.Slots(host_memory_budget)
+        """The budget's chunks in flight (`None`: no budget)."""
         self._keep = keep
         self._best = best
         self._listed: set[int] = set()
@@ -147,12 +147,14 @@ class ObjectStore(saving.SaveSlot):
         for number, value in enumerate(flat.values()):
             if isinstance(value, jax.Array) and not value.is_fully_addressable:
                 shards.append((value, _array_spec(step_dir, number)))
+            elif primary and self._slots is not None and isinstance(value, jax.Array):
+                shards.append((value, _array_spec(step_dir, number)))  # from its devices, a chunk at a time
             elif primary:
                 wholes.append((np.asarray(value), _array_spec(step_dir, number)))
-        if self._budget is None or self._slots is None:
+        if self._slots is None:
             asyncio.run(_write_arrays(shards, wholes))
         else:
-            asyncio.run(_write_bounded(shards, wholes, budget.chunk_bytes(self._budget), self._slots))
+            asyncio.run(_write_bounded(shards, wholes, budget.chunk_bytes(self._slots.budget), self._slots))
         (step_dir / f"{DONE}{jax.process_index()}").write_text("")
         if not primary:
             return
@@ -338,10 +340,7 @@ async def _write_bounded(
         store = await ts.open(spec, open=True, assume_metadata=True)
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
-                region = tuple(
-                    slice(*part.indices(size)[:2]) for part, size in zip(shard.index, value.shape, strict=True)
-                )
-                await budget.write_shard(store, shard.data, region, slots)
+                await budget.write_shard(store, shard.data, budget.region_of(shard.index, value.shape), slots)
 
     await asyncio.gather(
         *(sharded(value, spec) for value, spec in shards), *(whole(value, spec) for value, spec in wholes)
