@@ -156,14 +156,35 @@ class MotoS3(_Emulator):
                 return keys
 
 
+def forget_clients() -> None:
+    """Drops this process's cached bucket clients, which keep the endpoint of the variables they were made under.
+
+    etils.epath keeps one fsspec filesystem a scheme for the life of the process, and fsspec one instance per
+    arguments, so an emulator started after another (each on its own port) would otherwise be asked through the
+    first one's stopped endpoint, which s3fs answers as a bucket that does not exist.
+    """
+    from etils.epath import backend
+
+    backend.fsspec_backend._get_filesystem.cache_clear()  # etils's own cache (private: no public way to reset it)
+    for module in ("s3fs", "gcsfs"):
+        try:
+            client = __import__(module)
+        except ImportError:
+            continue
+        filesystem = client.S3FileSystem if module == "s3fs" else client.GCSFileSystem
+        filesystem.clear_instance_cache()
+
+
 @contextlib.contextmanager
 def emulated(server: FakeGCS | MotoS3) -> Iterator[FakeGCS | MotoS3]:
     """A running emulator whose variables are set in this process (so its workers inherit them) until the end."""
     saved = {name: os.environ.get(name) for name in server.variables()}
     os.environ.update(server.variables())
+    forget_clients()
     try:
         yield server
     finally:
+        forget_clients()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
