@@ -10,6 +10,9 @@ split into productive step time and buckets of lost time:
 - `data_wait`: the devices waiting for the data;
 - `host_idle`: the devices waiting for the host otherwise;
 - `checkpoint`: the writer's calls blocking on saves;
+- `save_drag`: the steps' time lost to saves running in the background: the
+  records' step time while a save was in flight beyond their step time while
+  none was (`flaxstate.cadence.save_drag`), out of the productive time;
 - `lost_progress`: the productive time of steps that the next session
   trained again, because it resumed from an earlier step (a `kill -9`
   between checkpoints): `lost_steps` of them;
@@ -31,6 +34,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from flaxstate import cadence
+
 BUCKETS = (
     "startup",
     "compile",
@@ -38,6 +43,7 @@ BUCKETS = (
     "host_idle",
     "outside_loop",
     "checkpoint",
+    "save_drag",
     "lost_progress",
     "down_time",
 )
@@ -52,6 +58,8 @@ class SessionEvents:
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     saves: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     audits: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    completed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    cadences: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_time: float = 0.0
     ended: bool = False
 
@@ -87,6 +95,10 @@ def sessions_of(events: Iterable[dict[str, Any]]) -> list[SessionEvents]:
             session.audits.append(event)
         elif kind == "save":
             session.saves.append(event)
+        elif kind == "completed":
+            session.completed.append(event)
+        elif kind == "cadence":
+            session.cadences.append(event)
         elif kind == "end":
             session.ended = True
     # In the ledger's order: a session's line is written at its first record, after the previous session's
@@ -116,16 +128,44 @@ def _audit(session: SessionEvents) -> dict[str, Any] | None:
     return {name: logged.get(name) for name in ("verdict", "replayed", "first_different_step", "against")}
 
 
+def _drags(session: SessionEvents) -> list[float]:
+    """Each record's seconds lost to saves in the background (`flaxstate.cadence.save_drag`), on the wall clock
+    of the ledger's events: a save runs from its call's start for the seconds its `completed` event gives."""
+    durations = {int(event["step"]): float(event["seconds"]) for event in session.completed}
+    windows = []
+    for save in session.saves:
+        seconds = durations.get(int(save["step"]))
+        if seconds is not None:
+            start = float(save["time"]) - float(save["blocking"])
+            windows.append((start, start + seconds))
+    intervals, previous = [], None
+    for record in session.records:
+        end = float(record["time"])
+        start = previous if previous is not None else end - float(record["elapsed"])
+        intervals.append(cadence.Interval(start, end, _productive(record), int(record["steps"])))
+        previous = end
+    return cadence.save_drag(intervals, windows)
+
+
+def _cadence(session: SessionEvents) -> dict[str, Any]:
+    """`every="auto"`'s last interval in the session and the loss a failure was expected to cost at it."""
+    if not session.cadences:
+        return {"save_interval": None, "expected_loss_per_failure": None}
+    last = session.cadences[-1]
+    return {"save_interval": float(last["interval"]), "expected_loss_per_failure": float(last["expected_loss"])}
+
+
 def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -> dict[str, Any]:
     """One session's wall time split; `resumed_at`: the step the next session resumed from (`None`: none)."""
     seen = max(session.last_time - float(session.start["time"]), 0.0)
-    lost_steps, lost_seconds, productive = 0, 0.0, 0.0
-    for record in session.records:
+    lost_steps, lost_seconds, productive, drag = 0, 0.0, 0.0, 0.0
+    for record, dragged in zip(session.records, _drags(session), strict=True):
         seconds, n_steps, step = _productive(record), int(record["steps"]), int(record["step"])
         lost = 0 if resumed_at is None else max(0, min(n_steps, step - resumed_at))
         lost_steps += lost
         if n_steps:
             lost_seconds += seconds * lost / n_steps
+            drag += dragged * (n_steps - lost) / n_steps  # a lost record's time is all lost progress
         productive += seconds
     buckets = {
         "startup": float(session.start.get("startup", 0.0)),
@@ -133,9 +173,10 @@ def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -
         "data_wait": sum(float(record["data_wait"]) for record in session.records),
         "host_idle": sum(max(float(record["idle"]) - float(record["data_wait"]), 0.0) for record in session.records),
         "checkpoint": sum(float(save["blocking"]) for save in session.saves),
+        "save_drag": drag,
         "lost_progress": lost_seconds,
     }
-    kept = productive - lost_seconds
+    kept = productive - lost_seconds - drag
     # A ledger cut short (a kill right after the session line) knows less wall time than its events account for.
     wall = max(seen, kept + sum(buckets.values()))
     buckets["outside_loop"] = wall - kept - sum(buckets.values())
@@ -155,6 +196,9 @@ def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -
         "devices": session.start.get("devices"),
         "device_kind": session.start.get("device_kind"),
         "audit": _audit(session),
+        "failed": not session.ended and resumed_at is not None,
+        "lost_per_failure": lost_seconds if not session.ended and resumed_at is not None else None,
+        **_cadence(session),
         **{name: _peak(record.get(name) for record in session.records) for name in PEAKS},
         **{name: buckets[name] for name in BUCKETS},
     }
@@ -170,7 +214,11 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         `{"sessions": [...], "total": {...}}`: each session (oldest first) and
         the total with `wall_time`, `goodput`, `productive`, `lost_steps` and
         each of `BUCKETS` in seconds, and the memory `PEAKS` in bytes. A
-        session's `wall_time` includes the down time before it.
+        session's `wall_time` includes the down time before it. A session
+        that ended without its final or preempted record and was resumed is
+        `failed`, its `lost_progress` its `lost_per_failure` (the total's:
+        over its `failures`); `save_interval` and `expected_loss_per_failure`
+        are `every="auto"`'s last choice (`None` without it).
     """
     events = list(events)
     sessions = sessions_of(events)
@@ -194,6 +242,8 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def _total(accounts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(account["wall_time"] for account in accounts)
     productive = sum(account["productive"] for account in accounts)
+    failures = sum(account["failed"] for account in accounts)
+    known = [account for account in accounts if account["save_interval"] is not None]
     return {
         "wall_time": wall,
         "goodput": productive / wall if wall > 0 else 0.0,
@@ -201,6 +251,10 @@ def _total(accounts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "lost_steps": sum(account["lost_steps"] for account in accounts),
         "steps": sum(account["steps"] for account in accounts),
         "preemptions": sum(account["preemptions"] for account in accounts),
+        "failures": failures,
+        "lost_per_failure": sum(account["lost_progress"] for account in accounts) / failures if failures else None,
+        "save_interval": known[-1]["save_interval"] if known else None,
+        "expected_loss_per_failure": known[-1]["expected_loss_per_failure"] if known else None,
         **{name: _peak(account[name] for account in accounts) for name in PEAKS},
         **{name: sum(account[name] for account in accounts) for name in BUCKETS},
     }
@@ -208,6 +262,10 @@ def _total(accounts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _bytes(size: int | None) -> str:
     return "-" if size is None else f"{size / 2**30:,.2f} GiB"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f} s"
 
 
 def _verdict(logged: dict[str, Any] | None) -> str:
@@ -235,6 +293,15 @@ def format_report(summary: dict[str, Any]) -> str:
     rows.append(["steps trained", *[str(account["steps"]) for _, account in columns]])
     rows.append(["lost steps", *[str(account["lost_steps"]) for _, account in columns]])
     rows.append(["preemptions", *[str(account["preemptions"]) for _, account in columns]])
+    if any(account.get("save_interval") is not None for _, account in columns):  # every="auto"
+        rows += [
+            [label, *[_seconds(account.get(name)) for _, account in columns]]
+            for label, name in (
+                ("save interval (auto)", "save_interval"),
+                ("loss a failure, expected", "expected_loss_per_failure"),
+                ("loss a failure, realized", "lost_per_failure"),
+            )
+        ]
     audits = [account.get("audit") for account in summary["sessions"]]
     if any(audits):
         rows.append(["resume audit", *[_verdict(each) for each in audits], ""])

@@ -62,6 +62,8 @@ def test_kill_9_between_checkpoints_then_restart_counts_the_steps_trained_twice(
     assert first["lost_progress"] > 0 and second["lost_steps"] == 0
     assert report["total"]["lost_steps"] == first["lost_steps"]
     assert not first["ended"] and second["ended"]
+    assert first["failed"] and not second["failed"] and report["total"]["failures"] == 1  # what every="auto" reads
+    assert report["total"]["lost_per_failure"] == pytest.approx(first["lost_progress"])
     assert 1.0 <= second["down_time"] < 1.0 + 30
     assert first["wall_time"] <= killed - began + 1.0  # the process's start to its last event
     assert report["total"]["wall_time"] <= ended - began + 1.0
@@ -86,7 +88,7 @@ def test_sigterm_then_restart_loses_no_progress_and_counts_the_preemption_and_th
 
     report = goodput_json(run_dir)
     first, second = report["sessions"]
-    assert first["preemptions"] == 1 and first["ended"]
+    assert first["preemptions"] == 1 and first["ended"] and report["total"]["failures"] == 0  # a preemption saves
     assert second["restored_step"] == first["last_step"]
     assert report["total"]["lost_steps"] == 0 and report["total"]["lost_progress"] == 0
     assert report["total"]["preemptions"] == 1
@@ -111,3 +113,29 @@ def test_two_processes_write_one_ledger_once(tmp_path):
     report = goodput_json(run_dir)
     assert len(report["sessions"]) == 1 and report["total"]["steps"] == 60
     assert_adds_up(report["total"])
+
+
+def test_saves_running_in_the_background_are_a_bucket_of_their_own_that_adds_up_with_the_others():
+    # Records of 10 steps at 1 s a step, but 1.5 s a step while the save of step 40 runs (its call blocked 0.2 s,
+    # then it ran 30 s in the background): the 2 x 5 s beyond the clean step time are the save's drag.
+    def record(at, step):
+        fields = {"compile": 0.0, "data_wait": 0.0, "idle": 0.0, "outside": 0.0, "run_id": "r"}
+        return {"event": "record", "time": at, "step": step, "steps": 10, "elapsed": at - previous[0], **fields}
+
+    events = [{"event": "session", "time": 0.0, "pid": 1, "startup": 1.0, "restored_step": None, "run_id": "r"}]
+    previous, at = [1.0], 1.0
+    for step, seconds in ((10, 10), (20, 10), (30, 10), (40, 10), (50, 15), (60, 15), (70, 10), (80, 10)):
+        at += seconds
+        events.append(record(at, step))
+        previous[0] = at
+        if step == 40:
+            at += 0.2
+            events.append({"event": "save", "time": at, "step": 40, "blocking": 0.2, "run_id": "r"})
+            previous[0] = at
+    events.append({"event": "completed", "time": at, "step": 40, "seconds": 30.2, "run_id": "r"})
+    events.append({"event": "end", "time": at, "step": 80, "preempted": False, "run_id": "r"})
+    (account,) = goodput.report(events)["sessions"]
+    assert account["save_drag"] == pytest.approx(10.0) and account["checkpoint"] == pytest.approx(0.2)
+    assert account["productive"] == pytest.approx(90.0 - 10.0)  # the steps' time at the clean step time
+    assert_adds_up(account)
+    assert "save drag" in goodput.format_report(goodput.report(events))

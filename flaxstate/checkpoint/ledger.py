@@ -19,6 +19,8 @@ thread of its own within a second (the end of a session waits for it):
 - `save`: each save (the seconds the writer's call blocked);
 - `completed`: a save known to be complete (at the next save or wait), with
   its seconds from start to end (it runs in the background);
+- `cadence`: a change of `every="auto"`'s interval between saves, with its
+  inputs (`flaxstate.checkpoint.schedule`);
 - `end`: the final or preempted record, after its save is on disk.
 
 `flaxstate.goodput` adds the events up. A ledger holds one run: at its first
@@ -105,6 +107,17 @@ def _newest_run(events: list[dict[str, Any]]) -> str | None:
     return next((event["run_id"] for event in reversed(events) if isinstance(event.get("run_id"), str)), None)
 
 
+_HISTORIES: dict[str, tuple[int, float]] = {}
+"""Each run's failures and seconds of running before this process's session, as its ledger read them."""
+
+
+def history(run_id: str | None) -> tuple[int, float] | None:
+    """The failures (sessions that ended without their final or preempted record) and the seconds of running of a
+    run's sessions before this process's, as the run directory's writer read them in this process (at its first
+    record); `None` where no ledger of the run was read here yet (a local tier's writer asks, every few records)."""
+    return None if run_id is None else _HISTORIES.get(run_id)
+
+
 def run_of(run_dir: str | Path) -> str | None:
     """The run that a run directory's ledger belongs to (its newest event's), or `None` where it has none."""
     try:
@@ -161,6 +174,10 @@ class Ledger:
             }
             if session.restored_step is not None:
                 self._begin_audit(started)
+            _HISTORIES[checkpoint.run_id] = (
+                sum(not earlier.ended for earlier in self._earlier),
+                sum(max(earlier.last_time - float(earlier.start["time"]), 0.0) for earlier in self._earlier),
+            )
             self._append(started)
             self._session_written = True
         step = int(checkpoint.step)
@@ -217,6 +234,11 @@ class Ledger:
         if self._primary and self._run_id is not None:
             self._append({"event": "save", "step": step, "blocking": blocking})
             self._completed(completed)
+
+    def cadence(self, change: dict[str, Any]) -> None:
+        """Logs a change of `every="auto"`'s interval, with its inputs (`flaxstate.checkpoint.schedule`)."""
+        if self._primary and self._run_id is not None:
+            self._append({"event": "cadence", **change})
 
     def end(self, checkpoint: Checkpoint, completed: tuple[int, float | None] | None = None) -> None:
         """Logs the end of a session: its final or preempted record is on disk."""

@@ -42,6 +42,16 @@ class OrbaxAsyncSave:
         self.seconds: float | None = None
         """From the start to the end of the save, once joined (the end as the join saw it)."""
 
+    @property
+    def finished(self) -> bool:
+        """Whether the save ended (asked without waiting)."""
+        return self._done or not self._manager.is_saving_in_progress()
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether it was joined and did not fail."""
+        return self._done and self._error is None
+
     def join(self) -> None:
         if not self._done:
             try:
@@ -109,6 +119,16 @@ class BackgroundSave:
             self._finished = True
             self._ended.release()
 
+    @property
+    def finished(self) -> bool:
+        """Whether the save ended (asked without waiting)."""
+        return self._finished
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether it ended without failing."""
+        return self._finished and self._error is None
+
     def join(self) -> None:
         while not self._finished:  # a Ctrl-C here leaves the save running and this object pending
             if self._ended.acquire(timeout=1.0):  # a Ctrl-C between these two calls leaves it held: the flag decides
@@ -151,6 +171,21 @@ class SaveSlot:
         """
         self.wait()
         self._start(step, state_dict, meta, metrics, saved=self._holds(step))
+
+    def in_flight(self) -> bool:
+        """Whether a save started here still runs, asked without waiting.
+
+        A save that ended well is `completed` from then; one that failed is
+        raised by the next `wait` or `save`.
+        """
+        pending = self._pending
+        if pending is None:
+            return False
+        if not pending.finished:
+            return True
+        if pending.succeeded and pending.seconds is not None:
+            self.completed = (pending.step, pending.seconds)
+        return False
 
     def _holds(self, step: int) -> bool:
         """Whether this store holds `step` already (asked before each save)."""

@@ -19,8 +19,11 @@ has passed since its last save (or its creation), so records can come often
 for logging while checkpoints land every few minutes. Final and preempted
 records are always saved, and the writer waits for them to be on disk
 before it returns; a requested record (SIGUSR1, `Checkpoint.requested`) is
-always saved too. Under several processes the primary process's clock
-decides for all (a save is a collective).
+always saved too. `every="continuous"` saves whenever no save is in flight,
+and `every="auto"` at the interval that Young and Daly's rule gives from the
+run's own save cost and failure rate (`flaxstate.checkpoint.schedule`).
+Under several processes the primary process's clock decides for all (a save
+is a collective).
 
 `CheckpointFileWriter(local_dir, per_process=True)` is a local tier: each
 process saves its own arrays into its own directory, with no barrier, every
@@ -42,12 +45,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import environment, settings
-from flaxstate.checkpoint import budget, claims, stores
+from flaxstate.checkpoint import budget, claims, schedule, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
+from flaxstate.checkpoint.ledger import history as ledger_history
 from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
@@ -96,11 +100,13 @@ class _Writer:
         per_process: bool = False,
         peers: int = 0,
         host_memory_budget: int | None = None,
+        every: schedule.Every = None,
+        min_seconds: float | None = None,
+        mtbf: float | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
         host_memory_budget = budget.check(host_memory_budget, owner)
         keep = settings.count(owner, "keep", keep)
-        every_seconds = settings.optional_seconds(owner, "every_seconds", every_seconds)
         overwrite = settings.flag(owner, "overwrite", overwrite)
         ledger = settings.flag(owner, "ledger", ledger)
         per_process = settings.flag(owner, "per_process", per_process)
@@ -120,9 +126,11 @@ class _Writer:
         self._overwrite = overwrite
         self._claimed = False
         self._environment: dict[str, Any] | None = None
-        self._every_seconds = every_seconds
         self._keep = keep
-        self._last_save_time = self._clock()
+        self._run_id: str | None = None
+        self._schedule = schedule.SaveSchedule(
+            owner, every, every_seconds, min_seconds, mtbf, clock, lambda: ledger_history(self._run_id)
+        )
         self._saved_step: int | None = None
         self.busy = False
         """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
@@ -209,13 +217,15 @@ class _Writer:
         if not held and not self._claimed:  # at the first record, saved or not: the ledger writes after it
             self._claim(checkpoint)
             self._claimed = True
+        self._run_id = checkpoint.run_id
         if self._ledger is not None and self._claimed:
             self._ledger.record(checkpoint)
+        self._schedule.note(checkpoint)
         if not last and not checkpoint.requested and not self._due():
             return checkpoint
         if not held:
             metrics = self._metrics(checkpoint)
-            began = time.perf_counter()
+            began, start = time.perf_counter(), self._clock()
             self._store.save(
                 int(checkpoint.step),
                 checkpoint.state.state_dict(),
@@ -223,23 +233,35 @@ class _Writer:
                 metrics,
             )
             self._saved_step = int(checkpoint.step)
-            self._last_save_time = self._clock()
+            blocking = time.perf_counter() - began
             previous = self._store.completed  # the save before, which this one waited for
+            self._schedule.completed(previous)
+            self._schedule.started(int(checkpoint.step), start, blocking)
             if last:
                 self.wait()
             if self._ledger is not None:
                 self._ledger.saved(int(checkpoint.step), time.perf_counter() - began, previous)
         if last:
             self.wait()
+            self._schedule.completed(self._store.completed)
             if self._ledger is not None:
                 self._ledger.end(checkpoint, self._store.completed)
         return checkpoint
 
     def _due(self) -> bool:
-        """Whether `every_seconds` have passed since the last save (the primary process decides)."""
-        if self._every_seconds is None:
-            return True
-        due = self._clock() - self._last_save_time >= self._every_seconds
+        """Whether the schedule saves this record (`flaxstate.checkpoint.schedule`; the primary process decides).
+
+        A change of `every="auto"`'s interval is logged, with its inputs, and kept in the ledger.
+        """
+        if self._schedule.every is None and self._schedule.every_seconds is None:
+            return True  # every record: nothing to decide, no collective
+        in_flight = self._schedule.every is not None and self._store.in_flight()
+        self._schedule.completed(self._store.completed)
+        due, change = self._schedule.due(in_flight)
+        if change is not None and jax.process_index() == 0:
+            logger.info("%s", schedule.line(change, self._description))
+            if self._ledger is not None:
+                self._ledger.cadence(change)
         if jax.process_count() > 1:
             due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
@@ -349,6 +371,9 @@ class CheckpointFileWriter(_Writer):
         per_process: bool = False,
         peers: int = 0,
         host_memory_budget: int | None = None,
+        every: schedule.Every = None,
+        min_seconds: float | None = None,
+        mtbf: float | None = None,
     ) -> None:
         """Opens (or creates) the directory.
 
@@ -364,8 +389,9 @@ class CheckpointFileWriter(_Writer):
             overwrite: remove another run's checkpoints (and this run's at or
                 after the first record's step) at the first save, instead of
                 refusing to save.
-            clock: the monotonic clock that `every_seconds` is measured on
-                (in seconds; a test moves time by giving its own).
+            clock: the monotonic clock that `every_seconds`, `min_seconds` and
+                `every="auto"`'s interval are measured on (in seconds; a test
+                moves time by giving its own).
             ledger: keep the run's goodput ledger, `output_dir/goodput.jsonl`
                 (`flaxstate.checkpoint.ledger`; `flaxstate goodput DIR` reads
                 it): a line each record and save, fsync'd. A per-process
@@ -398,22 +424,42 @@ class CheckpointFileWriter(_Writer):
                 eighth of it, written to the copy's file as they come, and the
                 loop waits for the move. An s3:// directory stores each array
                 in chunks of it too (`flaxstate.checkpoint.stores.s3`).
+            every: `"continuous"`: save a record whenever no save of this
+                writer's is in flight (and `min_seconds` have passed since the
+                last one started), passing records over while one is, so the
+                loop never waits for a save. `"auto"`: the same at the interval
+                that loses the least time by Young and Daly's rule, from this
+                writer's measured save cost (its call's blocking plus the drag
+                of the save in the background on the steps) and the failures
+                in the run's goodput ledger, bounded by `min_seconds` and
+                `flaxstate.cadence.MAX_SECONDS`; each change is logged.
+                `None`: every record (or `every_seconds`). Final, preempted
+                and requested records are always saved; under several
+                processes the primary process decides.
+            min_seconds: with `every`, the least time between the starts of two saves.
+            mtbf: with `every="auto"`, a prior of the mean seconds between
+                the job's failures (the ledger's failures refine it; without
+                one, the run's time so far with no failure counts).
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
                 tier (`per_process=True`) and an open persistent writer whose
                 directories are one or nested (naming both); or `metadata`
                 is not JSON-serializable.
-            ValueError: `keep` below 1, `every_seconds` not positive,
+            ValueError: `keep` below 1, `every_seconds`, `min_seconds` or
+                `mtbf` not positive, `every` not one of None, "continuous" and
+                "auto", `every` with `every_seconds`, `min_seconds` without
+                `every`, `mtbf` without `every="auto"`,
                 `peers` not below the process count, or without `per_process`,
                 or `host_memory_budget` below 32 KiB.
         """
         budget.check(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
-        every = "" if every_seconds is None else f", every_seconds={every_seconds}"
-        every += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
+        when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
+        given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)
+        given += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
         local = ", per_process=True" if per_process else ""
         local += f", peers={peers}" if peers else ""
-        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{every}{local})"
+        description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{given}{local})"
         super().__init__(
             output_dir=(
                 local_path(output_dir, "CheckpointFileWriter's local tier (per_process=True)")
@@ -432,6 +478,9 @@ class CheckpointFileWriter(_Writer):
             per_process=per_process,
             peers=peers,
             host_memory_budget=host_memory_budget,
+            every=every,
+            min_seconds=min_seconds,
+            mtbf=mtbf,
         )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flaxstate_testing import processes
-from flaxstate_testing.checkpoints import fresh_state, records, saved_steps, summary
+from flaxstate_testing.checkpoints import fresh_state, patch_async_save, records, saved_steps, summary
 
 import flaxstate as fs
 
@@ -23,17 +23,6 @@ class Clock:
 
     def monotonic(self):
         return self.now
-
-
-def patch_async_save(monkeypatch, before_write):
-    """Runs `before_write()` in each orbax array write (in the save's thread), then writes."""
-    original = ocp.PyTreeCheckpointHandler.async_save
-
-    async def patched(self, directory, *args, **kwargs):
-        before_write()
-        return await original(self, directory, *args, **kwargs)
-
-    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", patched)
 
 
 SCRIPT_START = """

@@ -23,6 +23,19 @@ def saved_steps(directory: Path) -> list[int]:
     return sorted(int(path.name) for path in Path(directory).iterdir() if path.name.isdigit())
 
 
+def patch_async_save(monkeypatch: Any, before_write: Any) -> None:
+    """Runs `before_write()` in each orbax array write (in the save's thread), then writes."""
+    import orbax.checkpoint as ocp
+
+    original = ocp.PyTreeCheckpointHandler.async_save
+
+    async def patched(self: Any, directory: Any, *args: Any, **kwargs: Any) -> Any:
+        before_write()
+        return await original(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", patched)
+
+
 MODEL = toy.BatchNormNet()
 TX = optax.adam(1e-2)
 

@@ -103,6 +103,10 @@ class Store(Protocol):
         """Removes whole steps (the claims, with `overwrite=True`)."""
         ...
 
+    def in_flight(self) -> bool:
+        """Whether a save still runs, asked without waiting (the writer, with `every="continuous"` or `"auto"`)."""
+        ...
+
     def wait(self) -> None:
         """Waits for the save in flight, raising its failure (the writer, before a save and at its end)."""
         ...

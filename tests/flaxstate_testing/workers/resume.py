@@ -162,6 +162,7 @@ writer = fs.CheckpointFileWriter(
     keep=config.get("keep", 2),
     every_seconds=1.0 if save_steps else config.get("every_seconds"),
     clock=(lambda: now[0]) if save_steps else time.monotonic,
+    every=config.get("writer_every"),  # "continuous" or "auto"
 )
 logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
 if config.get("hosts"):  # one simulated host a process (FLAXSTATE_HOST, as a cluster whose host names repeat)

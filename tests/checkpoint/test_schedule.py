@@ -1,0 +1,195 @@
+import dataclasses
+import json
+import logging
+import math
+import threading
+
+import pytest
+from flaxstate_testing.checkpoints import patch_async_save, records, saved_steps
+
+import flaxstate as fs
+from flaxstate import cadence, goodput
+from flaxstate.checkpoint import ledger, schedule
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return records(n_steps=16, every=2)  # steps 2, 4, ..., 16 (final)
+
+
+def held_saves(monkeypatch):
+    """Holds every orbax save in its thread until the returned event is set; `outcomes` says, for each write held,
+    whether the event released it (True) or a minute passed (False: the test's own calls waited for it)."""
+    release, outcomes = threading.Event(), []
+    patch_async_save(monkeypatch, lambda: outcomes.append(release.wait(timeout=60)))
+    return release, outcomes
+
+
+def test_continuous_saves_pass_records_over_while_a_save_runs_and_never_wait_for_it(tmp_path, monkeypatch, recs):
+    release, outcomes = held_saves(monkeypatch)
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every="continuous")
+    for record in recs[:5]:  # steps 2-10: the first is saved, and held; the next four come while it runs
+        writer(record)
+    release.set()
+    writer.wait()
+    assert outcomes and all(outcomes)  # released by the test: no call waited for the held save
+    assert saved_steps(tmp_path) == [2]
+    writer(recs[5])  # no save in flight: saved
+    writer(recs[6])  # in flight or not, it is never waited for
+    writer(recs[7])  # the final record: always saved, and on disk when the call returns
+    steps = saved_steps(tmp_path)
+    assert steps[:2] == [2, 12] and steps[-1] == 16 and set(steps) <= {2, 12, 14, 16}, steps
+    writer.close()
+
+
+def test_continuous_saves_keep_min_seconds_between_their_starts(tmp_path, recs):
+    clock = Clock()
+    with fs.CheckpointFileWriter(tmp_path, keep=10, every="continuous", min_seconds=30, clock=clock) as writer:
+        writer(recs[0])  # the first record: saved
+        writer.wait()
+        clock.now += 29
+        writer(recs[1])  # no save in flight, but 29 s since the last one started
+        clock.now += 1
+        writer(recs[2])  # 30 s: saved
+        writer.wait()
+        assert saved_steps(tmp_path) == [2, 6]
+        requested = dataclasses.replace(recs[3], requested=True)
+        writer(requested)  # asked for (SIGUSR1): saved whatever the interval
+    assert saved_steps(tmp_path) == [2, 6, 8]
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"every": "sometimes"}, "every must be None (every record), 'continuous' or 'auto', got 'sometimes'"),
+        ({"every": "continuous", "every_seconds": 60}, "both set when to save. Give one"),
+        ({"min_seconds": 5}, "min_seconds=5 without every="),
+        ({"every": "continuous", "mtbf": 3600}, "mtbf=3600 with every='continuous'"),
+        ({"every": "auto", "mtbf": -1}, "mtbf must be a positive number of seconds or None, got -1"),
+        ({"every": "auto", "min_seconds": float("nan")}, "min_seconds must be a positive number"),
+    ],
+)
+def test_a_bad_schedule_is_refused_before_the_directory_is_touched(tmp_path, given, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fs.CheckpointFileWriter(tmp_path / "run", **given)
+    assert not (tmp_path / "run").exists()
+
+
+def drive(sched, clock, record, seconds, steps=10):
+    """One record after `seconds` of stepping; returns whether the schedule saves it and the change it logs."""
+    clock.now += seconds
+    sched.note(
+        dataclasses.replace(record, elapsed_time=seconds, compile_time=0.0, idle_time=0.0, n_completed_steps=steps)
+    )
+    return sched.due(in_flight=False)
+
+
+def test_auto_follows_a_changed_save_cost_and_failure_rate(recs):
+    # The ledger's failures and an injected clock drive the interval: a save that costs 2 s and a prior of an
+    # hour between failures give sqrt(2 x 2 x (3600 + running)); a save that costs 8 s doubles it; failures
+    # seen in the ledger shorten it.
+    clock, failures = Clock(), [None]
+    sched = schedule.SaveSchedule("W", "auto", None, None, 3600.0, clock, lambda: failures[0])
+    record = recs[0]
+    assert drive(sched, clock, record, 10.0) == (True, None)  # no cost known yet: the first record is saved
+    sched.started(2, clock.now, blocking=2.0)
+    sched.completed((2, 2.0))  # it ran 2 s, all of them blocking: no background part
+    due, change = drive(sched, clock, record, 10.0)
+    expected = math.sqrt(2 * 2.0 * (3600.0 + 20.0))
+    assert not due and change["interval"] == pytest.approx(expected) and change["cost"] == pytest.approx(2.0)
+    assert change["expected_loss"] == pytest.approx(expected / 2 + 2.0)
+    assert "saving every" in schedule.line(change, "W") and "3620 s between failures" in schedule.line(change, "W")
+    assert drive(sched, clock, record, 10.0) == (False, None)  # the same interval is not logged again
+    clock.now += expected  # the interval passed
+    due, _ = drive(sched, clock, record, 1.0)
+    assert due
+    for _ in range(schedule.RECENT_SAVES):  # saves become 8 s each
+        sched.started(4, clock.now, blocking=8.0)
+        sched.completed((4, 8.0))
+        drive(sched, clock, record, 1.0)
+    slower = sched.interval
+    running = clock.now - 1000.0
+    assert slower == pytest.approx(math.sqrt(2 * 8.0 * (3600.0 + running)), rel=1e-6)
+    failures[0] = (9, 1000.0)  # the ledger: 9 failures in 1000 s before this session
+    _, change = drive(sched, clock, record, 1.0)
+    mean_time = (1000.0 + running + 1.0 + 3600.0) / 10
+    assert change["failures"] == 9 and change["mtbf"] == pytest.approx(mean_time)
+    assert sched.interval == pytest.approx(math.sqrt(2 * 8.0 * mean_time)) and sched.interval < slower
+
+
+def test_auto_counts_a_save_s_drag_and_keeps_to_its_bounds(recs):
+    clock = Clock()
+    sched = schedule.SaveSchedule("W", "auto", None, 5.0, 100.0, clock)
+    record = recs[0]
+    for _ in range(4):  # clean: 1 s a step
+        drive(sched, clock, record, 10.0)
+    sched.started(2, clock.now, blocking=0.5)
+    for _ in range(2):  # a save in flight: 1.5 s a step
+        drive(sched, clock, record, 15.0)
+    sched.completed((2, 30.0))
+    drive(sched, clock, record, 10.0)
+    assert sched.save_cost() == pytest.approx(0.5 + 10.0)  # blocking plus 2 x 5 s of drag
+    assert sched.interval == pytest.approx(math.sqrt(2 * 10.5 * (100.0 + clock.now - 1000.0) / 1))
+    tiny = schedule.SaveSchedule("W", "auto", None, 5.0, 1.0, clock)  # failing every second: the least is 5 s
+    tiny.started(2, clock.now, 0.01)
+    tiny.completed((2, 0.01))
+    drive(tiny, clock, record, 1.0)
+    assert tiny.interval == 5.0
+    rare = schedule.SaveSchedule("W", "auto", None, None, 1e9, clock)  # never failing: an hour at most
+    rare.started(2, clock.now, 60.0)
+    rare.completed((2, 60.0))
+    _, change = drive(rare, clock, record, 1.0)
+    assert rare.interval == cadence.MAX_SECONDS and "bounded" in schedule.line(change, "W")
+
+
+def ledger_lines(path, run_id):
+    """A ledger of two sessions of `run_id`: one killed (no end) after 600 s, one that ended after 400 s."""
+
+    def session(at, restored):
+        return {"event": "session", "time": at, "pid": 1, "startup": 1.0, "restored_step": restored, "run_id": run_id}
+
+    def record(at, step):
+        fields = {"compile": 0.0, "data_wait": 0.0, "idle": 0.0, "outside": 0.0, "run_id": run_id}
+        return {"event": "record", "time": at, "step": step, "steps": 2, "elapsed": 1.0, **fields}
+
+    events = [session(0.0, None), record(600.0, 2), session(700.0, 2), record(1100.0, 4)]
+    events.append({"event": "end", "time": 1100.0, "step": 4, "preempted": False, "run_id": run_id})
+    path.write_text("".join(json.dumps(event) + "\n" for event in events))
+
+
+def test_auto_reads_the_failures_in_the_run_s_ledger_and_logs_each_change(tmp_path, recs, caplog):
+    # A run directory whose ledger holds a killed session and one that ended: the writer of a resumed session
+    # sees one failure in 1000 s of running.
+    run_id = recs[0].run_id
+    (tmp_path / "run").mkdir()
+    ledger_lines(tmp_path / "run" / ledger.FILENAME, run_id)
+    resumed = dataclasses.replace(recs[2].session, restored_step=4)
+    clock = Clock()
+    writer = fs.CheckpointFileWriter(tmp_path / "run", every="auto", clock=clock)
+    with caplog.at_level(logging.INFO, logger="flaxstate"):
+        writer(dataclasses.replace(recs[2], session=resumed))
+        assert ledger.history(run_id) == (1, pytest.approx(1000.0))
+        writer.wait()
+        clock.now += 10
+        writer(recs[3])
+    writer.close()
+    (line,) = [record.message for record in caplog.records if "saving every" in record.message]
+    assert "1 in 1010 s of running" in line, line
+    events = ledger.read_events(tmp_path / "run" / ledger.FILENAME)
+    (change,) = [event for event in events if event["event"] == "cadence"]
+    assert change["failures"] == 1 and change["interval"] == pytest.approx(
+        math.sqrt(2 * change["cost"] * change["mtbf"])
+    )
+    report = goodput.report(events)
+    assert report["total"]["failures"] == 1 and report["total"]["save_interval"] == pytest.approx(change["interval"])
+    assert "save interval (auto)" in goodput.format_report(report)
