@@ -116,7 +116,8 @@ class SaveSchedule:
         self._previous_record: float | None = None
         self._intervals: collections.deque[cadence.Interval] = collections.deque(maxlen=RECENT_RECORDS)
         self._windows: collections.deque[list[Any]] = collections.deque(maxlen=RECENT_SAVES)
-        """`[step, start, end or None, blocking]` of the newest saves: `end` once known complete."""
+        """`[step, start, end or None, blocking, cost or None]` of the newest saves: `end` once known complete,
+        `cost` once a record after it came (then fixed: a save's figure does not move with later records)."""
         self.interval: float | None = None
         """`every="auto"`'s interval now (seconds), once a save's cost is known."""
         self._logged: float | None = None
@@ -128,6 +129,24 @@ class SaveSchedule:
         productive = float(checkpoint.elapsed_time) - float(checkpoint.compile_time) - float(checkpoint.idle_time)
         self._intervals.append(cadence.Interval(start, now, max(productive, 0.0), int(checkpoint.n_completed_steps)))
         self._previous_record = now
+        self._settle(start)
+
+    def _settle(self, after: float) -> None:
+        """Fixes the cost of each save that ended before `after` (a record trained wholly after it has come):
+        its blocking plus the drag of the records that it overlapped, against the clean records seen so far."""
+        ended = [window for window in self._windows if window[2] is not None and window[4] is None]
+        if not any(window[2] <= after for window in ended):
+            return
+        intervals = list(self._intervals)
+        spans = [(begin, end if end is not None else math.inf) for _, begin, end, _, _ in self._windows]
+        drags = cadence.save_drag(intervals, spans)
+        for window in ended:
+            if window[2] <= after:
+                _, begin, end, blocking, _ = window
+                overlapped = [
+                    drag for each, drag in zip(intervals, drags, strict=True) if each.end > begin and each.start < end
+                ]
+                window[4] = blocking + sum(overlapped)
 
     def due(self, in_flight: bool) -> tuple[bool, dict[str, Any] | None]:
         """Whether this process would save the record noted last (`in_flight`: a save of the writer's runs).
@@ -152,7 +171,7 @@ class SaveSchedule:
         """Notes a save that started at `start` (on the clock) and blocked its call `blocking` seconds."""
         self._last_start = start
         self._last_save_time = self._clock()
-        self._windows.append([step, start, None, blocking])
+        self._windows.append([step, start, None, blocking, None])
 
     def completed(self, completed: tuple[int, float | None] | None) -> None:
         """Notes the newest save known complete, `(step, seconds from start to end)` (the store's `completed`)."""
@@ -163,15 +182,11 @@ class SaveSchedule:
                 window[2] = window[1] + completed[1]
 
     def save_cost(self) -> float | None:
-        """The seconds of training a recent save cost: its call's blocking plus its drag, averaged; `None` before
-        the first save."""
+        """The seconds of training a recent save cost, averaged: its call's blocking plus its drag (a save still
+        running, or whose drag is not known yet, counts its blocking); `None` before the first save."""
         if not self._windows:
             return None
-        now = self._clock()
-        spans = [(start, end if end is not None else now) for _, start, end, _ in self._windows]
-        drag = sum(cadence.save_drag(list(self._intervals), spans))
-        blocking = sum(window[3] for window in self._windows)
-        return (blocking + drag) / len(self._windows)
+        return sum(window[4] if window[4] is not None else window[3] for window in self._windows) / len(self._windows)
 
     def _choose(self, now: float) -> dict[str, Any] | None:
         cost = self.save_cost()

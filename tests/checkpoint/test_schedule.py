@@ -169,22 +169,26 @@ def ledger_lines(path, run_id):
 
 def test_auto_reads_the_failures_in_the_run_s_ledger_and_logs_each_change(tmp_path, recs, caplog):
     # A run directory whose ledger holds a killed session and one that ended: the writer of a resumed session
-    # sees one failure in 1000 s of running.
+    # sees one failure in 1000 s of running, and so does a local tier's writer in the same chain (it keeps no
+    # ledger of its own).
     run_id = recs[0].run_id
     (tmp_path / "run").mkdir()
     ledger_lines(tmp_path / "run" / ledger.FILENAME, run_id)
     resumed = dataclasses.replace(recs[2].session, restored_step=4)
     clock = Clock()
     writer = fs.CheckpointFileWriter(tmp_path / "run", every="auto", clock=clock)
+    local = fs.CheckpointFileWriter(tmp_path / "local", every="auto", clock=clock, per_process=True)
     with caplog.at_level(logging.INFO, logger="flaxstate"):
-        writer(dataclasses.replace(recs[2], session=resumed))
+        writer(local(dataclasses.replace(recs[2], session=resumed)))
         assert ledger.history(run_id) == (1, pytest.approx(1000.0))
         writer.wait()
+        local.wait()
         clock.now += 10
-        writer(recs[3])
+        writer(local(recs[3]))
     writer.close()
-    (line,) = [record.message for record in caplog.records if "saving every" in record.message]
-    assert "1 in 1010 s of running" in line, line
+    local.close()
+    lines = [record.message for record in caplog.records if "saving every" in record.message]
+    assert len(lines) == 2 and all("1 in 1010 s of running" in line for line in lines), lines
     events = ledger.read_events(tmp_path / "run" / ledger.FILENAME)
     (change,) = [event for event in events if event["event"] == "cadence"]
     assert change["failures"] == 1 and change["interval"] == pytest.approx(
