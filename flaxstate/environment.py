@@ -66,6 +66,7 @@ def describe(session: Session | None = None) -> dict[str, Any]:
         "devices": session.n_devices if session is not None else len(devices),
         "processes": jax.process_count(),
         "mesh": dict(session.mesh) if session is not None and session.mesh else None,
+        "microbatches": session.n_microbatches if session is not None else None,
         "command": [sys.executable, *sys.argv],
         "commit": git_commit(),
     }

@@ -136,6 +136,9 @@ class Session:
         mesh: the loop's mesh, `{axis name: size}`.
         restored_fingerprint: the restored state's fingerprint (`flaxstate.fingerprints`),
             checked against the step's record of the session that saved it; `None` for a fresh start.
+        n_microbatches: the microbatches a step of this session (`TrainLoop(max_device_batch=...)` sets
+            them from the devices' batch on every start).
+        max_device_batch: the examples a device may take at once, where given (`None`: not given).
     """
 
     started: float
@@ -147,6 +150,8 @@ class Session:
     device_kind: str = ""
     mesh: Mapping[str, int] | None = None
     restored_fingerprint: str | None = None
+    n_microbatches: int = 1
+    max_device_batch: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,6 +171,8 @@ class Ledger:
                 "processes": session.n_processes,
                 "devices": session.n_devices,
                 "device_kind": session.device_kind,
+                "microbatches": session.n_microbatches,
+                "max_device_batch": session.max_device_batch,
             }
             if session.restored_step is not None:
                 self._begin_audit(started)

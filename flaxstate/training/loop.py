@@ -14,6 +14,7 @@ interrupted call made, else a new one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,6 +40,9 @@ from flaxstate.training.task import TrainTask
 from flaxstate.training.watchdog import HangTimeout, Phase, Watchdog, check_timeout
 
 __all__ = ["CheckpointSource", "TrainLoop"]
+
+
+logger = logging.getLogger("flaxstate")
 
 
 class TrainLoop:
@@ -76,6 +80,7 @@ class TrainLoop:
         n_steps_per_checkpoint: int = 1,
         n_steps_per_dispatch: int = 1,
         n_microbatches: int = 1,
+        max_device_batch: int | None = None,
         input_sample: Any = None,
         collections: Mapping[str, Sequence[str]] | None = None,
         mutable_collections: CollectionFilter = DenyList("intermediates"),
@@ -104,6 +109,14 @@ class TrainLoop:
             n_microbatches: M; each device accumulates the loss and gradients of
                 M interleaved microbatches of its batch before one update (see
                 `flaxstate.training.step`).
+            max_device_batch: the most examples a device may take at once:
+                the loop sets `n_microbatches` itself at every start, the fewest
+                that split each device's part of the data's batch into equal
+                microbatches of at most this many. The global batch (the
+                examples of a step) stays the data's on any process count: a
+                run resumed on half the processes takes twice the
+                microbatches. The session (`Checkpoint.session`) and the
+                ledger keep the count; it is logged when it is not 1.
             input_sample: the model's inputs for `init`; the first batch's by default.
             collections: rng collection names, `{"init": [...], "apply": [...]}`;
                 by default `params` and `dropout` at init and `dropout` in training.
@@ -146,6 +159,14 @@ class TrainLoop:
         handle_preemption = settings.flag("TrainLoop", "handle_preemption", handle_preemption)
         stdout = settings.flag("TrainLoop", "stdout", stdout)
         n_microbatches = self._schedule.n_microbatches  # checked
+        if max_device_batch is not None:
+            max_device_batch = settings.count("TrainLoop", "max_device_batch", max_device_batch)
+            if n_microbatches != 1:
+                raise ValueError(
+                    f"TrainLoop got n_microbatches={n_microbatches} and max_device_batch={max_device_batch}: both "
+                    "set the microbatches. Give max_device_batch alone (the loop chooses the microbatches from "
+                    "each device's batch), or n_microbatches alone."
+                )
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         try:
@@ -156,7 +177,18 @@ class TrainLoop:
             where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
             self._progress = ProgressDisplay(stdout)
             self._signals = Signals(handle_preemption)
-            look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat)
+            look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat, max_device_batch)
+            n_microbatches = look.n_microbatches
+            if max_device_batch is not None and n_microbatches > 1:
+                logger.info(
+                    "TrainLoop(max_device_batch=%d): %d microbatches a step, each device's %d examples of a "
+                    "global batch of %d over %d processes",
+                    max_device_batch,
+                    n_microbatches,
+                    look.device_batch,
+                    look.batch_size,
+                    jax.process_count(),
+                )
             phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
             with self._watchdog.watching(phase):
                 begun = startup.start(
@@ -194,6 +226,7 @@ class TrainLoop:
                 progress=self._progress,
                 peak_flops_per_device=peak_flops_per_device,
                 preemption_noticed=self._signals.noticed_here,
+                microbatches=(n_microbatches, max_device_batch),
             )
             self._runner = SegmentRunner(
                 program=self._program,

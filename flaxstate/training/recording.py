@@ -41,10 +41,14 @@ def scaling_metrics(state: FlaxOptimTrainState) -> dict[str, dict[str, float]]:
 
 
 def session(
-    placement: Placement, restore_seconds: float, restored_step: int | None, restored_fingerprint: str | None = None
+    placement: Placement,
+    restore_seconds: float,
+    restored_step: int | None,
+    restored_fingerprint: str | None = None,
+    microbatches: tuple[int, int | None] = (1, None),
 ) -> Session:
-    """This process's session: its start, startup and restore, the devices it trains on, and the restored
-    state's fingerprint."""
+    """This process's session: its start, startup and restore, the devices it trains on, the restored
+    state's fingerprint, and its microbatches a step with the device batch that chose them."""
     started = startup.process_start_time()
     devices = list(placement.mesh.devices.flat)
     return Session(
@@ -57,6 +61,8 @@ def session(
         device_kind=devices[0].device_kind,
         mesh=dict(placement.mesh.shape),
         restored_fingerprint=restored_fingerprint,
+        n_microbatches=microbatches[0],
+        max_device_batch=microbatches[1],
     )
 
 
@@ -103,6 +109,7 @@ class Recorder:
         progress: ProgressDisplay,
         peak_flops_per_device: float | None,
         preemption_noticed: Callable[[], bool] | None = None,
+        microbatches: tuple[int, int | None] = (1, None),
     ) -> Recorder:
         """The recorder of a run that `begun` starts on `placement`, with `look`'s data and batch size.
 
@@ -111,6 +118,7 @@ class Recorder:
             record_memory: where records hold their copy (`copies.RECORD_MEMORIES`).
             peak_flops_per_device: one device's peak FLOP/s, or `None` to look the devices up.
             preemption_noticed: whether a preemption notice has come (records carry it for an evaluation).
+            microbatches: the microbatches a step, and the `max_device_batch` that set them (or `None`).
         """
         devices = list(placement.mesh.devices.flat)
         restored = None
@@ -121,7 +129,7 @@ class Recorder:
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
-            session=session(placement, begun.restore_seconds, begun.restored_step, restored),
+            session=session(placement, begun.restore_seconds, begun.restored_step, restored, microbatches),
             rng=begun.rng,
             run_id=begun.run_id,
             batch_size=look.batch_size,

@@ -100,6 +100,10 @@ class FirstLook:
     batch_size: int
     global_batch: Any
     inputs: tuple[Any, ...]
+    n_microbatches: int = 1
+    """The microbatches a step: as given, or as `max_device_batch` set them."""
+    device_batch: int = 0
+    """The examples of a step that one device (one part of the batch axes) takes."""
 
 
 def first_look(
@@ -108,8 +112,14 @@ def first_look(
     n_microbatches: int,
     input_sample: Any,
     on_draw: Callable[[], None] | None = None,
+    max_device_batch: int | None = None,
 ) -> FirstLook:
     """Peeks at the data's first batch and checks it against the placement and `n_microbatches`.
+
+    With `max_device_batch`, the microbatches are the fewest that split each
+    device's part of the batch into equal microbatches of at most that many
+    examples (`n_microbatches` is then 1): the same global batch on any
+    process count, half the processes taking twice the microbatches.
 
     `on_draw` is called after each batch the run draws (the watchdog's sign of
     progress, also while a resume moves the data past the batches trained).
@@ -125,12 +135,24 @@ def first_look(
     data = DataStream(task.data, "TrainTask", on_draw)
     batch = batching.normalize(data.peek(), "TrainTask")
     placement.check_batch(batch, "TrainTask", n_microbatches)
-    batch_size = placement.global_batch_size(int(np.shape(batch[0][0])[0]))
+    local_size = int(np.shape(batch[0][0])[0])
+    device_batch = local_size // placement.n_local_parts
+    if max_device_batch is not None:
+        n_microbatches = microbatches_for(device_batch, max_device_batch)
+        placement.check_batch(batch, "TrainTask", n_microbatches)  # every leaf's: they split alike
+    batch_size = placement.global_batch_size(local_size)
     if input_sample is None:
         inputs = batch[0]
     else:
         inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
-    return FirstLook(data, batch_size, batching.global_spec(batch, batch_size), inputs)
+    return FirstLook(data, batch_size, batching.global_spec(batch, batch_size), inputs, n_microbatches, device_batch)
+
+
+def microbatches_for(device_batch: int, max_device_batch: int) -> int:
+    """The fewest microbatches that split `device_batch` examples into equal parts of at most `max_device_batch`
+    (a divisor of `device_batch`: a prime batch larger than the limit goes one example at a time)."""
+    fits = (m for m in range(1, device_batch + 1) if device_batch % m == 0 and device_batch // m <= max_device_batch)
+    return next(fits)
 
 
 def check_split(data: Any, placement: Placement) -> None:

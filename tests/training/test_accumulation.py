@@ -19,7 +19,7 @@ MLP = toy.MLP()
 ROUNDING = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def train(n_microbatches, optimizer, model=MLP, n_steps=6, per_dispatch=1, data=None, loss=toy.mse):
+def train(n_microbatches, optimizer, model=MLP, n_steps=6, per_dispatch=1, data=None, loss=toy.mse, **options):
     data = toy.batches(n_steps, 8) if data is None else data
     task = fs.TrainTask(apply=model.apply, optimizer=optimizer, loss=loss, data=data)
     loop = fs.TrainLoop(
@@ -31,6 +31,7 @@ def train(n_microbatches, optimizer, model=MLP, n_steps=6, per_dispatch=1, data=
         n_steps_per_dispatch=per_dispatch,
         n_microbatches=n_microbatches,
         stdout=False,
+        **options,
     )
     return list(loop)
 
@@ -176,3 +177,36 @@ def test_microbatches_hold_the_same_examples_with_and_without_a_mesh():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     stats = plain.state.flax_mutables["batch_stats"]["BatchNorm_0"]["mean"]
     assert np.abs(stats).max() > 0
+
+
+@pytest.mark.parametrize(
+    ("device_batch", "most", "expected"), [(8, 8, 1), (8, 4, 2), (8, 3, 4), (6, 4, 2), (7, 4, 7), (12, 5, 3)]
+)
+def test_the_fewest_equal_microbatches_within_the_device_batch_are_chosen(device_batch, most, expected):
+    assert fs.training.startup.microbatches_for(device_batch, most) == expected
+
+
+def test_max_device_batch_sets_the_microbatches_from_each_device_s_batch_and_says_so(caplog):
+    # A batch of 8 on one device with at most 3 at once: 4 microbatches of 2, as n_microbatches=4 gives them.
+    with caplog.at_level("INFO", logger="flaxstate"):
+        chosen = train(1, optax.adam(1e-2), max_device_batch=3)
+    given = train(4, optax.adam(1e-2))
+    assert chosen[-1].session.n_microbatches == 4 and chosen[-1].session.max_device_batch == 3
+    for x, y in zip(jax.tree.leaves(chosen[-1].state), jax.tree.leaves(given[-1].state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the same program: bit for bit
+    assert "TrainLoop(max_device_batch=3): 4 microbatches a step, each device's 8 examples" in caplog.text
+    roomy = train(1, optax.adam(1e-2), max_device_batch=8)
+    assert roomy[-1].session.n_microbatches == 1 and roomy[-1].session.max_device_batch == 8
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_device_batch": 0}, "max_device_batch must be"),
+        ({"max_device_batch": 4, "n_microbatches": 2}, "both set the microbatches"),
+    ],
+)
+def test_max_device_batch_is_refused_when_it_cannot_be_one(options, message):
+    n_microbatches = options.pop("n_microbatches", 1)
+    with pytest.raises(ValueError, match=message):
+        train(n_microbatches, optax.sgd(0.1), **options)
