@@ -9,7 +9,7 @@ flaxstate audit DIR [--json]      each resume's verdict: replayed bit for bit, o
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
-flaxstate launch [--processes N] [--max-restarts R] [--grace S] -- CMD ...
+flaxstate launch [--processes N] [--max-restarts R] [--grace S] [--min-processes K] -- CMD ...
                                   N processes of CMD on this machine, all started again after a failure
                                   (`flaxstate.launch`)
 
@@ -240,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     starter.add_argument("--max-restarts", type=int, default=3)
     starter.add_argument("--grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL (default 30)")
     starter.add_argument(
+        "--min-processes",
+        type=int,
+        default=None,
+        help="go on with fewer processes, not fewer than this, after processes are lost (default: never fewer)",
+    )
+    starter.add_argument(
         "program", metavar="command", nargs=argparse.REMAINDER, help="-- then the command of each process"
     )
     starter.set_defaults(run=command_launch)
@@ -249,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 def command_launch(args: argparse.Namespace) -> int:
     command = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
-        return launch.launch(command, args.processes, args.max_restarts, args.grace)
+        return launch.launch(command, args.processes, args.max_restarts, args.grace, min_processes=args.min_processes)
     except ValueError as error:
         raise UsageError(str(error)) from None
 

@@ -17,6 +17,18 @@ says how many restarts came before (torchrun's `TORCHELASTIC_RESTART_COUNT`).
 With no GPU the launcher also sets `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`
 (unless it is set), so that CPU processes can talk.
 
+With `--min-processes K` (`min_processes`) the job goes on with fewer
+processes after a process is lost: one whose index failed `LOST_AFTER`
+rounds in a row, or that a cluster's health check named in the file that
+`FLAXSTATE_LOST_FILE` gives (one process index a line). The next round
+starts the largest count that divides `--processes` (so that a global
+batch that split over N processes splits over them too) within the
+processes left, and not below K; below K the launcher gives up with the
+failing status. It says so in one line. The processes of a smaller round
+are numbered 0..n-1 again (JAX's process ids) and resume through the tiers:
+`TrainLoop(max_device_batch=...)` keeps the global batch, `global_batches`
+the examples of each step.
+
 Signals to the launcher: SIGTERM (a preemption of the whole job) is
 forwarded to every process of the round running or starting, which save and
 exit 0; no round starts after it, processes still running `grace` seconds
@@ -49,6 +61,10 @@ PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
 PROCESS_ID = "FLAXSTATE_PROCESS_ID"
 LOCAL_PROCESS_ID = "FLAXSTATE_LOCAL_PROCESS_ID"
 RESTARTS = "FLAXSTATE_RESTARTS"
+LOST_FILE = "FLAXSTATE_LOST_FILE"
+"""A file of process indices that a cluster's health check declares lost (one a line), read after a failure."""
+LOST_AFTER = 2
+"""Rounds in a row that one process index fails before `--min-processes` counts it lost."""
 
 
 def _register_cluster() -> None:
@@ -130,12 +146,15 @@ class LaunchConfig:
         n_processes: how many processes (default: one a local GPU, else 1).
         max_restarts: how many times all are started again after a failure.
         grace: seconds between the SIGTERM and the SIGKILL that stop the others.
+        min_processes: the fewest processes the job may go on with after
+            processes are lost (`None`: `n_processes`, never fewer).
     """
 
     command: tuple[str, ...]
     n_processes: int
     max_restarts: int = 3
     grace: float = 30.0
+    min_processes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -146,6 +165,10 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
         if self.grace < 0:
             raise ValueError(f"--grace must be 0 or more seconds, got {self.grace}.")
+        if self.min_processes is not None and not 1 <= self.min_processes <= self.n_processes:
+            raise ValueError(
+                f"--min-processes must be between 1 and --processes ({self.n_processes}), got {self.min_processes}."
+            )
         program = self.command[0]
         found = os.access(program, os.X_OK) if os.sep in program else shutil.which(program) is not None
         if not found:
@@ -171,6 +194,10 @@ class Launcher:
         """When the preemption notice came (monotonic), for the grace after it."""
         self._interrupts = 0
         self._gpus = local_gpus()
+        self.n_running = config.n_processes
+        """The processes of a round: `--processes`, fewer after processes were lost (`--min-processes`)."""
+        self._failed_in_a_row: tuple[int, int] = (-1, 0)
+        """The index that failed the last rounds, and how many rounds in a row."""
 
     def say(self, line: str) -> None:
         """One line of the launcher's own."""
@@ -205,21 +232,62 @@ class Launcher:
                     )
                     return exit_status(returncode)
                 restarts += 1
+                lost = self._lost(index)
+                if lost:
+                    fewer = self._fewer(len(lost))
+                    if fewer < (self.config.min_processes or self.config.n_processes):
+                        self.say(
+                            f"process {index} {describe_status(returncode)}; {lost} lost: {fewer} processes could go "
+                            f"on (the most that divide --processes {self.config.n_processes} within the "
+                            f"{self.n_running - len(lost)} left), below --min-processes {self.config.min_processes}; "
+                            "giving up."
+                        )
+                        return exit_status(returncode)
+                    self.say(
+                        f"process {index} {describe_status(returncode)}; {lost} lost: restart {restarts} of "
+                        f"{self.config.max_restarts} goes on with {fewer} processes (of {self.config.n_processes}; "
+                        f"--min-processes {self.config.min_processes})."
+                    )
+                    self.n_running, self._failed_in_a_row = fewer, (-1, 0)
+                    continue
                 self.say(
                     f"process {index} {describe_status(returncode)}; restart {restarts} of "
-                    f"{self.config.max_restarts}: starting all {self.config.n_processes} processes again."
+                    f"{self.config.max_restarts}: starting all {self.n_running} processes again."
                 )
         finally:
             self._stop_all(0.0)
             for number, handler in previous.items():
                 signal.signal(number, handler)
 
+    def _lost(self, index: int) -> list[int]:
+        """The processes lost after `index` failed (none without `--min-processes`): it, where it failed
+        `LOST_AFTER` rounds in a row, and those the health check's file names."""
+        if self.config.min_processes is None:
+            return []
+        last, times = self._failed_in_a_row
+        self._failed_in_a_row = (index, times + 1 if last == index else 1)
+        lost = {index} if self._failed_in_a_row[1] >= LOST_AFTER else set()
+        path = os.environ.get(LOST_FILE)
+        if path:
+            try:
+                with open(path, encoding="utf-8") as named:
+                    lost |= {int(line) for line in named.read().split() if line.isdigit()}
+            except OSError:  # no file yet: nothing declared
+                pass
+        return sorted(each for each in lost if each < self.n_running)
+
+    def _fewer(self, n_lost: int) -> int:
+        """The processes of the next round after `n_lost` were lost: the largest count that divides `--processes`
+        within those left (0 where none is left)."""
+        left = self.n_running - n_lost
+        return next((n for n in range(left, 0, -1) if self.config.n_processes % n == 0), 0)
+
     def _environment(self, index: int, port: int, restarts: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
                 COORDINATOR: f"127.0.0.1:{port}",
-                PROCESS_COUNT: str(self.config.n_processes),
+                PROCESS_COUNT: str(self.n_running),
                 PROCESS_ID: str(index),
                 RESTARTS: str(restarts),
                 "PYTHONUNBUFFERED": "1",
@@ -235,7 +303,7 @@ class Launcher:
         """Starts every process and watches them: `None` when all exit 0, else the first failure (index, status)."""
         port = _free_port()
         self._processes, self._readers = [], []
-        for index in range(self.config.n_processes):
+        for index in range(self.n_running):
             process = subprocess.Popen(
                 list(self.config.command),
                 env=self._environment(index, port, restarts),
@@ -322,6 +390,7 @@ def launch(
     max_restarts: int = 3,
     grace: float = 30.0,
     out: IO[str] | None = None,
+    min_processes: int | None = None,
 ) -> int:
     """Runs `command` in `n_processes` processes, restarting all after a failure (see the module).
 
@@ -331,15 +400,17 @@ def launch(
         max_restarts: restarts after failures before the launcher gives up.
         grace: seconds from the SIGTERM that stops the others to the SIGKILL.
         out: where the output goes (stdout by default).
+        min_processes: go on with fewer processes, not fewer than this,
+            after processes are lost (see the module); `None`: never fewer.
 
     Returns:
         0 when every process exited 0 (or saved and exited at a SIGTERM);
         else the failing process's status (128 + a signal's number).
 
     Raises:
-        ValueError: no command, or a count, restarts or grace out of range.
+        ValueError: no command, or a count, restarts, grace or least count out of range.
     """
     if n_processes is None:
         n_processes = max(1, local_gpus())
-    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace)
+    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace, min_processes)
     return Launcher(config, out).run()

@@ -238,9 +238,55 @@ def test_ctrl_c_is_forwarded_once_and_a_second_stops_them_all(tmp_path):
     assert "after Ctrl-C; not restarting." in launched.lines[-1], launched.output
 
 
+BROKEN_HOST = """
+    import os, sys
+    index, count = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_PROCESS_COUNT"]
+    print("started", index, "of", count, "restarts", os.environ["FLAXSTATE_RESTARTS"], flush=True)
+    sys.exit(5 if index == "{broken}" and count == "4" else 0)  # one index fails as long as the job is 4 wide
+"""
+
+
+def test_a_process_index_that_keeps_failing_is_lost_and_the_job_goes_on_with_fewer(tmp_path):
+    launched = Launched(
+        tmp_path, BROKEN_HOST.format(broken=3), "--min-processes", "2", "--max-restarts", "5", "--grace", "1",
+        n_processes=4,
+    )  # fmt: skip
+    assert launched.finish() == 0, launched.output
+    said = [line for line in launched.lines if line.startswith("flaxstate launch:")]
+    assert said == [
+        "flaxstate launch: process 3 exited with status 5; restart 1 of 5: starting all 4 processes again.",
+        "flaxstate launch: process 3 exited with status 5; [3] lost: restart 2 of 5 goes on with 2 processes "
+        "(of 4; --min-processes 2).",
+    ]  # 3 left: the largest count that divides 4 within them is 2
+    assert {line for line in launched.lines if "of 2" in line} == {
+        "[0] started 0 of 2 restarts 2",
+        "[1] started 1 of 2 restarts 2",
+    }
+
+
+def test_a_host_declared_lost_goes_at_once_and_fewer_than_min_processes_gives_up(tmp_path, monkeypatch):
+    # A health check's file names process 1: the first failure drops it. With --min-processes 3 the 2 processes
+    # that 4 allows within the 3 left are too few: the launcher gives up with the failing status, in one line.
+    (tmp_path / "lost").write_text("1\n")
+    monkeypatch.setenv("FLAXSTATE_LOST_FILE", str(tmp_path / "lost"))
+    launched = Launched(tmp_path, BROKEN_HOST.format(broken=1), "--min-processes", "2", "--grace", "1", n_processes=4)
+    assert launched.finish() == 0, launched.output
+    assert (
+        "flaxstate launch: process 1 exited with status 5; [1] lost: restart 1 of 3 goes on with 2 processes "
+        "(of 4; --min-processes 2)." in launched.lines
+    )
+    launched = Launched(tmp_path, BROKEN_HOST.format(broken=1), "--min-processes", "3", "--grace", "1", n_processes=4)
+    assert launched.finish() == 5, launched.output
+    assert launched.lines[-1] == (
+        "flaxstate launch: process 1 exited with status 5; [1] lost: 2 processes could go on (the most that divide "
+        "--processes 4 within the 3 left), below --min-processes 3; giving up."
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--processes", "2", "--min-processes", "3", "--", "true"], "--min-processes must be between 1 and"),
         (["--processes", "0", "--", "true"], "--processes must be at least 1, got 0"),
         (["--processes", "2"], "flaxstate launch needs a command"),
         (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more"),
