@@ -8,7 +8,11 @@ Both in one process, alternating, medians over `--rounds`:
   of the same state in host memory (numpy, leaf by leaf);
 - a batch: `BatchDigest.add` of an `(x, y)` batch of each size, in
   microseconds (the loop's thread adds each dispatch's batch after it
-  dispatched it, while the devices run it).
+  dispatched it, while the devices run it);
+- a tiny step (a host-bound loop of 8 x 16 batches): its time with no
+  digest, with `BatchDigest` on the host, and with a digest of the batch's
+  bits computed inside the step's program instead (a carried uint32 and an
+  output more), the alternative that the issue's "inside the step" suggests.
 
     python benchmarks/fingerprints.py [--rounds 9] [--mib 1,49]
 """
@@ -57,6 +61,62 @@ def main() -> None:
         digest = fingerprints.BatchDigest()
         each = statistics.median(seconds(lambda digest=digest, x=x, y=y: digest.add(((x,), (y,))), args.rounds * 100))
         print(f"{f'{rows} x {features}':>16} {x.nbytes + y.nbytes:>9,} {each * 1e6:>10.2f}")
+    digest_inside_the_step(args.rounds * 3)
+
+
+def digest_inside_the_step(rounds: int, steps: int = 400) -> None:
+    """A tiny step's time with no digest, with `BatchDigest` on the host after each dispatch, and with a digest
+    of the batch's bits computed inside the step's program (one more carried array and output)."""
+    import jax
+
+    params = [jnp.ones((16, 8)), jnp.ones((8,)), jnp.ones((8, 8)), jnp.ones((8,)), jnp.ones((8, 1)), jnp.ones((1,))]
+    x, y = np.ones((8, 16), np.float32), np.ones((8,), np.float32)
+
+    def step(p, x, y):
+        h = jnp.tanh(x @ p[0] + p[1])
+        h = jnp.tanh(h @ p[2] + p[3])
+        loss = jnp.mean(((h @ p[4] + p[5])[:, 0] - y) ** 2)
+        return [a - 0.01 * a for a in p], loss
+
+    def step_digested(p, total, x, y, at):
+        p, loss = step(p, x, y)
+        words = jnp.concatenate([jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel() for leaf in (x, y)])
+        place = jnp.arange(words.size, dtype=jnp.uint32) + at * jnp.uint32(words.size)
+        return p, total + jnp.sum(words * (place * 2 + 1), dtype=jnp.uint32), loss
+
+    plain = jax.jit(step, donate_argnums=0)
+    digested = jax.jit(step_digested, donate_argnums=(0, 1))
+    state = {"p": params, "total": jnp.uint32(0)}
+
+    def none() -> None:
+        for _ in range(steps):
+            state["p"], loss = plain(state["p"], x, y)
+        loss.block_until_ready()
+
+    def host() -> None:
+        digest = fingerprints.BatchDigest()
+        for _ in range(steps):
+            state["p"], loss = plain(state["p"], x, y)
+            digest.add(((x,), (y,)))
+        loss.block_until_ready()
+
+    def device() -> None:
+        for at in range(steps):
+            state["p"], state["total"], loss = digested(state["p"], state["total"], x, y, np.uint32(at))
+        loss.block_until_ready()
+
+    ways = {"no digest": none, "BatchDigest on the host": host, "inside the step's program": device}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for way in ways.values():
+        way()
+    for index in range(rounds):
+        for name in list(ways)[index % 3 :] + list(ways)[: index % 3]:  # rotated
+            times[name] += [t / steps for t in seconds(ways[name], 1)]
+    base = statistics.median(times["no digest"])
+    print(f"\n{'a tiny step (8 x 16 batch)':>28} {'us a step':>10} {'added us':>9}")
+    for name, values in times.items():
+        each = statistics.median(values)
+        print(f"{name:>28} {each * 1e6:>10.2f} {(each - base) * 1e6:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="go on with fewer processes, not fewer than this, after processes are lost (default: never fewer)",
     )
     starter.add_argument(
+        "--compilation-cache",
+        default="",
+        help="the processes' JAX compilation caches, one folder a process count (default "
+        "~/.cache/flaxstate/compilation; 'none': none; a JAX_COMPILATION_CACHE_DIR of your own wins)",
+    )
+    starter.add_argument(
         "program", metavar="command", nargs=argparse.REMAINDER, help="-- then the command of each process"
     )
     starter.set_defaults(run=command_launch)
@@ -255,7 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
 def command_launch(args: argparse.Namespace) -> int:
     command = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
-        return launch.launch(command, args.processes, args.max_restarts, args.grace, min_processes=args.min_processes)
+        cache = None if args.compilation_cache == "none" else args.compilation_cache
+        return launch.launch(
+            command,
+            args.processes,
+            args.max_restarts,
+            args.grace,
+            min_processes=args.min_processes,
+            compilation_cache=cache,
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
 

@@ -29,6 +29,15 @@ are numbered 0..n-1 again (JAX's process ids) and resume through the tiers:
 `TrainLoop(max_device_batch=...)` keeps the global batch, `global_batches`
 the examples of each step.
 
+The processes share one JAX persistent compilation cache, so that a
+restarted process loads its programs instead of compiling them again:
+`JAX_COMPILATION_CACHE_DIR` is set to `<cache>/processes-<n>` (`--compilation-cache
+DIR`, default `~/.cache/flaxstate/compilation`; `--compilation-cache none`
+for none), one folder a process count, so that a smaller job never takes a
+larger job's programs. A `JAX_COMPILATION_CACHE_DIR` of your own wins. JAX
+caches only programs that took `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`
+(1 s by default) to compile: the ones a restart waits for.
+
 Signals to the launcher: SIGTERM (a preemption of the whole job) is
 forwarded to every process of the round running or starting, which save and
 exit 0; no round starts after it, processes still running `grace` seconds
@@ -104,6 +113,15 @@ def _register_cluster() -> None:
 _register_cluster()
 
 
+CACHE = "JAX_COMPILATION_CACHE_DIR"
+
+
+def default_compilation_cache() -> str:
+    """`$XDG_CACHE_HOME/flaxstate/compilation` (`~/.cache/...` without it): the launcher's compilation caches."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "flaxstate", "compilation")
+
+
 def local_gpus() -> int:
     """The GPUs of this machine that `nvidia-smi -L` lists (0 where there is none, or no driver)."""
     if shutil.which("nvidia-smi") is None:
@@ -148,6 +166,8 @@ class LaunchConfig:
         grace: seconds between the SIGTERM and the SIGKILL that stop the others.
         min_processes: the fewest processes the job may go on with after
             processes are lost (`None`: `n_processes`, never fewer).
+        compilation_cache: the folder of the processes' JAX compilation
+            caches, one a process count (`None`: none).
     """
 
     command: tuple[str, ...]
@@ -155,6 +175,7 @@ class LaunchConfig:
     max_restarts: int = 3
     grace: float = 30.0
     min_processes: int | None = None
+    compilation_cache: str | None = dataclasses.field(default_factory=lambda: default_compilation_cache())
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -293,6 +314,8 @@ class Launcher:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.config.compilation_cache is not None and not os.environ.get(CACHE):  # the user's own wins
+            env[CACHE] = os.path.join(self.config.compilation_cache, f"processes-{self.n_running}")
         if self._gpus:
             env[LOCAL_PROCESS_ID] = str(index % self._gpus)
         else:
@@ -391,6 +414,7 @@ def launch(
     grace: float = 30.0,
     out: IO[str] | None = None,
     min_processes: int | None = None,
+    compilation_cache: str | None = "",
 ) -> int:
     """Runs `command` in `n_processes` processes, restarting all after a failure (see the module).
 
@@ -402,6 +426,8 @@ def launch(
         out: where the output goes (stdout by default).
         min_processes: go on with fewer processes, not fewer than this,
             after processes are lost (see the module); `None`: never fewer.
+        compilation_cache: the folder of the processes' compilation caches
+            (`""`: `default_compilation_cache()`; `None`: none).
 
     Returns:
         0 when every process exited 0 (or saved and exited at a SIGTERM);
@@ -412,5 +438,6 @@ def launch(
     """
     if n_processes is None:
         n_processes = max(1, local_gpus())
-    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace, min_processes)
+    cache = default_compilation_cache() if compilation_cache == "" else compilation_cache
+    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace, min_processes, cache)
     return Launcher(config, out).run()

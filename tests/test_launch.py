@@ -28,7 +28,8 @@ class Launched(processes.Watched):
     def __init__(self, tmp_path, script: str, *args: str, n_processes: int = 2) -> None:
         path = tmp_path / "script.py"
         path.write_text(textwrap.dedent(script))
-        command = [sys.executable, "-m", "flaxstate", "launch", "--processes", str(n_processes), *args]
+        cache = [] if "--compilation-cache" in args else ["--compilation-cache", str(tmp_path / "compilation")]
+        command = [sys.executable, "-m", "flaxstate", "launch", "--processes", str(n_processes), *cache, *args]
         super().__init__(
             subprocess.Popen(
                 [*command, "--", sys.executable, str(path)],
@@ -281,6 +282,42 @@ def test_a_host_declared_lost_goes_at_once_and_fewer_than_min_processes_gives_up
         "flaxstate launch: process 1 exited with status 5; [1] lost: 2 processes could go on (the most that divide "
         "--processes 4 within the 3 left), below --min-processes 3; giving up."
     )
+
+
+CACHED = """
+    import os, sys
+    import jax, jax.numpy as jnp
+    import flaxstate
+    hits = []
+    jax.monitoring.register_event_listener(lambda event, **kwargs: hits.append(event))
+    jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(5)).block_until_ready()
+    index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
+    cache = os.path.relpath(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    print("process", index, "restarts", restarts, "cache", cache, "hit", "/jax/compilation_cache/cache_hits" in hits)
+    sys.exit(3 if index == "1" and restarts == "0" else 0)
+"""
+
+
+def test_a_restarted_process_loads_its_programs_from_the_launcher_s_compilation_cache(tmp_path, monkeypatch):
+    # JAX caches programs that took this long to compile (1 s by default: a test's compile in milliseconds).
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    launched = Launched(tmp_path, CACHED, "--grace", "1")
+    assert launched.finish() == 0, launched.output
+    assert set(launched.lines) >= {
+        "[0] process 0 restarts 1 cache compilation/processes-2 hit True",
+        "[1] process 1 restarts 1 cache compilation/processes-2 hit True",
+    }, launched.output
+    assert any(line.endswith("restarts 0 cache compilation/processes-2 hit False") for line in launched.lines)
+    # One process: a cache of its own, so that no job takes programs compiled for another process count.
+    launched = Launched(tmp_path, CACHED, n_processes=1)
+    assert launched.finish() == 0 and launched.lines == [
+        "[0] process 0 restarts 0 cache compilation/processes-1 hit False"
+    ]
+    # A cache of the user's own wins.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    launched = Launched(tmp_path, CACHED, n_processes=1)
+    assert launched.finish() == 0 and launched.lines == ["[0] process 0 restarts 0 cache mine hit False"]
 
 
 @pytest.mark.parametrize(
