@@ -284,6 +284,48 @@ def test_a_host_declared_lost_goes_at_once_and_fewer_than_min_processes_gives_up
     )
 
 
+def data_fingerprints(run_dir) -> dict[int, str]:
+    """Each record's fingerprint of the global examples trained since the one before, by step (the newest
+    session's where several logged a step)."""
+    return {
+        event["step"]: event["data_fp"]
+        for event in ledger.read_events(run_dir / ledger.FILENAME)
+        if event["event"] == "record"
+    }
+
+
+def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_examples_to_the_same_parameters(tmp_path):
+    # 4 data-parallel processes on fs.global_batches (8 examples a step) with max_device_batch=2: process 3 fails
+    # after the record of step 10 and again at once when the 4 start again, so the launcher goes on with 2, whose
+    # devices take 4 examples a step in 2 microbatches. Every record's examples are the uninterrupted 4-process
+    # run's, and the parameters equal its within float32 rounding: each step's gradient is the mean of the
+    # same 8 examples' gradients, summed in another order (2 microbatches of 2 devices' means against 4
+    # devices'), so the last bits may differ (rtol 1e-5, as tests/training/test_accumulation.py allows).
+    config = {"n_steps": 20, "max_device_batch": 2}
+    straight = tmp_path / "straight"
+    processes.run("global_data", {**config, "output_dir": str(straight), "out": str(tmp_path / "straight.npz")},
+                  n_processes=4, timeout=240)  # fmt: skip
+    shrunk = tmp_path / "shrunk"
+    worker = {**config, "output_dir": str(shrunk), "out": str(tmp_path / "shrunk.npz"), "resume": True}
+    worker["lost"] = {"index": 3, "count": 4, "after": 10}
+    script = f"""
+        import runpy, sys
+        sys.argv = ["global_data", {json.dumps(worker)!r}]
+        runpy.run_module("flaxstate_testing.workers.global_data", run_name="__main__")
+    """
+    launched = Launched(tmp_path, script, "--min-processes", "2", "--max-restarts", "4", "--grace", "5", n_processes=4)
+    assert launched.finish(timeout=480) == 0, launched.output
+    assert any("[3] lost: restart 2 of 4 goes on with 2 processes" in line for line in launched.lines), launched.output
+    assert "[0] record 20 microbatches 2" in launched.lines and "[1] record 20 microbatches 2" in launched.lines
+    assert data_fingerprints(shrunk) == data_fingerprints(straight)  # the same examples at every step
+    with np.load(tmp_path / "shrunk.npz") as got, np.load(tmp_path / "straight.npz") as want:
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    sessions = goodput.report(ledger.read_events(shrunk / ledger.FILENAME))["sessions"]
+    assert [(each["processes"], each["microbatches"]) for each in sessions][-1] == (2, 2)
+    assert (sessions[0]["processes"], sessions[0]["microbatches"]) == (4, 1)
+
+
 CACHED = """
     import os, sys
     import jax, jax.numpy as jnp

@@ -6,6 +6,7 @@ read (its source records the indices), and writes the final parameters.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from flaxstate_testing.workers.common import setup
@@ -48,6 +49,8 @@ if config.get("fsdp"):  # the batch split over a mesh's fsdp axis (the toy model
 data = fs.global_batches(Recording(), batch_size=8, seed=3, mesh=mesh, axis_rules=rules)
 model = toy.MLP()
 output_dir = config["output_dir"]
+lost = config.get("lost")  # {"index", "count", "after"}: a process that fails after that step on a job that wide
+broken = lost is not None and (jax.process_index(), jax.process_count()) == (lost["index"], lost["count"])
 loop = fs.TrainLoop(
     fs.CheckpointFileReader(output_dir, target=model.init) if config.get("resume") else model.init,
     fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=data),
@@ -57,12 +60,18 @@ loop = fs.TrainLoop(
     stdout=False,
     mesh=mesh,
     axis_rules=rules,
+    max_device_batch=config.get("max_device_batch"),
 )
 print("start", loop.step, flush=True)
+if broken and loop.step >= lost["after"]:
+    os._exit(5)  # the broken host fails again at once (as a crash: no exit handler waits for the others)
 with fs.CheckpointFileWriter(output_dir, keep=2) as writer:
     for checkpoint in loop:
         writer(checkpoint)
-        print("record", checkpoint.step, flush=True)
+        print("record", checkpoint.step, "microbatches", checkpoint.session.n_microbatches, flush=True)
+        if broken and checkpoint.step == lost["after"]:
+            writer.wait()  # every process saved the step (a collective): the next round resumes from it
+            os._exit(5)
 if jax.process_index() == 0:
     flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(loop.state.state_dict()).items()}
     np.savez(Path(config["out"]), **flat)
