@@ -123,7 +123,10 @@ class SaveSchedule:
         self._logged: float | None = None
 
     def note(self, checkpoint: Checkpoint) -> None:
-        """Notes a record's training (its step time, for the drag of saves in flight meanwhile)."""
+        """Notes a record's training (its step time, for the drag of saves in flight meanwhile: `every="auto"`'s
+        cost; other schedules keep nothing)."""
+        if self.every != "auto":
+            return
         now = self._clock()
         start = self._previous_record if self._previous_record is not None else now - float(checkpoint.elapsed_time)
         productive = float(checkpoint.elapsed_time) - float(checkpoint.compile_time) - float(checkpoint.idle_time)
@@ -171,7 +174,8 @@ class SaveSchedule:
         """Notes a save that started at `start` (on the clock) and blocked its call `blocking` seconds."""
         self._last_start = start
         self._last_save_time = self._clock()
-        self._windows.append([step, start, None, blocking, None])
+        if self.every == "auto":
+            self._windows.append([step, start, None, blocking, None])
 
     def completed(self, completed: tuple[int, float | None] | None) -> None:
         """Notes the newest save known complete, `(step, seconds from start to end)` (the store's `completed`)."""
