@@ -175,7 +175,7 @@ class LaunchConfig:
     max_restarts: int = 3
     grace: float = 30.0
     min_processes: int | None = None
-    compilation_cache: str | None = dataclasses.field(default_factory=lambda: default_compilation_cache())
+    compilation_cache: str | None = dataclasses.field(default_factory=default_compilation_cache)
 
     def __post_init__(self) -> None:
         if not self.command:

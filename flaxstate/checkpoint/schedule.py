@@ -26,7 +26,6 @@ process's (the writer broadcasts it).
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import numbers
 from collections.abc import Callable
@@ -34,8 +33,6 @@ from typing import Any, Literal
 
 from flaxstate import cadence, settings
 from flaxstate.records import Checkpoint
-
-logger = logging.getLogger("flaxstate")
 
 Every = Literal["continuous", "auto"] | None
 MODES = ("continuous", "auto")
