@@ -20,7 +20,9 @@ With no GPU the launcher also sets `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`
 With `--min-processes K` (`min_processes`) the job goes on with fewer
 processes after a process is lost: one whose index failed `LOST_AFTER`
 rounds in a row, or that a cluster's health check named in the file that
-`FLAXSTATE_LOST_FILE` gives (one process index a line). The next round
+`FLAXSTATE_LOST_FILE` gives (one process index a line, in the numbering of
+the round that failed; the launcher reads each line once, so a health check
+appends a line for each loss). The next round
 starts the largest count that divides `--processes` (so that a global
 batch that split over N processes splits over them too) within the
 processes left, and not below K; below K the launcher gives up with the
@@ -219,6 +221,8 @@ class Launcher:
         """The processes of a round: `--processes`, fewer after processes were lost (`--min-processes`)."""
         self._failed_in_a_row: tuple[int, int] = (-1, 0)
         """The index that failed the last rounds, and how many rounds in a row."""
+        self._lost_lines_read = 0
+        """The lines of `FLAXSTATE_LOST_FILE` already applied: they name processes of an earlier round."""
 
     def say(self, line: str) -> None:
         """One line of the launcher's own."""
@@ -292,9 +296,13 @@ class Launcher:
         if path:
             try:
                 with open(path, encoding="utf-8") as named:
-                    lost |= {int(line) for line in named.read().split() if line.isdigit()}
+                    lines = named.read().split()
             except OSError:  # no file yet: nothing declared
-                pass
+                lines = []
+            if len(lines) < self._lost_lines_read:  # the health check wrote the file anew
+                self._lost_lines_read = 0
+            lost |= {int(line) for line in lines[self._lost_lines_read :] if line.isdigit()}
+            self._lost_lines_read = len(lines)
         return sorted(each for each in lost if each < self.n_running)
 
     def _fewer(self, n_lost: int) -> int:

@@ -284,6 +284,36 @@ def test_a_host_declared_lost_goes_at_once_and_fewer_than_min_processes_gives_up
     )
 
 
+FAILS_AGAIN = """
+    import os, sys
+    index, count, restarts = (os.environ[f"FLAXSTATE_{name}"] for name in ("PROCESS_ID", "PROCESS_COUNT", "RESTARTS"))
+    print("started", index, "of", count, "restarts", restarts, flush=True)
+    if index == "1" and restarts == "2":  # the health check declares the new round's process 1 lost too
+        with open(os.environ["FLAXSTATE_LOST_FILE"], "a") as lost:
+            lost.write("1\\n")
+    sys.exit(5 if index == "1" and restarts in ("0", "1", "2") else 0)
+"""
+
+
+def test_each_line_of_the_lost_file_is_applied_once_in_the_numbering_of_the_round_that_failed(tmp_path, monkeypatch):
+    # The file names process 1 of 4: the job goes on with 2. Their process 1 (another host) then fails once: the
+    # old line must not drop it, so all 2 start again. It fails again and the health check appends "1": now 1 is
+    # lost, and 1 process goes on.
+    (tmp_path / "lost").write_text("1\n")
+    monkeypatch.setenv("FLAXSTATE_LOST_FILE", str(tmp_path / "lost"))
+    launched = Launched(tmp_path, FAILS_AGAIN, "--min-processes", "1", "--grace", "1", n_processes=4)
+    assert launched.finish() == 0, launched.output
+    said = [line for line in launched.lines if line.startswith("flaxstate launch:")]
+    assert said == [
+        "flaxstate launch: process 1 exited with status 5; [1] lost: restart 1 of 3 goes on with 2 processes "
+        "(of 4; --min-processes 1).",
+        "flaxstate launch: process 1 exited with status 5; restart 2 of 3: starting all 2 processes again.",
+        "flaxstate launch: process 1 exited with status 5; [1] lost: restart 3 of 3 goes on with 1 processes "
+        "(of 4; --min-processes 1).",
+    ], launched.output
+    assert launched.lines[-1] == "[0] started 0 of 1 restarts 3"
+
+
 def data_fingerprints(run_dir) -> dict[int, str]:
     """Each record's fingerprint of the global examples trained since the one before, by step (the newest
     session's where several logged a step)."""
