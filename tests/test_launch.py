@@ -324,20 +324,37 @@ def data_fingerprints(run_dir) -> dict[int, str]:
     }
 
 
-def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_examples_to_the_same_parameters(tmp_path):
-    # 4 data-parallel processes on fs.global_batches (8 examples a step) with max_device_batch=2: process 3 fails
-    # after the record of step 10 and again at once when the 4 start again, so the launcher goes on with 2, whose
-    # devices take 4 examples a step in 2 microbatches. Every record's examples are the uninterrupted 4-process
-    # run's, and the parameters equal its within float32 rounding: each step's gradient is the mean of the
-    # same 8 examples' gradients, summed in another order (2 microbatches of 2 devices' means against 4
-    # devices'), so the last bits may differ (rtol 1e-5, as tests/training/test_accumulation.py allows).
-    config = {"n_steps": 20, "max_device_batch": 2}
-    straight = tmp_path / "straight"
-    processes.run("global_data", {**config, "output_dir": str(straight), "out": str(tmp_path / "straight.npz")},
-                  n_processes=4, timeout=240)  # fmt: skip
+@pytest.fixture(scope="module")
+def straight_4(tmp_path_factory):
+    """An uninterrupted data-parallel run of 4 processes on `fs.global_batches` (8 examples a step), 20 steps: its
+    run folder and its final parameters."""
+    folder = tmp_path_factory.mktemp("straight")
+    config = {**SHRINKING, "output_dir": str(folder / "run"), "out": str(folder / "final.npz")}
+    processes.run("global_data", config, n_processes=4, timeout=240)
+    with np.load(folder / "final.npz") as final:
+        return folder / "run", dict(final)
+
+
+SHRINKING = {"n_steps": 20, "max_device_batch": 2}
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data parallel", "fsdp"])
+def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_examples_to_the_same_parameters(
+    tmp_path, straight_4, fsdp
+):
+    # 4 processes on fs.global_batches (8 examples a step) with max_device_batch=2: process 3 fails after the
+    # record of step 10 and again at once when the 4 start again, so the launcher goes on with 2, whose devices
+    # take 4 examples a step in 2 microbatches. Under FSDP the hidden layer is split over the processes too (4
+    # shares, then 2, resharded on restore). Every record's examples are the uninterrupted 4-process run's, and
+    # the parameters equal its within float32 rounding: each step's gradient is the mean of the same 8 examples'
+    # gradients, summed in another order (2 microbatches of 2 devices' means against 4 devices', and under FSDP
+    # the hidden layer's sums split otherwise), so the last bits may differ (rtol 1e-5, as
+    # tests/training/test_accumulation.py allows). One data-parallel reference serves both: FSDP trains as data
+    # parallelism does, to the same rounding (tests/training/test_sharded_loop.py).
+    straight, expected = straight_4
     shrunk = tmp_path / "shrunk"
-    worker = {**config, "output_dir": str(shrunk), "out": str(tmp_path / "shrunk.npz"), "resume": True}
-    worker["lost"] = {"index": 3, "count": 4, "after": 10}
+    worker = {**SHRINKING, "output_dir": str(shrunk), "out": str(tmp_path / "shrunk.npz"), "resume": True}
+    worker.update(fsdp=fsdp, lost={"index": 3, "count": 4, "after": 10})
     script = f"""
         import runpy, sys
         sys.argv = ["global_data", {json.dumps(worker)!r}]
@@ -347,10 +364,16 @@ def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_exampl
     assert launched.finish(timeout=480) == 0, launched.output
     assert any("[3] lost: restart 2 of 4 goes on with 2 processes" in line for line in launched.lines), launched.output
     assert "[0] record 20 microbatches 2" in launched.lines and "[1] record 20 microbatches 2" in launched.lines
+    if fsdp:  # each device held a quarter of the hidden units, then half
+        assert {line.split("] ")[1] for line in launched.lines if "hidden kernel shard" in line} == {
+            "hidden kernel shard (4, 4)",
+            "hidden kernel shard (4, 8)",
+        }, launched.output
     assert data_fingerprints(shrunk) == data_fingerprints(straight)  # the same examples at every step
-    with np.load(tmp_path / "shrunk.npz") as got, np.load(tmp_path / "straight.npz") as want:
-        for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    with np.load(tmp_path / "shrunk.npz") as got:
+        assert got.keys() == expected.keys()
+        for key, want in expected.items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
     sessions = goodput.report(ledger.read_events(shrunk / ledger.FILENAME))["sessions"]
     assert [(each["processes"], each["microbatches"]) for each in sessions][-1] == (2, 2)
     assert (sessions[0]["processes"], sessions[0]["microbatches"]) == (4, 1)

@@ -16,6 +16,7 @@ config = setup()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
@@ -41,13 +42,14 @@ try:
 except ValueError as error:
     print("REFUSED", error, flush=True)
 mesh = rules = None
-if config.get("fsdp"):  # the batch split over a mesh's fsdp axis (the toy model names no axes: replicated)
+model = toy.MLP()
+if config.get("fsdp"):  # the batch and the hidden units split over a mesh's fsdp axis: every device one share
     from jax.sharding import Mesh
 
     mesh = Mesh(np.asarray(jax.devices()).reshape(1, jax.device_count(), 1), ("data", "fsdp", "model"))
-    rules = [("batch", ("data", "fsdp"))]
+    rules = [("batch", ("data", "fsdp")), ("hidden", "fsdp")]
+    model = toy.ShardedMLP()
 data = fs.global_batches(Recording(), batch_size=8, seed=3, mesh=mesh, axis_rules=rules)
-model = toy.MLP()
 output_dir = config["output_dir"]
 lost = config.get("lost")  # {"index", "count", "after"}: a process that fails after that step on a job that wide
 broken = lost is not None and (jax.process_index(), jax.process_count()) == (lost["index"], lost["count"])
@@ -63,6 +65,8 @@ loop = fs.TrainLoop(
     max_device_batch=config.get("max_device_batch"),
 )
 print("start", loop.step, flush=True)
+if mesh is not None:  # each device's share of the hidden layer's kernel: (4, 16 / devices) under FSDP
+    print("hidden kernel shard", loop.state.params["Dense_0"]["kernel"].addressable_shards[0].data.shape, flush=True)
 if broken and loop.step >= lost["after"]:
     os._exit(5)  # the broken host fails again at once (as a crash: no exit handler waits for the others)
 with fs.CheckpointFileWriter(output_dir, keep=2) as writer:
@@ -72,6 +76,11 @@ with fs.CheckpointFileWriter(output_dir, keep=2) as writer:
         if broken and checkpoint.step == lost["after"]:
             writer.wait()  # every process saved the step (a collective): the next round resumes from it
             os._exit(5)
+flat = {  # every process gathers the parts of sharded arrays (a collective); the first writes them
+    key: multihost_utils.process_allgather(value, tiled=True)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable
+    else np.asarray(value)
+    for key, value in fs.tree_paths.flatten(loop.state.state_dict()).items()
+}
 if jax.process_index() == 0:
-    flat = {k: np.asarray(v) for k, v in fs.tree_paths.flatten(loop.state.state_dict()).items()}
     np.savez(Path(config["out"]), **flat)
