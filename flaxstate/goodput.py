@@ -138,12 +138,11 @@ def _drags(session: SessionEvents) -> list[float]:
         if seconds is not None:
             start = float(save["time"]) - float(save["blocking"])
             windows.append((start, start + seconds))
-    intervals, previous = [], None
-    for record in session.records:
-        end = float(record["time"])
-        start = previous if previous is not None else end - float(record["elapsed"])
-        intervals.append(cadence.Interval(start, end, _productive(record), int(record["steps"])))
-        previous = end
+    intervals = [  # each record's own training, up to its logging: not the gap before it (the loop's caller)
+        cadence.Interval(float(record["time"]) - float(record["elapsed"]), float(record["time"]), _productive(record),
+                         int(record["steps"]))
+        for record in session.records
+    ]  # fmt: skip
     return cadence.save_drag(intervals, windows)
 
 

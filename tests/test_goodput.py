@@ -139,3 +139,25 @@ def test_saves_running_in_the_background_are_a_bucket_of_their_own_that_adds_up_
     assert account["productive"] == pytest.approx(90.0 - 10.0)  # the steps' time at the clean step time
     assert_adds_up(account)
     assert "save drag" in goodput.format_report(goodput.report(events))
+
+
+def test_a_save_that_ran_only_while_the_caller_held_a_record_drags_no_step():
+    # Records of 10 steps at 1 s a step. After the record of step 40 the caller evaluates for 20 s; the save it
+    # started ran 5 s of that and was done before the loop went on. The next record is slower (12 s, for a reason
+    # of its own): the save overlapped none of its training, so no drag (the gap is outside the loop).
+    fields = {"compile": 0.0, "data_wait": 0.0, "idle": 0.0, "outside": 0.0, "run_id": "r"}
+    events = [{"event": "session", "time": 0.0, "pid": 1, "startup": 1.0, "restored_step": None, "run_id": "r"}]
+    at = 1.0
+    for step, seconds in ((10, 10), (20, 10), (30, 10), (40, 10), (50, 12), (60, 10)):
+        at += seconds
+        events.append({"event": "record", "time": at, "step": step, "steps": 10, "elapsed": seconds, **fields})
+        if step == 40:
+            events.append({"event": "save", "time": at + 0.2, "step": 40, "blocking": 0.2, "run_id": "r"})
+            events.append({"event": "completed", "time": at + 5.2, "step": 40, "seconds": 5.0, "run_id": "r"})
+            at += 20.0
+    events.append({"event": "end", "time": at, "step": 60, "preempted": False, "run_id": "r"})
+    (account,) = goodput.report(events)["sessions"]
+    assert account["save_drag"] == 0.0 and account["checkpoint"] == pytest.approx(0.2)
+    assert account["productive"] == pytest.approx(62.0)
+    assert account["outside_loop"] == pytest.approx(20.0 - 0.2)
+    assert_adds_up(account)

@@ -110,7 +110,6 @@ class SaveSchedule:
         """When the newest save started (on the clock), or `None` before the first."""
         self._last_save_time = self._created
         """When the newest save call returned (every_seconds counts from it), or the writer's creation."""
-        self._previous_record: float | None = None
         self._intervals: collections.deque[cadence.Interval] = collections.deque(maxlen=RECENT_RECORDS)
         self._windows: collections.deque[list[Any]] = collections.deque(maxlen=RECENT_SAVES)
         """`[step, start, end or None, blocking, cost or None]` of the newest saves: `end` once known complete,
@@ -125,10 +124,9 @@ class SaveSchedule:
         if self.every != "auto":
             return
         now = self._clock()
-        start = self._previous_record if self._previous_record is not None else now - float(checkpoint.elapsed_time)
+        start = now - float(checkpoint.elapsed_time)  # the record's own training, not the caller's time before it
         productive = float(checkpoint.elapsed_time) - float(checkpoint.compile_time) - float(checkpoint.idle_time)
         self._intervals.append(cadence.Interval(start, now, max(productive, 0.0), int(checkpoint.n_completed_steps)))
-        self._previous_record = now
         self._settle(start)
 
     def _settle(self, after: float) -> None:
