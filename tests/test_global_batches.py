@@ -161,9 +161,18 @@ def assert_close_files(path, reference):
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """20 steps in one process: the final parameters' file and each step's global examples."""
+    straight, straight_steps, _ = run(tmp_path_factory.mktemp("straight"), "straight", 1, 20)
+    return straight, straight_steps
+
+
 @pytest.mark.parametrize(("first", "then", "fsdp"), [(2, 1, False), (1, 2, False), (2, 1, True)])
-def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straight_run(tmp_path, first, then, fsdp):
-    straight, straight_steps, _ = run(tmp_path, "straight", 1, 20)
+def test_a_run_resumed_on_another_process_count_trains_the_examples_of_a_straight_run(
+    tmp_path, straight_run, first, then, fsdp
+):
+    straight, straight_steps = straight_run
     run_dir = tmp_path / "moved"
     _, early, outputs = run(tmp_path, "first", first, 10, run_dir=run_dir, fsdp=fsdp)  # FSDP over 2, then 1 device
     resumed, late, later_outputs = run(tmp_path, "then", then, 20, resume=True, run_dir=run_dir)

@@ -78,14 +78,26 @@ def run_and_kill(tmp_path, name, after_record, delay, **config):
     return max(int(line.split()[1]) for line in lines if line.startswith("record "))
 
 
+KILLED = {"data": "grain", "n_steps": 100, "every": 10, "width": 200_000, "keep": 2}
+"""100 steps: the run goes on well past every kill point, so the kill always lands mid-run. A wide model makes
+each save take a while."""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final arrays of `KILLED` run straight through: one run for every kill point (what is saved, and how
+    often, never changes what trains)."""
+    reference, _ = run(tmp_path_factory.mktemp("uninterrupted"), "reference", resume=False, **KILLED)
+    return reference
+
+
 # Kill points: right after a save started (its bytes still being written), a little later, and
-# well into the training steps after it. A wide model makes each save take a while.
+# well into the training steps after it.
 @pytest.mark.parametrize(("delay", "every"), [(0.0, None), (0.05, None), (0.3, None), (0.05, "continuous")])
-def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, delay, every):
-    # 100 steps: the run goes on well past every kill point, so the kill always lands mid-run. With
-    # every="continuous" the writer passes over the records that come while a save runs.
-    config = {"data": "grain", "n_steps": 100, "every": 10, "width": 200_000, "keep": 2, "writer_every": every}
-    reference, _ = run(tmp_path, "reference", resume=False, **config)
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted, delay, every):
+    # With every="continuous" the writer passes over the records that come while a save runs.
+    config = {**KILLED, "writer_every": every}
+    reference = uninterrupted
     # Continuous saves pass records over while the first one runs: the kill waits for a few more records.
     printed = run_and_kill(tmp_path, "killed", after_record=50 if every else 20, delay=delay, **config)
     entries = sorted(p.name for p in (tmp_path / "killed").iterdir())

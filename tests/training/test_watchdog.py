@@ -134,7 +134,7 @@ def test_sigusr1_to_one_of_two_processes_makes_both_save_the_same_step_and_train
     assert len(requested[0]) == 1 and requested[0] == requested[1]
     assert saved_steps(run_dir) == [int(requested[0][0]), 60]
     assert "record 60" in workers[0].output and "record 60" in workers[1].output
-    # Process 1's data is 10x slower: the records name it (process 0's logger prints).
+    # Process 1's data is 4x slower: the records name it (process 0's logger prints).
     assert "process 1 waited" in workers[0].output and "for its data; the others" in workers[0].output
 
 
