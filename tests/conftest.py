@@ -14,6 +14,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # run on this machine, a worker) fails "Internal error when accessing libtpu multi-process lockfile". The
 # TPU plans compile only, on no TPU, so the tests (and their workers, which inherit this) may share it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# No test runs on a Google Cloud machine: gcsfs (and google-auth) would otherwise ask its metadata server for
+# credentials, and wait 16 s for it to time out, wherever a gs:// filesystem is made without the emulator.
+os.environ.setdefault("NO_GCE_CHECK", "true")
 # The test processes and their workers share one JAX compilation cache, made for this session and removed after
 # it: the workers of many tests compile the same programs again (test_resume.py with test_preemption.py took
 # 175 s without it, 143 s with it, on 2 cores). Every program is cached, however quick its compilation.
