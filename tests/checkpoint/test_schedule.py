@@ -152,6 +152,23 @@ def test_auto_counts_a_save_s_drag_and_keeps_to_its_bounds(recs):
     assert rare.interval == cadence.MAX_SECONDS and "bounded" in schedule.line(change, "W")
 
 
+def test_auto_counts_no_drag_for_a_save_that_ran_only_while_the_caller_held_a_record(recs):
+    # Records of 1 s a step. The caller evaluates for 20 s after a record, and the save it started runs 5 s of
+    # that. The next record is slower (12 s) for a reason of its own: none of its training overlapped the save,
+    # so the save costs its blocking alone.
+    clock = Clock()
+    sched = schedule.SaveSchedule("W", "auto", None, None, 100.0, clock)
+    record = recs[0]
+    for _ in range(4):
+        drive(sched, clock, record, 10.0)
+    sched.started(2, clock.now, blocking=0.5)
+    sched.completed((2, 5.0))
+    clock.now += 20.0
+    drive(sched, clock, record, 12.0)
+    drive(sched, clock, record, 10.0)
+    assert sched.save_cost() == pytest.approx(0.5)
+
+
 def ledger_lines(path, run_id):
     """A ledger of two sessions of `run_id`: one killed (no end) after 600 s, one that ended after 400 s."""
 
