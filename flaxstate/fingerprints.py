@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -97,19 +97,19 @@ class BatchDigest:
 
     def add(self, batch: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
         """Adds one dispatch's batch, `(inputs, targets)` (`flaxstate.training.batching.normalize`'s form)."""
-        leaves = (*batch[0], *batch[1])
         crcs = self._crcs
-        if len(crcs) < len(leaves):
-            crcs.extend([0] * (len(leaves) - len(crcs)))
-        for index, leaf in enumerate(leaves):
-            if not isinstance(leaf, np.ndarray):
-                if isinstance(leaf, jax.Array):
+        index = 0
+        for part in batch:  # in the loop's thread at every dispatch: 0.8 us for two small leaves (a byte view of
+            for leaf in part:  # each took 1.3 us, and numpy gives none of bfloat16's): the arrays' own buffers
+                if index == len(crcs):
+                    crcs.append(0)
+                if type(leaf) is np.ndarray and leaf.flags.c_contiguous:
+                    crcs[index] = zlib.crc32(cast(Any, leaf), crcs[index])  # any dtype: no format asked
+                elif isinstance(leaf, jax.Array):
                     self._unknown = True
-                    continue
-                leaf = np.asarray(leaf)
-            if not leaf.flags.c_contiguous:
-                leaf = np.ascontiguousarray(leaf)
-            crcs[index] = zlib.crc32(leaf.data.cast("B"), crcs[index])
+                else:
+                    crcs[index] = zlib.crc32(cast(Any, np.ascontiguousarray(leaf)), crcs[index])
+                index += 1
 
     def take(self) -> int | None:
         """The digest of the batches added since the last `take` (then starts again); `None` where unknown."""
