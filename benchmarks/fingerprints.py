@@ -4,8 +4,9 @@ bytes digest of a batch (data that is not `fs.global_batches`) against nothing.
 Both in one process, alternating, medians over `--rounds`:
 
 - a record: `fingerprints.of_state` of a state of `--mib` MiB (four float32
-  arrays on the default device), read back, against the copy a record makes
-  of the same state in host memory (numpy, leaf by leaf);
+  arrays on the default device), and of a tiny MLP's (20 small leaves), read
+  back, against the copy a record makes of the same state in host memory
+  (numpy, leaf by leaf);
 - a batch: `BatchDigest.add` of an `(x, y)` batch of each size, in
   microseconds (the loop's thread adds each dispatch's batch after it
   dispatched it, while the devices run it);
@@ -44,16 +45,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--mib", default="1,49", help="state sizes in MiB")
     args = parser.parse_args()
-    print(f"{'state':>10} {'fingerprint ms':>15} {'host copy ms':>13} {'ratio':>6}")
-    for mib in (int(size) for size in args.mib.split(",")):
-        n = mib * 2**20 // 16
-        leaves = [jnp.full((n,), float(index), jnp.float32) for index in range(4)]
+    print(f"{'state':>22} {'fingerprint ms':>15} {'host copy ms':>13} {'ratio':>6}")
+    states = {
+        f"{mib} MiB, 4 leaves": [jnp.full((mib * 2**20 // 16,), float(index)) for index in range(4)]
+        for mib in (int(size) for size in args.mib.split(","))
+    }
+    tiny = [(16, 8), (8,), (8, 8), (8,), (8, 10), (10,)] * 3 + [(), ()]  # an MLP's parameters and adam's moments
+    states["a tiny MLP, 20 leaves"] = [jnp.full(shape, 0.5) for shape in tiny]
+    for name, leaves in states.items():
+        repeat = 1 if sum(leaf.size for leaf in leaves) > 2**20 else 200
         fingerprint, copy = [], []
         for _ in range(args.rounds):  # alternating
-            fingerprint += seconds(lambda leaves=leaves: fingerprints.text(fingerprints.of_state(leaves)), 1)
-            copy += seconds(lambda leaves=leaves: [np.array(leaf) for leaf in leaves], 1)
+            each = seconds(lambda leaves=leaves: fingerprints.text(fingerprints.of_state(leaves)), repeat)
+            fingerprint.append(statistics.median(each))
+            copy.append(statistics.median(seconds(lambda leaves=leaves: [np.array(x) for x in leaves], repeat)))
         f, c = statistics.median(fingerprint) * 1e3, statistics.median(copy) * 1e3
-        print(f"{mib:>6} MiB {f:>15.2f} {c:>13.2f} {f / c:>6.2f}")
+        print(f"{name:>22} {f:>15.3f} {c:>13.3f} {f / c:>6.2f}")
     print(f"\n{'batch (x, y)':>16} {'bytes':>9} {'digest us':>10}")
     for rows, features in ((64, 32), (256, 784), (32, 1024)):
         x = np.random.default_rng(0).random((rows, features), dtype=np.float32)

@@ -1,5 +1,7 @@
 """The fingerprints of a state and of the batches trained: equal for equal bits, different for one changed bit."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,50 @@ def test_a_state_s_fingerprint_is_its_bits_and_changes_with_any_element_of_any_d
             changed = fingerprint(state(**{name: value}))
             assert changed not in seen, (name, value)
             seen.add(changed)
+
+
+def reference(leaves):
+    """The fingerprint's definition (the module's docstring), leaf by leaf in numpy."""
+    first = second = np.uint32(0)
+    offset = 0
+    for leaf in leaves:
+        layout = np.uint32(zlib.crc32(f"{leaf.shape}{leaf.dtype}".encode()))
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        values = np.asarray(leaf).reshape(-1)
+        if values.dtype == np.bool_:
+            words = values.astype(np.uint32)
+        else:
+            words = values.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[values.itemsize])
+            words = words.astype(np.uint32)
+        place = ((np.arange(words.size, dtype=np.uint64) + offset) % 2**32).astype(np.uint32)
+        with np.errstate(over="ignore"):
+            first += np.sum(words * (place * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
+            mixed = (words ^ ((place + layout) * fingerprints._ODD)) * fingerprints._MIX
+            second += np.sum(mixed ^ (mixed >> np.uint32(15)), dtype=np.uint32)
+        offset += words.size
+    return f"{int(first):08x}{int(second):08x}"
+
+
+def test_small_leaves_summed_together_and_large_ones_alone_give_the_definition_s_fingerprint():
+    # The program concatenates leaves of up to `_SMALL` elements by dtype, in groups of up to `_GROUP` words,
+    # and reduces each larger leaf alone: every way must give the leaf-by-leaf sums.
+    rng = np.random.default_rng(0)
+    many = [jnp.asarray(rng.random(4000, dtype=np.float32)) for _ in range(20)]  # 80,000 words: two groups
+    leaves = (
+        state()
+        + many
+        + [
+            jnp.asarray(rng.random((70, 90), dtype=np.float32)),  # 6,300 elements: alone
+            jnp.asarray(rng.integers(-9, 9, 5000, dtype=np.int8)),
+            jnp.zeros((0, 3)),
+            jax.random.split(jax.random.key(1), 3),
+            jnp.asarray(rng.random(7, dtype=np.float32)).astype(jnp.bfloat16),
+        ]
+    )
+    assert max(leaf.size for leaf in leaves) > fingerprints._SMALL and sum(x.size for x in many) > fingerprints._GROUP
+    assert fingerprint(leaves) == reference(leaves)
+    assert fingerprint(leaves[::-1]) == reference(leaves[::-1])
 
 
 def test_the_leaves_order_counts_and_zeros_are_not_nothing():
