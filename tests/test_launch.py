@@ -360,7 +360,7 @@ def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_exampl
         sys.argv = ["global_data", {json.dumps(worker)!r}]
         runpy.run_module("flaxstate_testing.workers.global_data", run_name="__main__")
     """
-    launched = Launched(tmp_path, script, "--min-processes", "2", "--max-restarts", "4", "--grace", "5", n_processes=4)
+    launched = Launched(tmp_path, script, "--min-processes", "2", "--max-restarts", "4", "--grace", "2", n_processes=4)
     assert launched.finish(timeout=480) == 0, launched.output
     assert any("[3] lost: restart 2 of 4 goes on with 2 processes" in line for line in launched.lines), launched.output
     assert "[0] record 20 microbatches 2" in launched.lines and "[1] record 20 microbatches 2" in launched.lines

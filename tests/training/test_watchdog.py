@@ -94,22 +94,21 @@ def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_pat
 
 
 def test_slow_but_progressing_steps_never_fire_and_an_interactive_session_is_only_told(tmp_path):
-    # "auto" with a floor of 2 s: a record's segment takes 3 s (0.3 s a batch) but progresses.
     config = dict(CONFIG, n_steps=20, out=str(tmp_path / "a.npz"), resume=False)
+    # "auto" with a floor of 2 s: a record's segment takes 3 s (0.3 s a batch) but progresses.
     slow = dict(config, output_dir=str(tmp_path / "slow"), data_sleep=0.3, floor=2)
-    output = processes.run("resume", slow, timeout=240)[0]
-    assert "record 20" in output and "watchdog" not in output
     # Interactive: a 3 s stall with a 1 s timeout is reported, and the run goes on to its end.
     told = dict(
         config, output_dir=str(tmp_path / "told"), block_after=12, block_seconds=3, hang_timeout=1, interactive=True
     )
-    output = processes.run("resume", told, timeout=240)[0]
-    assert "no progress for 1 s at step 12: waiting for the data" in output
-    assert "Interactive session: the process is left running" in output and "record 20" in output
     # Off: the same stall says nothing.
     off = dict(told, output_dir=str(tmp_path / "off"), hang_timeout=None, interactive=False)
-    output = processes.run("resume", off, timeout=240)[0]
-    assert "record 20" in output and "watchdog" not in output
+    # Three processes at once: most of each run is a wait.
+    outputs = processes.wait_all([processes.start("resume", each) for each in (slow, told, off)], timeout=240)
+    assert "record 20" in outputs[0] and "watchdog" not in outputs[0]
+    assert "no progress for 1 s at step 12: waiting for the data" in outputs[1]
+    assert "Interactive session: the process is left running" in outputs[1] and "record 20" in outputs[1]
+    assert "record 20" in outputs[2] and "watchdog" not in outputs[2]
 
 
 REQUESTED = dict(CONFIG, resume=False, data_sleep=0.05, every_seconds=3600, keep=5)
