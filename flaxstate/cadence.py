@@ -66,6 +66,12 @@ class Interval:
     productive: float
     steps: int
 
+    @classmethod
+    def ending(cls, end: float, elapsed: float, productive: float, steps: int) -> Interval:
+        """A record's interval from what it logs: its own training, the `elapsed` seconds up to `end` (not the
+        caller's time before it, in which a save can drag no step)."""
+        return cls(end - elapsed, end, productive, steps)
+
 
 def overlap(start: float, end: float, windows: Sequence[tuple[float, float]]) -> float:
     """Seconds of `[start, end]` inside any of `windows` (each `(start, end)`; they do not overlap each other)."""

@@ -138,11 +138,10 @@ def _drags(session: SessionEvents) -> list[float]:
         if seconds is not None:
             start = float(save["time"]) - float(save["blocking"])
             windows.append((start, start + seconds))
-    intervals = [  # each record's own training, up to its logging: not the gap before it (the loop's caller)
-        cadence.Interval(float(record["time"]) - float(record["elapsed"]), float(record["time"]), _productive(record),
-                         int(record["steps"]))
-        for record in session.records
-    ]  # fmt: skip
+    intervals = [
+        cadence.Interval.ending(float(event["time"]), float(event["elapsed"]), _productive(event), int(event["steps"]))
+        for event in session.records
+    ]
     return cadence.save_drag(intervals, windows)
 
 

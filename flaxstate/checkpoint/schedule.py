@@ -123,11 +123,11 @@ class SaveSchedule:
         cost; other schedules keep nothing)."""
         if self.every != "auto":
             return
-        now = self._clock()
-        start = now - float(checkpoint.elapsed_time)  # the record's own training, not the caller's time before it
-        productive = float(checkpoint.elapsed_time) - float(checkpoint.compile_time) - float(checkpoint.idle_time)
-        self._intervals.append(cadence.Interval(start, now, max(productive, 0.0), int(checkpoint.n_completed_steps)))
-        self._settle(start)
+        interval = cadence.Interval.ending(
+            self._clock(), checkpoint.elapsed_time, checkpoint.productive_time, checkpoint.n_completed_steps
+        )
+        self._intervals.append(interval)
+        self._settle(interval.start)
 
     def _settle(self, after: float) -> None:
         """Fixes the cost of each save that ended before `after` (a record trained wholly after it has come):
