@@ -13,7 +13,9 @@ Both in one process, alternating, medians over `--rounds`:
 - a tiny step (a host-bound loop of 8 x 16 batches): its time with no
   digest, with `BatchDigest` on the host, and with a digest of the batch's
   bits computed inside the step's program instead (a carried uint32 and an
-  output more), the alternative that the issue's "inside the step" suggests.
+  output more), the alternative that the issue's "inside the step" suggests;
+- a loop on 0.8 MB batches: a record of 100 steps of a `TrainLoop` with its
+  fingerprints and without them, at K=1 and K=10.
 
     python benchmarks/fingerprints.py [--rounds 9] [--mib 1,49]
 """
@@ -69,6 +71,7 @@ def main() -> None:
         each = statistics.median(seconds(lambda digest=digest, x=x, y=y: digest.add(((x,), (y,))), args.rounds * 100))
         print(f"{f'{rows} x {features}':>16} {x.nbytes + y.nbytes:>9,} {each * 1e6:>10.2f}")
     digest_inside_the_step(args.rounds * 3)
+    a_loop_on_large_batches(args.rounds * 3)
 
 
 def digest_inside_the_step(rounds: int, steps: int = 400) -> None:
@@ -124,6 +127,47 @@ def digest_inside_the_step(rounds: int, steps: int = 400) -> None:
     for name, values in times.items():
         each = statistics.median(values)
         print(f"{name:>28} {each * 1e6:>10.2f} {(each - base) * 1e6:>9.2f}")
+
+
+def a_loop_on_large_batches(rounds: int, steps: int = 100) -> None:
+    """A `TrainLoop`'s record of `steps` steps on batches of 0.8 MB (256 x 784, 16 of them in turn; an MLP of
+    width 64), with its fingerprints and without them (`fingerprints.ENABLED`), alternating, at K=1 and K=10."""
+    import itertools
+
+    import jax
+    import optax
+    from loop_overhead import MLP, loss_fn, make_data
+
+    import flaxstate as fs
+
+    data = make_data(256, 784, n=16)
+    print(f"\n{'0.8 MB batches':>16} {'ms a record':>12} {'without':>8} {'added us a step':>16} {'added':>6}")
+    for k in (1, 10):
+        model = MLP(64)
+        task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
+        loop = fs.TrainLoop(
+            model.init,
+            task,
+            jax.random.key(0),
+            input_sample=data[0][0],
+            n_steps=10**9,
+            n_steps_per_checkpoint=steps,
+            n_steps_per_dispatch=k,
+            stdout=False,
+        )
+        for _ in range(2):
+            loop.next_checkpoint()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for index in range(rounds):
+            for enabled in (True, False) if index % 2 else (False, True):
+                fingerprints.ENABLED = enabled
+                start = time.perf_counter()
+                loop.next_checkpoint()
+                times[enabled].append(time.perf_counter() - start)
+        fingerprints.ENABLED = True
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        added = (on - off) / steps * 1e6
+        print(f"{f'K={k}':>16} {on * 1e3:>12.1f} {off * 1e3:>8.1f} {added:>16.1f} {on / off - 1:>6.1%}")
 
 
 if __name__ == "__main__":

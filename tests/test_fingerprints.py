@@ -125,6 +125,36 @@ def test_a_batch_digest_follows_the_bytes_and_the_order_of_the_batches_whatever_
     assert running.take() == digest(one) and running.take() == digest()  # taken: it starts again
 
 
+def test_a_large_leaf_is_summed_by_its_places_and_a_stacked_dispatch_digests_as_its_batches_one_by_one():
+    rng = np.random.default_rng(1)
+    x = rng.random((2, 320, 1024), dtype=np.float32)  # 1.25 MiB a batch: above `_LARGE`, over two `_CHUNK`s
+    y = rng.integers(0, 9, (2, 5001), dtype=np.int8)  # 5,001 bytes a batch: not a multiple of 8, CRC'd
+    assert x[0].nbytes >= fingerprints._LARGE and x[0].size // 2 > fingerprints._CHUNK
+
+    def digest(*dispatches):
+        each = fingerprints.BatchDigest()
+        for batch, n in dispatches:
+            each.add(batch, n)
+        return each.take()
+
+    one, two = ((x[0],), (y[0],)), ((x[1],), (y[1],))
+    both = digest((one, 1), (two, 1))
+    assert digest((((x,), (y,)), 2)) == both  # K=2 stacked: the same as one by one
+    assert digest((two, 1), (one, 1)) != both
+    changed = x[1].copy()
+    changed.reshape(-1)[-1] = np.nextafter(changed.reshape(-1)[-1], np.float32(2))  # its last bit, in the 2nd chunk
+    moved = x[1].copy()
+    moved[[0, 1]] = moved[[1, 0]]  # the same words in other places
+    assert len({both, digest((one, 1), (((changed,), (y[1],)), 1)), digest((one, 1), (((moved,), (y[1],)), 1))}) == 3
+    half = x[0].astype(jnp.bfloat16)  # a type numpy gives no buffer format: read as words all the same
+    assert digest((((half,), (y[0],)), 1)) != digest((((half + 1,), (y[0],)), 1))
+    # The weighted sum chunk by chunk is the sum over the whole leaf.
+    words = x[0].reshape(-1).view(np.uint64)
+    golden = fingerprints._GOLDEN
+    expected = sum(int(w) * (((2 * i + 1) * golden) % 2**64) for i, w in enumerate(words.tolist())) % 2**64
+    assert fingerprints._weighted(words) == expected
+
+
 @pytest.mark.parametrize("indices", [[np.arange(4)], [np.arange(4), np.arange(4, 8)]])
 def test_global_batches_are_fingerprinted_by_their_indices_in_order(indices):
     assert fingerprints.of_indices(indices) == fingerprints.of_indices([each.copy() for each in indices])

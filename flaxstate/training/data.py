@@ -155,7 +155,7 @@ class DataStream:
                 self._in_flight.popleft()
         self._n_committed += n_batches
         if batch is not None and not self._indexed and fingerprints.ENABLED:
-            self._digest.add(batch)
+            self._digest.add(batch, n_batches)
 
     def take_fingerprint(self) -> tuple[str | None, int | None]:
         """The batches committed since the last call: their global indices' fingerprint (`fs.global_batches`,
