@@ -132,39 +132,18 @@ def digest_inside_the_step(rounds: int, steps: int = 400) -> None:
 def a_loop_on_large_batches(rounds: int, steps: int = 100) -> None:
     """A `TrainLoop`'s record of `steps` steps on batches of 0.8 MB (256 x 784, 16 of them in turn; an MLP of
     width 64), with its fingerprints and without them (`fingerprints.ENABLED`), alternating, at K=1 and K=10."""
-    import itertools
-
-    import jax
-    import optax
-    from loop_overhead import MLP, loss_fn, make_data
-
-    import flaxstate as fs
+    from loop_overhead import MLP, flaxstate_runner, make_data
 
     data = make_data(256, 784, n=16)
     print(f"\n{'0.8 MB batches':>16} {'ms a record':>12} {'without':>8} {'added us a step':>16} {'added':>6}")
     for k in (1, 10):
-        model = MLP(64)
-        task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
-        loop = fs.TrainLoop(
-            model.init,
-            task,
-            jax.random.key(0),
-            input_sample=data[0][0],
-            n_steps=10**9,
-            n_steps_per_checkpoint=steps,
-            n_steps_per_dispatch=k,
-            stdout=False,
-        )
-        for _ in range(2):
-            loop.next_checkpoint()
+        runners = {
+            enabled: flaxstate_runner(MLP(64), data, k, steps, fingerprinted=enabled) for enabled in (True, False)
+        }
         times: dict[bool, list[float]] = {True: [], False: []}
         for index in range(rounds):
             for enabled in (True, False) if index % 2 else (False, True):
-                fingerprints.ENABLED = enabled
-                start = time.perf_counter()
-                loop.next_checkpoint()
-                times[enabled].append(time.perf_counter() - start)
-        fingerprints.ENABLED = True
+                times[enabled] += seconds(lambda run=runners[enabled]: run(steps), 1)
         on, off = statistics.median(times[True]), statistics.median(times[False])
         added = (on - off) / steps * 1e6
         print(f"{f'K={k}':>16} {on * 1e3:>12.1f} {off * 1e3:>8.1f} {added:>16.1f} {on / off - 1:>6.1%}")
