@@ -78,16 +78,17 @@ def reference(leaves):
     return f"{int(first):08x}{int(second):08x}"
 
 
-def test_small_leaves_summed_together_and_large_ones_alone_give_the_definition_s_fingerprint():
+def test_a_state_s_fingerprint_is_the_definition_s_leaf_by_leaf_sums():
     # Small and large leaves, many of one dtype, keys and an empty one: the program's sums must be the
-    # definition's, leaf by leaf (however it groups them).
+    # definition's, leaf by leaf, however the program groups them (a faster one that groups the small leaves
+    # is on the branch fast-state-fingerprint).
     rng = np.random.default_rng(0)
-    many = [jnp.asarray(rng.random(4000, dtype=np.float32)) for _ in range(20)]  # 80,000 words: two groups
+    many = [jnp.asarray(rng.random(4000, dtype=np.float32)) for _ in range(20)]  # 80,000 words
     leaves = (
         state()
         + many
         + [
-            jnp.asarray(rng.random((70, 90), dtype=np.float32)),  # 6,300 elements: alone
+            jnp.asarray(rng.random((70, 90), dtype=np.float32)),  # 6,300 elements
             jnp.asarray(rng.integers(-9, 9, 5000, dtype=np.int8)),
             jnp.zeros((0, 3)),
             jax.random.split(jax.random.key(1), 3),
