@@ -51,18 +51,61 @@ def _words(leaf: jax.Array) -> jax.Array:
     return bits.astype(jnp.uint32)
 
 
+_SMALL = 4096
+"""A leaf of at most this many elements is summed with the others of its dtype, concatenated (below)."""
+_GROUP = 1 << 16
+"""The most words in one concatenation of small leaves (its places are a constant of the program)."""
+
+
+def _sums(words: jax.Array, place: jax.Array, layout: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two lanes' sums of some words at their places, in one pass (a reduction of two outputs)."""
+    first = words * (place * jnp.uint32(2) + jnp.uint32(1))
+    mixed = (words ^ ((place + layout) * _ODD)) * _MIX
+    second = mixed ^ (mixed >> 15)
+    zero = jnp.uint32(0)
+    return jax.lax.reduce((first, second), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,))
+
+
+def _layout(leaf: jax.Array) -> np.uint32:
+    return np.uint32(zlib.crc32(f"{leaf.shape}{leaf.dtype}".encode()))  # a reshaped leaf differs
+
+
+def _chunk_sums(chunk: Sequence[tuple[jax.Array, int, np.uint32]]) -> tuple[jax.Array, jax.Array]:
+    """The two lanes' sums of small leaves of one dtype, concatenated (each with its offset and layout)."""
+    words = _words(jnp.concatenate([leaf.reshape(-1) for leaf, _, _ in chunk])).reshape(-1)
+    per = words.size // sum(leaf.size for leaf, _, _ in chunk)  # words an element: 2 for an 8-byte dtype
+    place = np.concatenate([np.arange(at, at + leaf.size * per, dtype=np.uint64) for leaf, at, _ in chunk])
+    layout = np.concatenate([np.full(leaf.size * per, code, np.uint32) for leaf, _, code in chunk])
+    return _sums(words, jnp.asarray((place % 2**32).astype(np.uint32)), jnp.asarray(layout))
+
+
 @jax.jit
 def _lanes(leaves: Sequence[jax.Array]) -> jax.Array:
+    # One reduction a large leaf; the small ones concatenated by dtype, so that a state of many small leaves
+    # is a few kernels (XLA's CPU runtime spends 2-3 us a kernel: 20 leaves took 70 us as 40 sums, 15 us so).
     first = second = jnp.uint32(0)
+    groups: dict[Any, list[tuple[jax.Array, int, np.uint32]]] = {}
     offset = 0
     for leaf in leaves:
+        layout = _layout(leaf)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
         words = _words(leaf)
-        place = (jnp.arange(words.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)).reshape(words.shape)
-        first += jnp.sum(words * (place * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-        layout = jnp.uint32(zlib.crc32(f"{leaf.shape}{leaf.dtype}".encode()))  # a reshaped leaf differs
-        mixed = (words ^ ((place + layout) * _ODD)) * _MIX
-        second += jnp.sum(mixed ^ (mixed >> 15), dtype=jnp.uint32)
+        if 0 < leaf.size <= _SMALL:
+            groups.setdefault(leaf.dtype, []).append((leaf, offset, layout))
+        elif leaf.size:
+            place = jnp.arange(words.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)
+            lanes = _sums(words.reshape(-1), place, jnp.uint32(layout))
+            first, second = first + lanes[0], second + lanes[1]
         offset += words.size
+    for members in groups.values():
+        chunk: list[tuple[jax.Array, int, np.uint32]] = []
+        for number, member in enumerate(members):
+            chunk.append(member)
+            if number + 1 == len(members) or sum(x.size for x, _, _ in chunk) + members[number + 1][0].size > _GROUP:
+                lanes = _chunk_sums(chunk)
+                first, second = first + lanes[0], second + lanes[1]
+                chunk = []
     return jnp.stack([first, second])
 
 
@@ -77,7 +120,7 @@ def of_state(leaves: Sequence[jax.Array]) -> jax.Array:
 
 def text(lanes: Any) -> str:
     """A fingerprint's 16 hex digits (waits for the devices)."""
-    first, second = (int(lane) for lane in np.asarray(jax.device_get(lanes), dtype=np.uint32))
+    first, second = np.asarray(lanes, dtype=np.uint32).tolist()  # 1 us; `jax.device_get`'s tree walk took 8 us
     return f"{first:08x}{second:08x}"
 
 

@@ -79,11 +79,10 @@ def reference(leaves):
 
 
 def test_a_state_s_fingerprint_is_the_definition_s_leaf_by_leaf_sums():
-    # Small and large leaves, many of one dtype, keys and an empty one: the program's sums must be the
-    # definition's, leaf by leaf, however the program groups them (a faster one that groups the small leaves
-    # is on the branch fast-state-fingerprint).
+    # The program concatenates leaves of up to `_SMALL` elements by dtype, in groups of up to `_GROUP` words,
+    # and reduces each larger leaf alone: every way must give the leaf-by-leaf sums.
     rng = np.random.default_rng(0)
-    many = [jnp.asarray(rng.random(4000, dtype=np.float32)) for _ in range(20)]  # 80,000 words
+    many = [jnp.asarray(rng.random(4000, dtype=np.float32)) for _ in range(20)]  # 80,000 words: two groups
     leaves = (
         state()
         + many
@@ -95,7 +94,7 @@ def test_a_state_s_fingerprint_is_the_definition_s_leaf_by_leaf_sums():
             jnp.asarray(rng.random(7, dtype=np.float32)).astype(jnp.bfloat16),
         ]
     )
-    assert max(leaf.size for leaf in leaves) > 4096 and sum(x.size for x in many) > 65536
+    assert max(leaf.size for leaf in leaves) > fingerprints._SMALL and sum(x.size for x in many) > fingerprints._GROUP
     assert fingerprint(leaves) == reference(leaves)
     assert fingerprint(leaves[::-1]) == reference(leaves[::-1])
 
