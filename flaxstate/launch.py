@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -331,9 +332,15 @@ class Launcher:
         return env
 
     def _run_once(self, restarts: int) -> tuple[int, int] | None:
-        """Starts every process and watches them: `None` when all exit 0, else the first failure (index, status)."""
+        """Starts every process and watches them: `None` when all exit 0, else the first failure (index, status).
+
+        The first failure is the first process to end with a non-zero status, as a thread waiting on each saw it
+        end: a failing process's peers fail within milliseconds (their collectives lose it), and a poll of all
+        of them took the lowest index among those ended by then, a peer's index and not the lost one's.
+        """
         port = _free_port()
         self._processes, self._readers = [], []
+        ended: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         for index in range(self.n_running):
             process = subprocess.Popen(
                 list(self.config.command),
@@ -346,22 +353,25 @@ class Launcher:
             )
             reader = threading.Thread(target=self._prefix, args=(index, process), daemon=True)
             reader.start()
+            threading.Thread(target=lambda i=index, p=process: ended.put((i, p.wait())), daemon=True).start()
             self._processes.append(process)
             self._readers.append(reader)
             if self._preempted:  # the notice came while this round started: it reaches this process too
                 self._signal_group(process, signal.SIGTERM)
         failed: tuple[int, int] | None = None
-        while failed is None:
-            codes = [process.poll() for process in self._processes]
-            failed = next(((index, code) for index, code in enumerate(codes) if code is not None and code != 0), None)
-            if failed is None and all(code == 0 for code in codes):
-                break
+        n_ended = 0
+        while failed is None and n_ended < len(self._processes):
+            try:
+                index, code = ended.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            else:
+                n_ended += 1
+                failed = (index, code) if code != 0 else None
             if self._preempted_at is not None and time.monotonic() > self._preempted_at + self.config.grace:
                 self.say(f"processes still running {self.config.grace:g} s after the preemption: killed.")
                 self._signal_all(signal.SIGKILL)
                 self._preempted_at = None  # once
-            if failed is None:
-                time.sleep(0.05)
         if failed is not None and not self._preempted:
             self._stop_all(self.config.grace)
         elif self._preempted_at is not None:  # the others have until the notice's grace ends

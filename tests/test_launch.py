@@ -101,6 +101,30 @@ def test_a_process_that_exits_0_early_is_waited_for_not_a_failure(tmp_path):
     assert launched.lines == ["[0] done 0", "[1] done 1"]
 
 
+def test_the_process_that_failed_first_is_named_not_a_peer_that_failed_just_after(tmp_path):
+    # Process 1 fails; process 0 fails 20 ms after it (as peers fail when their collectives lose one). Both end
+    # within one of the launcher's 50 ms polls, and a poll named the lowest index of those ended: process 0.
+    script = """
+        import os, sys, time
+        from pathlib import Path
+        signal_file = Path("failed")
+        if os.environ["FLAXSTATE_RESTARTS"] == "0":
+            if os.environ["FLAXSTATE_PROCESS_ID"] == "1":
+                signal_file.touch()
+                sys.exit(5)
+            while not signal_file.exists():
+                time.sleep(0.001)
+            time.sleep(0.02)
+            sys.exit(9)
+        print("again", os.environ["FLAXSTATE_PROCESS_ID"], flush=True)
+    """
+    launched = Launched(tmp_path, script, "--max-restarts", "1", "--grace", "1")
+    assert launched.finish() == 0, launched.output
+    said = [line for line in launched.lines if line.startswith("flaxstate launch:")]
+    assert said == ["flaxstate launch: process 1 exited with status 5; restart 1 of 1: starting all 2 processes again."]
+    assert {"[0] again 0", "[1] again 1"} <= set(launched.lines)
+
+
 STUBBORN = """
     import os, signal, time
     index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
