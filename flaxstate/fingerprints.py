@@ -100,12 +100,14 @@ def _lanes(leaves: Sequence[jax.Array]) -> jax.Array:
         offset += words.size
     for members in groups.values():
         chunk: list[tuple[jax.Array, int, np.uint32]] = []
+        size = 0  # the chunk's elements
         for number, member in enumerate(members):
             chunk.append(member)
-            if number + 1 == len(members) or sum(x.size for x, _, _ in chunk) + members[number + 1][0].size > _GROUP:
+            size += member[0].size
+            if number + 1 == len(members) or size + members[number + 1][0].size > _GROUP:
                 lanes = _chunk_sums(chunk)
                 first, second = first + lanes[0], second + lanes[1]
-                chunk = []
+                chunk, size = [], 0
     return jnp.stack([first, second])
 
 
