@@ -144,9 +144,11 @@ def stack(batches: Sequence[Batch], first_step: int) -> Batch:
         if any(len(inputs) != n_inputs or len(targets) != n_targets for inputs, targets in batches):
             raise ValueError("the batches differ in structure")
         # Spelled out, not a tree map: this runs once a dispatch, and a tree map over K batches costs more.
+        # `np.array` of equal arrays stacks them as `np.stack` does (dtype and all), in C: 1.5 against 4.4 us
+        # for ten 8 x 16 arrays (`np.stack` expands each in Python); unequal ones raise ValueError as it does.
         return (
-            tuple([np.stack([batch[0][index] for batch in batches]) for index in range(n_inputs)]),
-            tuple([np.stack([batch[1][index] for batch in batches]) for index in range(n_targets)]),
+            tuple([np.array([batch[0][index] for batch in batches]) for index in range(n_inputs)]),
+            tuple([np.array([batch[1][index] for batch in batches]) for index in range(n_targets)]),
         )
     except ValueError:
         shapes = [[list(np.shape(array)) for array in jax.tree.leaves(batch)] for batch in batches]

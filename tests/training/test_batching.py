@@ -1,6 +1,7 @@
 """A batch's forms and checks: normalized to (inputs, targets), divided over devices and microbatches, stacked."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,6 +34,14 @@ def test_k_batches_stack_along_a_leading_axis_and_a_ragged_one_names_its_step():
     stacked = batching.stack([((X,), (Y,)), ((X * 2,), (Y,))], first_step=10)
     assert stacked[0][0].shape == (2, 8, 3) and stacked[1][0].shape == (2, 8)
     np.testing.assert_array_equal(stacked[0][0][1], X * 2)
+    half, small = X.astype(jnp.bfloat16), Y.astype(np.int8)  # the stack keeps each leaf's dtype, as np.stack
+    three = batching.stack([((half, X), (small,)), ((half + 1, X), (small,)), ((half, X * 3), (small + 1,))], 1)
+    expected_leaves = ([half, half + 1, half], [X, X, X * 3], [small, small, small + 1])
+    for got, leaves in zip(jax.tree.leaves(three), expected_leaves, strict=True):
+        expected = np.stack(leaves)
+        assert got.dtype == expected.dtype and got.shape == expected.shape and np.array_equal(got, expected)
+    with pytest.raises(ValueError, match=r"step 11 has \[\[3, 8\], \[8\]\]"):  # the same size, transposed
+        batching.stack([((X,), (Y,)), ((X.T.copy(),), (Y,))], first_step=10)
     with pytest.raises(ValueError, match=r"steps 10-11\): step 10 has .* step 11 has \[\[4, 3\], \[4\]\]"):
         batching.stack([((X,), (Y,)), ((X[:4],), (Y[:4],))], first_step=10)
 
