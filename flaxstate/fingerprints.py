@@ -40,9 +40,10 @@ _MIX = np.uint32(0x85EBCA6B)
 
 
 def _words(leaf: jax.Array) -> jax.Array:
-    """A leaf's bits as uint32 words (one a element; two for a 64-bit one; a bool or a narrower type widened)."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.random.key_data(leaf)
+    """A leaf's bits as uint32 words (one a element; two for a 64-bit one; a bool or a narrower type widened).
+
+    A key array comes as its `jax.random.key_data` (`_lanes` takes it so, before grouping the small leaves).
+    """
     if leaf.dtype == jnp.bool_:
         return leaf.astype(jnp.uint32)
     width = np.dtype(leaf.dtype).itemsize
