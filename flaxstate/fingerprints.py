@@ -12,12 +12,16 @@ each 16 hex digits, and the goodput ledger keeps them with its step
   devices from the loop's own arrays (no host copy): a reduction of the
   state, whose result is 8 bytes, once a record. A single changed bit of any
   element changes the first lane.
-- The data's: where the data is `fs.global_batches`, the source indices of the
-  global batches trained (the same on any process count: nothing is read);
-  else a digest of the bytes of the batches trained since the previous
-  record, leaf by leaf and in order, read by the loop as it dispatches them
-  (`BatchDigest`; several processes' are combined in process order, by the
-  record's one gather).
+- The data's: where the data is `fs.global_batches`, the source indices of
+  every global batch trained since the previous record (the same on any
+  process count: nothing is read); else a digest of the bytes of the first
+  batch trained since the previous record, leaf by leaf (`BatchDigest` of
+  `first_of` the span's first dispatch; several processes' are combined in
+  process order, by the record's one gather). A resume starts at a record,
+  so a data position restored wrong shows at the first batch it replays;
+  reading one batch a record, not each, keeps the steps between records free
+  of the digest (on a host that waits for each small step, as this project's
+  CPUs do, any reading at a dispatch adds to the step).
 """
 
 from __future__ import annotations
@@ -153,13 +157,22 @@ def _weighted(words: np.ndarray) -> int:
     return total & _MASK
 
 
+def first_of(batch: tuple[tuple[Any, ...], tuple[Any, ...]], n_batches: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The first of the `n_batches` batches stacked in a dispatch's batch, `(inputs, targets)`: a view of each host
+    leaf's first row (a leaf on the devices is kept as it is, and not read)."""
+    if n_batches == 1:
+        return batch
+    inputs, targets = (tuple(leaf[0] if isinstance(leaf, np.ndarray) else leaf for leaf in part) for part in batch)
+    return inputs, targets
+
+
 class BatchDigest:
     """Digests of the batches trained since it was last `taken`, one a leaf of the batch, batch after batch.
 
     A leaf's digest runs over its batches in order, so K batches stacked for
-    one dispatch give what the K batches give one by one: the loop adds each
-    dispatch's host batch as it dispatched it (any K), in its thread, while
-    the devices run it. A batch's leaf of under `_LARGE` bytes goes through
+    one dispatch give what the K batches give one by one. The loop adds the
+    first batch of each span between records (`first_of` its dispatch), in
+    its thread, while the devices run it. A batch's leaf of under `_LARGE` bytes goes through
     zlib's CRC-32 (about 0.3 us a call); a larger one is summed with weights
     (`_weighted`), whose 8 bytes go through the CRC. A batch whose leaves
     are on the devices already (JAX arrays) is not read: the digest is then

@@ -306,8 +306,9 @@ class Checkpoint:
             mesh and process count (`flaxstate.fingerprints`); `None` for
             records made by hand.
         data_fingerprint: 16 hex digits of the batches trained since the
-            previous record (their global indices with `fs.global_batches`,
-            else their bytes); `None` for records made by hand. The goodput
+            previous record (all their global indices with
+            `fs.global_batches`, else the first one's bytes, where a resume
+            starts); `None` for records made by hand. The goodput
             ledger keeps both, and a resume's replay is checked against them
             (`flaxstate.audit`).
 

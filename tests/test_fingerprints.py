@@ -181,3 +181,43 @@ def test_host_batches_of_bfloat16_train_and_are_digested_by_their_bits():
     assert [record.step for record in records] == [2, 4]
     seen = [record.data_fingerprint for record in records]
     assert None not in seen and seen[0] != seen[1]
+
+
+def test_a_record_s_data_fingerprint_reads_the_first_batch_of_its_span_for_any_k():
+    # A resume starts at a record, so the first batch of each span is where a wrong data position shows; it is the
+    # one batch a record that is read (the steps between records read none). K=2 stacks two batches a dispatch:
+    # the record reads the first row, as K=1 reads the first dispatch.
+    model = toy.MLP()
+    batches = [(np.asarray(x), np.asarray(y)) for x, y in toy.batches(8, 8)]
+
+    def records(data, k=1):
+        task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+        loop = fs.TrainLoop(
+            model.init,
+            task,
+            jax.random.key(0),
+            n_steps=8,
+            n_steps_per_checkpoint=4,
+            n_steps_per_dispatch=k,
+            stdout=False,
+        )
+        return [(record.data_fingerprint, record.state_fingerprint) for record in loop]
+
+    def changed(index):
+        x, y = batches[index]
+        return [*batches[:index], (x + 1, y), *batches[index + 1 :]]
+
+    straight = records(batches)
+    assert records(batches, k=2) == straight and straight[0][0] != straight[1][0]
+    first_of_second = records(changed(4))  # step 5: the second span's first batch
+    assert first_of_second[0] == straight[0] and first_of_second[1][0] != straight[1][0]
+    inside = records(changed(2))  # step 3: inside the first span, not read; the state shows it
+    assert inside[0][0] == straight[0][0] and inside[0][1] != straight[0][1]
+    x, y = batches[0]
+    stacked = ((np.stack([x, x + 1]),), (np.stack([y, y]),))
+    assert fingerprints.first_of(stacked, 2)[0][0].base is not None  # a view: nothing copied
+    digest = fingerprints.BatchDigest()
+    digest.add(fingerprints.first_of(stacked, 2))
+    alone = fingerprints.BatchDigest()
+    alone.add(((x,), (y,)))
+    assert digest.take() == alone.take()

@@ -84,7 +84,7 @@ class DataStream:
         self._indexed = self._global and callable(getattr(data, "indices", None))
         """Global batches known by their source indices (`fs.global_batches`): fingerprinted by them."""
         self._digest = fingerprints.BatchDigest()
-        """The bytes of the batches committed since the last `take_fingerprint` (data not `_indexed`)."""
+        """The bytes of the first batch committed since the last `take_fingerprint` (data not `_indexed`)."""
         self._fingerprinted = 0
         """The committed batches that `take_fingerprint` has covered."""
 
@@ -146,7 +146,9 @@ class DataStream:
 
         Args:
             batch: their dispatch's host batch, `(inputs, targets)` (K stacked
-                for K), digested for the record's fingerprint (but global batches').
+                for K); the first batch committed since the last
+                `take_fingerprint` is digested for the record's fingerprint (but
+                global batches', fingerprinted by their indices).
         """
         if n_batches == 1:
             self._in_flight.popleft()
@@ -154,12 +156,14 @@ class DataStream:
             for _ in range(n_batches):
                 self._in_flight.popleft()
         self._n_committed += n_batches
-        if batch is not None and not self._indexed and fingerprints.ENABLED:
-            self._digest.add(batch, n_batches)
+        if batch is not None and self._n_committed - n_batches == self._fingerprinted and not self._indexed:
+            if fingerprints.ENABLED:  # the span's first dispatch: its first batch, where a resume starts
+                self._digest.add(fingerprints.first_of(batch, n_batches))
 
     def take_fingerprint(self) -> tuple[str | None, int | None]:
         """The batches committed since the last call: their global indices' fingerprint (`fs.global_batches`,
-        else `None`), and this process's digest of their bytes (0 for global batches, `None` where unknown)."""
+        else `None`), and this process's digest of the first one's bytes (0 for global batches, `None` where
+        unknown)."""
         first, self._fingerprinted = self._fingerprinted, self._n_committed
         if self._indexed:
             data: Any = self._data

@@ -70,12 +70,13 @@ def gather_waits(
     data_time: float, idle_time: float, elapsed_time: float, requested: bool, digest: int | None = 0
 ) -> tuple[tuple[tuple[float, float, float], ...], bool, tuple[int | None, ...]]:
     """Every process's waits of a record, whether any process asked for a checkpoint, and every process's
-    digest of its batches (one collective).
+    digest of its span's first batch (one collective).
 
     Args:
         data_time, idle_time, elapsed_time: this process's, for the record.
         requested: whether this process was asked for a checkpoint (SIGUSR1).
-        digest: this process's CRC-32 of its batches (`flaxstate.fingerprints.BatchDigest`; `None`: unknown).
+        digest: this process's CRC-32 of its span's first batch (`flaxstate.fingerprints.BatchDigest`; `None`:
+            unknown).
 
     Returns:
         `(data_time, idle_time, elapsed_time)` of each process in process

@@ -272,7 +272,7 @@ class SegmentRunner:
             self.step += n
             self._clock.dispatched(losses)
             watchdog.dispatched(losses)
-            self._data.commit(n, host_batch)  # its bytes digested while the devices run it
+            self._data.commit(n, host_batch)  # a span's first batch digested while the devices run it
             segment.watch.add(losses, n)
             self._progress.advance(n)
             if n_left:  # after the last dispatch, the record is made first (an interrupt then keeps it)
