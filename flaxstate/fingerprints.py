@@ -10,8 +10,10 @@ each 16 hex digits, and the goodput ledger keeps them with its step
   sums are exact in any order, so the fingerprint is the same on any mesh and
   any number of processes, and one compiled program computes it on the
   devices from the loop's own arrays (no host copy): a reduction of the
-  state, whose result is 8 bytes, once a record. A single changed bit of any
-  element changes the first lane.
+  state, whose result is 8 bytes, once a record. A loop's record of K > 1
+  steps a dispatch computes it inside that dispatch's own program, after the
+  steps (`flaxstate.training.step.update_program`); a record of one step, by
+  `of_state`. A single changed bit of any element changes the first lane.
 - The data's: where the data is `fs.global_batches`, the source indices of
   every global batch trained since the previous record (the same on any
   process count: nothing is read); else a digest of the bytes of the first

@@ -111,7 +111,7 @@ class Placement(Protocol):
     def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch: ...
 
     def compile_update(
-        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]: ...
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
@@ -175,9 +175,12 @@ class DataParallel:
         return batching.to_devices(batch, self.mesh, stacked=stacked)
 
     def compile_update(
-        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]:
-        """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated (outputs replicated)."""
+        """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated (outputs replicated).
+
+        Each device's fingerprint (`fingerprinted`) is of its whole replica: the same on every device.
+        """
         return self._map(program, stacked, donate=(0,))
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
@@ -268,14 +271,17 @@ class Sharded:
         return batching.to_devices(batch, self.mesh, stacked=stacked, sharding=self.batch_layout.sharding(stacked))
 
     def compile_update(
-        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]:
-        """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses[, grads])`, the state donated.
+        """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses[, grads[, fingerprint]])`,
+        the state donated.
 
-        The gradients (`gradients`: a K-step record's last step's) lie as their parameters.
+        The gradients (`gradients`: a K-step record's last step's) lie as their parameters; the state's
+        fingerprint (`fingerprinted`: the global state's) is replicated.
         """
         leaves = jax.tree.leaves(shardings)
-        out = (leaves, self._replicated, shardings.params) if gradients else (leaves, self._replicated)
+        out: tuple[Any, ...] = (leaves, self._replicated, shardings.params) if gradients else (leaves, self._replicated)
+        out += (self._replicated,) if fingerprinted else ()
         return self._jit(program, leaves, stacked, out, donate=(0,))
 
     def compile_gradients(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from flax.core.scope import CollectionFilter
 
+from flaxstate import fingerprints
 from flaxstate.training import step, throughput
 from flaxstate.training.placement import Placement
 from flaxstate.training.task import TrainTask
@@ -60,7 +61,7 @@ class Program:
             jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in leaves
         ]
         self._rng_impl = rng_impl
-        self._updates: dict[tuple[int, bool], Callable[..., Any]] = {}
+        self._updates: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
         self._gradients: Callable[..., Any] | None = None
         self._given_flops = given_flops
         self._flops: Any = _UNKNOWN
@@ -122,16 +123,20 @@ class Program:
 
         The state is donated; `batches` are stacked along a leading axis of
         `n_steps` when it is more than one. With `gradients` (`n_steps` > 1)
-        the last step's gradients come out too, a record's (see
-        `step.update_program`). A `jax.jit` object: its `lower(...).compile()`
+        the last step's gradients come out too, a record's, and then the new
+        state's fingerprint where records are fingerprinted (`fingerprints.ENABLED`;
+        see `step.update_program`). A `jax.jit` object: its `lower(...).compile()`
         gives XLA's cost and memory analyses.
         """
-        key = n_steps, gradients
+        fingerprinted = gradients and fingerprints.ENABLED
+        key = n_steps, gradients, fingerprinted
         if key not in self._updates:
             train_step = self._fenced_step if n_steps > 1 else self._train_step
-            program = step.update_program(train_step, n_steps, self._treedef, self._rng_impl, gradients)
+            program = step.update_program(train_step, n_steps, self._treedef, self._rng_impl, gradients, fingerprinted)
             stacked = n_steps > 1
-            self._updates[key] = self._placement.compile_update(program, self._shardings, stacked, gradients)
+            self._updates[key] = self._placement.compile_update(
+                program, self._shardings, stacked, gradients, fingerprinted
+            )
         return self._updates[key]
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
@@ -182,7 +187,7 @@ class Program:
             per_device = throughput.flops_of(lowered.compile())
             if per_device is not None and self._counted_step is not None:
                 program = step.update_program(self._counted_step, 1, self._treedef, self._rng_impl, False)
-                counted: Any = self._placement.compile_update(program, self._shardings, False, False)
+                counted: Any = self._placement.compile_update(program, self._shardings, False, False, False)
                 per_device *= throughput.loop_factor(lowered, counted.lower(self._abstract_leaves, batch, rng_data))
             self._xla_flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._xla_flops

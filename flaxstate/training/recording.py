@@ -166,7 +166,9 @@ class Recorder:
         """
         self.last_loss = self.last_loss if trained.loss is None else trained.loss
         position = multihost.gather_position(self.data.position(), self.batch_size)
-        state_lanes = fingerprints.of_state(leaves) if fingerprints.ENABLED else None  # before the copy: both read
+        state_lanes = None
+        if fingerprints.ENABLED:  # the record's dispatch's, else dispatched before the copy: both read the state
+            state_lanes = trained.fingerprint if trained.fingerprint is not None else fingerprints.of_state(leaves)
         indices, digest = self.data.take_fingerprint()
         waits = trained.waits
         process_waits, requested, digests = multihost.gather_waits(

@@ -62,6 +62,8 @@ class Trained:
 
     Attributes:
         grads: the last step's gradients (`None` after a preemption notice).
+        fingerprint: the last state's fingerprint (`flaxstate.fingerprints.of_state`), where the record's
+            dispatch computed it (K > 1); else `None`.
         loss: the last loss (`None` if no step ran).
         n_steps: the steps the segment trained.
         elapsed: seconds training, up to the devices finishing the last step.
@@ -70,6 +72,7 @@ class Trained:
     """
 
     grads: PyTree
+    fingerprint: jax.Array | None
     loss: float | None
     n_steps: int
     elapsed: float
@@ -171,7 +174,7 @@ class SegmentRunner:
                 self._program.xla_flops_per_step(self._global_batch, self.rng_data)
                 self._flops_counted = True
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
-            grads = self._dispatch_until(sizes, total, segment)
+            grads, fingerprint = self._dispatch_until(sizes, total, segment)
             self._watchdog.enter(Phase.WAITING_FOR_DEVICES, f" step {self.step}")
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
@@ -182,7 +185,8 @@ class SegmentRunner:
             raise nonfinite.error(first_nonfinite, self._patience)
         self._nonfinite_run = segment.watch.run
         n_steps = self.step - segment.start_step
-        return Trained(grads, loss, n_steps, segment.elapsed, min(segment.compile, segment.elapsed), segment.waits)
+        compiled = min(segment.compile, segment.elapsed)
+        return Trained(grads, fingerprint, loss, n_steps, segment.elapsed, compiled, segment.waits)
 
     @property
     def _checking(self) -> bool:
@@ -232,26 +236,26 @@ class SegmentRunner:
             yield n, batch, self._placement.to_devices(batch, stacked=n > 1) if several_processes else batch
             first_step += n
 
-    def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> Any:
-        """Runs the dispatches of `sizes` steps each; returns the last step's gradients.
+    def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> tuple[Any, Any]:
+        """Runs the dispatches of `sizes` steps each; returns the last step's gradients and state fingerprint.
 
         The last dispatch gives them: K steps by the update that also returns
-        its last step's (`Program.update`), one step by the gradients'
-        program beside the update. Between dispatches it hands a Ctrl-C over
-        (raising `KeyboardInterrupt`) and stops early on a preemption notice
-        (returning `None`). The state and step are stored, and the batches
-        trained committed, right after each dispatch, before anything can
-        raise.
+        its last step's and the fingerprint (`Program.update`), one step by the
+        gradients' program beside the update (no fingerprint: `None`). Between
+        dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`) and
+        stops early on a preemption notice (returning `None` for both). The
+        state and step are stored, and the batches trained committed, right
+        after each dispatch, before anything can raise.
         """
         drawn = self._draw(sizes, segment.waits)
         watchdog = self._watchdog
         self._progress.start(self.step, total)
         signals = self._signals
         if signals.reached_preemption():
-            return None
+            return None, None
         queue = collections.deque(itertools.islice(drawn, PREFETCH))
         updates = {n: self._program.update(n) for n in set(sizes)}
-        grads = None
+        grads = fingerprint = None
         for n_left in range(len(sizes) - 1, -1, -1):
             n, host_batch, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
@@ -266,7 +270,8 @@ class SegmentRunner:
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
                 if n_left == 0 and n > 1:  # K steps that also give the last one's gradients
                     update = self._program.update(n, gradients=True)
-                    self.leaves, losses, grads = update(self.leaves, batch, self.rng_data)
+                    self.leaves, losses, grads, *fingerprinted = update(self.leaves, batch, self.rng_data)
+                    fingerprint = fingerprinted[0] if fingerprinted else None
                 else:
                     self.leaves, losses = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
@@ -279,9 +284,9 @@ class SegmentRunner:
                 if signals.interrupted:
                     signals.interrupt_now()
                 if signals.reached_preemption():
-                    return None
+                    return None, None
                 if (drawn_next := next(drawn, None)) is not None:  # one popped, one drawn: PREFETCH stay ahead
                     queue.append(drawn_next)
         if signals.reached_preemption():
-            return None
-        return grads
+            return None, None
+        return grads, fingerprint

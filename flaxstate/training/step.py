@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax.core.scope import CollectionFilter
 from jax import lax
 
+from flaxstate import fingerprints
 from flaxstate.training.batching import Batch
 from flaxstate.training.placement import Across
 
@@ -256,6 +257,7 @@ def update_program(
     treedef: Any,
     rng_impl: Any,
     gradients: bool = False,
+    fingerprinted: bool = False,
 ) -> Callable[..., tuple[Any, ...]]:
     """Returns `(state_leaves, batches, rng_data) -> (state_leaves, losses)`: `n_steps` updates in one call.
 
@@ -265,8 +267,13 @@ def update_program(
     record's dispatch runs it, every other runs the update without (carried
     through every scan, they cost a small MLP's step 2% here). Given a
     `fenced` train step (`make_train_step`), the two give the same state bit
-    for bit, wherever records fall. A record of one step computes its
-    gradients with `gradients_program` instead, beside the same update. The
+    for bit, wherever records fall. With `fingerprinted` too, the record's
+    dispatch also returns its state's fingerprint (`flaxstate.fingerprints`),
+    computed after the scan (so nothing of it joins the steps' kernels): on
+    this project's CPUs a separate call for it, made once a record with the
+    host's caches cold from the steps, cost several times as much. A record
+    of one step computes its gradients with `gradients_program` instead,
+    beside the same update (and its fingerprint by a call of its own). The
     state travels as its flat list of leaves (`treedef` rebuilds it inside)
     and the key as its raw data (`rng_impl` rewraps it), which keeps the
     per-step dispatch in JAX's C++ path, off Python's pytree flattening.
@@ -282,8 +289,9 @@ def update_program(
             return ((state, grads) if gradients else (state,)), loss.astype(jnp.float32)
 
         start = (state, jax.tree.map(jnp.zeros_like, state.params)) if gradients else (state,)
-        carry, losses = lax.scan(body, start, batches, length=n_steps)
-        return carry[0], losses, *carry[1:]
+        (state, *grads), losses = lax.scan(body, start, batches, length=n_steps)
+        fingerprint = [fingerprints.of_state(jax.tree.leaves(state))] if fingerprinted else []
+        return state, losses, *grads, *fingerprint
 
     def program(leaves: list[jax.Array], batches: Batch, rng_data: jax.Array) -> tuple[Any, ...]:
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)

@@ -6,6 +6,7 @@ import pytest
 from flaxstate_testing import programs
 from flaxstate_testing.programs import MODEL, X, Y
 
+from flaxstate import fingerprints
 from flaxstate.training import batching
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
@@ -32,8 +33,8 @@ def runner(data, n_microbatches=1):
     )
 
 
-def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs():
-    trainer = runner([(X, Y)] * 10)
+def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs(monkeypatch):
+    trainer = runner([(X, Y)] * 12)
     trained = trainer.train([2, 2, 1], total=10)  # K = 2 twice, then one step
     assert trainer.step == 5 and trained.n_steps == 5
     assert trained.loss is not None and np.isfinite(trained.loss)
@@ -43,6 +44,12 @@ def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs():
     assert model_flops is not None and model_flops > 0 and xla_flops is not None and xla_flops > 0
     again = trainer.train([1], total=10)
     assert trainer.step == 6 and again.n_steps == 1 and again.loss < trained.loss
+    # A record's K-step dispatch also gives its state's fingerprint; a record of one step leaves it to the recorder.
+    assert trained.fingerprint is None and again.fingerprint is None
+    k_steps = trainer.train([1, 2], total=10)
+    assert fingerprints.text(k_steps.fingerprint) == fingerprints.text(fingerprints.of_state(trainer.leaves))
+    monkeypatch.setattr(fingerprints, "ENABLED", False)  # unfingerprinted records: none computed
+    assert trainer.train([2], total=10).fingerprint is None
 
 
 def test_a_non_finite_loss_is_raised_naming_its_step_and_a_batch_that_does_not_split_is_named():

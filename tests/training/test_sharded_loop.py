@@ -148,6 +148,13 @@ def test_fsdp_over_two_devices_holds_about_half_of_the_state_on_each(runs):
     assert stored["fsdp"] < 1.5 * stored["one"], stored
 
 
+def test_a_sharded_record_s_fingerprint_from_its_k_step_dispatch_is_the_global_state_s(runs):
+    # The record's dispatch (K=2) computes it over the FSDP-sharded state, across both processes; the same
+    # fingerprint computed apart from the record's device state, after it, agrees at every record.
+    _, (fsdp, *_) = runs
+    assert fsdp["fingerprints_agree"] == [[step, True] for step in range(2, N + 1, 2)], fsdp["fingerprints_agree"]
+
+
 def test_sharded_checkpoints_restore_into_other_meshes(runs):
     root, (_, _, one_to_fsdp, tensor_to_fsdp, _) = runs
     assert one_to_fsdp["step"] == tensor_to_fsdp["step"] == N + 2

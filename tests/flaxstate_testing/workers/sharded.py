@@ -12,7 +12,9 @@ last checkpoint is restored into a sharded `InferenceState` too; with
 of the example's batches. Process 0 prints one `result {json}` line a phase:
 the bytes of the final state that each process's devices hold, against the
 whole state's, which leaves were left whole, and the evaluation's metrics with
-whether the parameters it saw inside its compiled step were sharded.
+whether the parameters it saw inside its compiled step were sharded; with
+`record_memory="device"`, whether each record's state fingerprint (its K-step
+dispatch's) equals one computed apart from its state.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import redex  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
-from flaxstate import tree_paths  # noqa: E402
+from flaxstate import fingerprints, tree_paths  # noqa: E402
 from flaxstate_testing.lm import lm, train_loop  # noqa: E402
 
 shown = logging.getLogger("flaxstate")  # its info lines too: which tier restored
@@ -112,13 +114,17 @@ def run(phase: dict) -> dict:
         local, lambda record: writer(record) if saves is None or record.step in saves else record
     )
     record = None
+    agree = []  # with the state on the devices, whether a record's fingerprint equals one computed apart
     for record in loop:
+        if phase.get("record_memory") == "device":
+            apart = fingerprints.text(fingerprints.of_state(jax.tree.leaves(record.state)))
+            agree.append([record.step, record.state_fingerprint == apart])
         process(record)
         print("record", record.step, "preempted" if record.preempted else "", flush=True)
     writer.close()
     if local_dir:
         local.close()
-    result = {"step": loop.step, **layout_report(record.state)}
+    result = {"step": loop.step, "fingerprints_agree": agree, **layout_report(record.state)}
     if phase.get("inference"):
         abstract = jax.eval_shape(lambda: fs.InferenceState.create(model.init(jax.random.key(0), *record_inputs())))
         template = fs.sharded_like(abstract, fs.logical_shardings(abstract, mesh, lm.RULES))
