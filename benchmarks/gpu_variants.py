@@ -2,7 +2,7 @@
 
 An experiment, not a contract: each variant patches how `flaxstate.training.step`
 builds the update while its loop compiles (the patch is undone after), beside the
-hand-written jit + scan loop of `loop_overhead.py`, small MLP, K=10, order rotated.
+hand-written jit + scan loop of `loop_overhead.py`, small MLP, K=10, order shuffled.
 
 - "no fence": the K-step updates without `lax.optimization_barrier` on the gradients;
 - "unrolled": the K steps' `lax.scan` written out (`unroll=True`), no device loop;
@@ -69,7 +69,7 @@ def main() -> None:
         runners[name] = run
         print(f"{name}: built {CALLS}")
         CALLS.update(fenced=0, unrolled=0)
-    runs = [measure(runners, args.rounds, args.steps) for _ in range(args.runs)]
+    runs = [measure(runners, args.rounds, args.steps, seed) for seed in range(args.runs)]
     print("\n| loop | us/step | vs hand-written jit + scan |\n|---|---:|---:|")
     for name in runners:
         us = statistics.median(statistics.median(run[name]) for run in runs)

@@ -1,7 +1,7 @@
 """flaxstate's TrainLoop against hand-written loops and the seed's flax_extra loop.
 
 Same model, data, optimizer and devices in one process; the contenders run in
-rounds of the same number of steps, in an order that rotates every round,
+rounds of the same number of steps, in an order shuffled every round,
 each round ending with the host waiting for the devices; each ratio is the
 median over rounds of the two contenders' times in the same round, measured
 `--runs` times (the table gives the median and the spread over runs). The
@@ -15,12 +15,20 @@ record's (raise `--steps` to space the records out).
 
     python benchmarks/loop_overhead.py [--rounds 7] [--runs 3] [--steps 400] [--models tiny,small,larger]
         [--contenders "TrainLoop, K=10|a record"]  # fewer loops in the process: the baselines and these
+    python benchmarks/loop_overhead.py --fingerprint-pairs 600 [--models tiny,small]
+
+The second measures what the resume audit's fingerprints add to a record,
+which the first cannot tell from its noise: two flaxstate loops of each K,
+with fingerprints and without, a record of `--steps` steps each in turn
+(which goes first alternates), and the median of the paired differences, in
+wall-clock and in the process's CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -252,24 +260,76 @@ def flax_extra_runner(model: MLP, data: list, n_steps_per_dispatch: int) -> Runn
     return run
 
 
-def measure(runners: dict[str, Runner], rounds: int, steps: int) -> dict[str, list[float]]:
+def measure(runners: dict[str, Runner], rounds: int, steps: int, seed: int = 0) -> dict[str, list[float]]:
     """Microseconds a step of each runner, a value a round, after a warm-up.
 
-    The order rotates every round (round r starts with the r-th runner), so
-    no contender always runs after the same one: a contender's place in a
-    fixed order moved its ratio by up to 15% in a crowded process.
+    The order is shuffled every round (by `seed`), so no contender always
+    runs first, nor always after the same one: a contender's place in a
+    fixed order moved its ratio by up to 15% in a crowded process. A
+    rotation of the order (round r starting with the r-th runner) still kept
+    each one's predecessor, whose code leaves the caches cold for it: the
+    flaxstate loop that followed a hand-written one ran 5 to 15% slower a
+    step than the same loop without fingerprints, which followed a flaxstate
+    loop, although fingerprints cost it 1% (RESULTS.md, issue 61).
     """
     for run in runners.values():
         run(steps)
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in runners}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+    shuffler = random.Random(seed)
+    for _ in range(rounds):
+        for name in shuffler.sample(names, len(names)):
             start = time.perf_counter()
             runners[name](steps)
             times[name].append((time.perf_counter() - start) / steps * 1e6)
     return times
+
+
+def fingerprint_cost(model: MLP, data: list, n_steps_per_dispatch: int, steps: int, pairs: int) -> tuple[float, ...]:
+    """What fingerprints add to a record: `(record_ms, added_us, record_cpu_ms, added_cpu_us)`, medians.
+
+    The record's time without them, and the median over `pairs` of the
+    difference between two loops' records made one right after the other,
+    with fingerprints and without (the one with them first every other pair).
+    """
+    on = flaxstate_runner(model, data, n_steps_per_dispatch, steps)
+    off = flaxstate_runner(model, data, n_steps_per_dispatch, steps, fingerprinted=False)
+    for run in (on, off, on, off):
+        run(steps)
+    walls: dict[Runner, list[float]] = {on: [], off: []}
+    cpus: dict[Runner, list[float]] = {on: [], off: []}
+    for index in range(pairs):
+        for run in (on, off) if index % 2 == 0 else (off, on):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            run(steps)
+            walls[run].append(time.perf_counter() - start)
+            cpus[run].append(time.process_time() - start_cpu)
+
+    def added(times: dict[Runner, list[float]]) -> float:
+        return statistics.median(a - b for a, b in zip(times[on], times[off], strict=True))
+
+    return (
+        statistics.median(walls[off]) * 1e3,
+        added(walls) * 1e6,
+        statistics.median(cpus[off]) * 1e3,
+        added(cpus) * 1e6,
+    )
+
+
+def fingerprint_table(configs: list[tuple[str, MLP, list, int]], pairs: int) -> None:
+    """Prints what fingerprints add to a record of each model, at K=1 and K=10 (`fingerprint_cost`)."""
+    print(
+        f"{pairs} pairs of records a row, alternated; medians\n\n"
+        "| model | K | record without | added a record | % | record's CPU time without | added CPU time | % |"
+        "\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for title, model, data, steps in configs:
+        for k in (1, 10):
+            wall, added, cpu, added_cpu = fingerprint_cost(model, data, k, steps, pairs)
+            print(
+                f"| {title} | {k} | {wall:.2f} ms | {added:.0f} us | {100 * added / (wall * 1e3):.1f}% "
+                f"| {cpu:.2f} ms | {added_cpu:.0f} us | {100 * added_cpu / (cpu * 1e3):.1f}% |"
+            )
 
 
 def ratio(baseline: list[float], times: list[float]) -> float:
@@ -300,12 +360,13 @@ def main() -> None:
         default="",
         help="only the loops naming one of these |-separated words, and the baselines",
     )
-    args = parser.parse_args()
-    print(
-        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
-        f"{args.runs} runs of {args.rounds} rounds, the order rotated every round; ratios: the median over runs "
-        "of each run's median over rounds (min-max over runs)"
+    parser.add_argument(
+        "--fingerprint-pairs",
+        type=int,
+        default=0,
+        help="instead of the table of loops: what fingerprints add to a record, over this many pairs of records",
     )
+    args = parser.parse_args()
     configs = {
         # Host-bound: the step's own work is a few microseconds, so this row measures what each
         # loop costs around the compiled call, as a small model on a GPU does.
@@ -313,6 +374,15 @@ def main() -> None:
         "small": ("small MLP (width 64, batch 64)", MLP(64), make_data(64, 64), args.steps),
         "larger": ("larger MLP (width 1024, batch 256)", MLP(1024), make_data(256, 512), max(10, args.steps // 10)),
     }
+    if args.fingerprint_pairs:
+        print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, ", end="")
+        fingerprint_table([configs[name] for name in args.models.split(",")], args.fingerprint_pairs)
+        return
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"{args.runs} runs of {args.rounds} rounds, the order shuffled every round; ratios: the median over runs "
+        "of each run's median over rounds (min-max over runs)"
+    )
     rows = []
     for title, model, data, steps in (configs[name] for name in args.models.split(",")):
         runners = {
@@ -336,7 +406,7 @@ def main() -> None:
                 name: run for name, run in runners.items()
                 if name in BASELINES or any(word in name for word in words)
             }  # fmt: skip
-        runs = [measure(runners, args.rounds, steps) for _ in range(args.runs)]
+        runs = [measure(runners, args.rounds, steps, seed) for seed in range(args.runs)]
         for name in runners:
             same_k = "hand-written jit + scan, K=10" if "K=10" in name else "hand-written jit, K=1"
             us = statistics.median(statistics.median(run[name]) for run in runs)
