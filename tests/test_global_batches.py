@@ -143,10 +143,10 @@ def served(output, start, local):
     return {start + index: reads[index * local : (index + 1) * local] for index in range(len(reads) // local)}
 
 
-def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None, fsdp=False):
+def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None, fsdp=False, per_dispatch=1):
     out = tmp_path / f"{name}.npz"
     config = {"output_dir": str(run_dir or tmp_path / name), "out": str(out), "n_steps": n_steps, "resume": resume}
-    config["fsdp"] = fsdp
+    config.update(fsdp=fsdp, per_dispatch=per_dispatch)
     outputs = processes.run("global_data", config, n_processes=n_processes, timeout=240)
     start = int(outputs[0].split("start ")[1].split()[0])
     by_process = [served(output, start, 8 // n_processes) for output in outputs]
@@ -218,10 +218,12 @@ def test_a_replay_on_another_process_count_is_audited_by_the_global_batches_indi
     # Two processes train to step 20; their save of step 20 is lost (removed), so one process resumes from step 15
     # and trains 16-20 again: the same global examples (the indices match), and the same state where the reduction
     # over one process's batch gives the bits of two processes' (else the audit says the state alone differs).
+    # Five steps a dispatch: each record's state fingerprint comes from its dispatch (each device's replica under
+    # two processes), the restored state's from a call of its own on one; they agree, or the restore would differ.
     run_dir = tmp_path / "moved"
-    run(tmp_path, "first", 2, 20, run_dir=run_dir)
+    run(tmp_path, "first", 2, 20, run_dir=run_dir, per_dispatch=5)
     shutil.rmtree(run_dir / "20")
-    _, _, outputs = run(tmp_path, "then", 1, 20, resume=True, run_dir=run_dir)
+    _, _, outputs = run(tmp_path, "then", 1, 20, resume=True, run_dir=run_dir, per_dispatch=5)
     assert "start 15" in outputs[0]
     (resume,) = audit.resumes(ledger.run_events(run_dir))
     assert resume.replayed == (16, 20) and resume.verdict in ("bit-exact", "state differs"), resume

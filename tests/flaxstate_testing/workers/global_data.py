@@ -59,6 +59,7 @@ loop = fs.TrainLoop(
     jax.random.key(0),
     n_steps=config["n_steps"],
     n_steps_per_checkpoint=5,
+    n_steps_per_dispatch=config.get("per_dispatch", 1),
     stdout=False,
     mesh=mesh,
     axis_rules=rules,
