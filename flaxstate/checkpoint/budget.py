@@ -20,9 +20,20 @@ it is) are written the same way, each process its own shards (replica 0), a
 chunk at a time sliced on its device and copied to host memory alone, where
 orbax would copy each shard whole: orbax's format again, without its
 per-process file of write shapes (as its `ArrayHandler(array_metadata_store=
-None)`). What a budget does not bound: a checkpoint written without one (one
-chunk an array) restores chunk by chunk but decodes each array whole (the
-reader logs which).
+None)`).
+
+A checkpoint written without a budget holds each array as one chunk, and a
+tensorstore read of any slice of a chunk decodes the whole of it (its file's
+bytes and the decoded array: twice the array at its peak). orbax stores
+chunks uncompressed (zarr's `"compressor": null`, or zarr3's lone `bytes`
+codec), so such a chunk is its array's bytes in C order: a restore reads it
+in byte ranges of whole rows of at most `chunk_bytes` (`RawChunks`), within
+the budget again. orbax's own bound (`restore_concurrent_gb`, its
+`LimitInFlightBytes`) refuses a read of one chunk larger than the limit
+("Requested more bytes than we reserved space for"), so it cannot serve
+here. Only a compressed chunk larger than the budget's is decoded whole
+(the reader logs which), and then read straight into its shard, never
+beside a shard already made (twice the array at most, as without a budget).
 """
 
 from __future__ import annotations
@@ -162,16 +173,165 @@ def _chunk_shape(store: ts.TensorStore) -> tuple[int, ...]:
     return tuple(int(size) for size in sizes)
 
 
-def warn_if_whole(store: ts.TensorStore, budget: int, name: str) -> None:
-    chunk = math.prod(_chunk_shape(store)) * store.dtype.numpy_dtype.itemsize
-    if chunk > chunk_bytes(budget):
-        logger.warning(
-            "%s is stored in chunks of %d bytes, more than the budget's %d: each is decoded whole (a checkpoint "
-            "written without host_memory_budget=); save with a budget to read it in bounded slices.",
-            name,
-            chunk,
-            chunk_bytes(budget),
+def _stored_chunk_bytes(store: ts.TensorStore) -> int:
+    return math.prod(_chunk_shape(store)) * store.dtype.numpy_dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RawChunks:
+    """Where a stored array's chunks are its bytes as they are (uncompressed, C order, little-endian): the key of
+    each chunk in the array's key-value store, so that any run of whole rows of a chunk is one byte-range read."""
+
+    kvstore: Any
+    """The array's own key-value store (`TensorStore.kvstore`, its path the array's)."""
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+    separator: str
+    prefix: str
+    """zarr3's default keys are `c/0/0`; zarr's (and zarr3's `v2` encoding) are `0.0`."""
+
+    @classmethod
+    def of(cls, store: ts.TensorStore) -> RawChunks | None:
+        """The raw chunks of `store` (as opened, not cast), or `None` where a chunk must be decoded (a compressor,
+        a filter, Fortran order, big-endian data, or a driver that is not zarr's)."""
+        try:
+            spec = store.spec().to_json()
+            kvstore = store.kvstore
+        except (AttributeError, ValueError):
+            return None
+        metadata, dtype = spec.get("metadata", {}), store.dtype.numpy_dtype
+        if kvstore is None or dtype.byteorder == ">" or (dtype.byteorder == "=" and np.little_endian is False):
+            return None
+        if spec.get("driver") == "zarr":
+            if metadata.get("compressor") is not None or metadata.get("filters") is not None:
+                return None
+            if metadata.get("order", "C") != "C" or str(metadata.get("dtype", "<"))[0] == ">":
+                return None
+            return cls(kvstore, _chunk_shape(store), dtype, metadata.get("dimension_separator", "."), "")
+        if spec.get("driver") == "zarr3":
+            codecs = metadata.get("codecs", [])
+            if len(codecs) != 1 or codecs[0].get("name") != "bytes":
+                return None
+            if codecs[0].get("configuration", {}).get("endian", "little") != "little":
+                return None
+            encoding = metadata.get("chunk_key_encoding", {"name": "default"})
+            separator = encoding.get("configuration", {}).get("separator")
+            if encoding.get("name") == "v2":
+                return cls(kvstore, _chunk_shape(store), dtype, separator or ".", "")
+            return cls(kvstore, _chunk_shape(store), dtype, separator or "/", "c" + (separator or "/"))
+        return None
+
+    def key(self, chunk: Sequence[int]) -> bytes:
+        return (
+            self.prefix + self.separator.join(str(index) for index in chunk) if chunk else self.prefix + "0"
+        ).encode()
+
+    async def read(self, region: Region, most_bytes: int) -> np.ndarray | None:
+        """The stored values of `region` (within one chunk), read in byte ranges of whole rows of at most
+        `most_bytes` (one element at the least); `None` where the chunk is not stored (its fill value: read it
+        through tensorstore)."""
+        chunk = tuple(part.start // size for part, size in zip(region, self.chunk_shape, strict=True))
+        local = tuple(
+            slice(part.start - index * size, part.stop - index * size)
+            for part, index, size in zip(region, chunk, self.chunk_shape, strict=True)
         )
+        out = np.empty(tuple(part.stop - part.start for part in region), self.dtype)
+        most = max(1, most_bytes // self.dtype.itemsize)
+        for offset, shape, take, at in _row_runs(self.chunk_shape, local, most):
+            size = math.prod(shape) * self.dtype.itemsize
+            start = offset * self.dtype.itemsize
+            result = await self.kvstore.read(self.key(chunk), byte_range=slice(start, start + size))
+            if result.state != "value":
+                return None
+            out[at] = np.frombuffer(result.value, self.dtype).reshape(shape)[take]
+            del result
+        return out
+
+
+def _row_runs(
+    chunk_shape: Sequence[int], region: Region, most: int
+) -> Iterator[tuple[int, tuple[int, ...], Region, Region]]:
+    """Contiguous runs of a C-order chunk that cover `region` (local to the chunk), each at most `most` elements
+    (one element at the least): `(first element, shape read, the part of it in region, where that goes in the
+    region's array)`. A run is whole rows of the chunk (its trailing axes whole) where a row fits, and is split
+    along the next axis where it does not."""
+    if not chunk_shape:
+        yield 0, (), (), ()
+        return
+    row = math.prod(chunk_shape[1:])
+    first, rest = region[0], tuple(region[1:])
+    whole_rest = tuple(slice(0, part.stop - part.start) for part in rest)
+    if row <= most:
+        step = max(1, most // row)
+        for start in range(first.start, first.stop, step):
+            stop = min(start + step, first.stop)
+            at = (slice(start - first.start, stop - first.start), *whole_rest)
+            yield start * row, (stop - start, *chunk_shape[1:]), (slice(None), *rest), at
+        return
+    for index in range(first.start, first.stop):
+        for offset, shape, take, at in _row_runs(chunk_shape[1:], rest, most):
+            yield (
+                index * row + offset,
+                (1, *shape),
+                (slice(None), *take),
+                (slice(index - first.start, index - first.start + 1), *at),
+            )
+
+
+class Reading:
+    """A stored array read within a budget: chunks no larger than the budget's read as tensorstore reads them;
+    larger ones in byte ranges where they are raw (`RawChunks`), or decoded whole where they are not."""
+
+    def __init__(self, store: ts.TensorStore, budget: int, name: str, dtype: Any = None) -> None:
+        self.store = store
+        self.name = name
+        self.dtype = np.dtype(store.dtype.numpy_dtype if dtype is None else dtype)
+        self.most_bytes = chunk_bytes(budget)
+        self.large = _stored_chunk_bytes(store) > self.most_bytes
+        self.raw = RawChunks.of(store) if self.large else None
+        self.whole = self.large and self.raw is None
+        """Chunks that must be decoded whole: each region is read at once and put on its device whole."""
+        if self.whole:
+            logger.warning(
+                "%s is stored in compressed chunks of %d bytes, more than the budget's %d: each is decoded whole "
+                "(twice the chunk in host memory at its peak); save with host_memory_budget= to read it in bounded "
+                "slices.",
+                name,
+                _stored_chunk_bytes(store),
+                self.most_bytes,
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(size) for size in self.store.shape)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return _chunk_shape(self.store)
+
+    def pieces(self, within: Region) -> Iterator[Region]:
+        """The regions that cover `within`, each read at once: the stored chunks it meets, and where those are
+        larger than the budget's and raw, the runs of whole rows of them that fit it (`_row_runs`)."""
+        for region in chunks(self.shape, self.grid, within):
+            if self.raw is None:
+                yield region
+                continue
+            corner = tuple(part.start // size * size for part, size in zip(region, self.grid, strict=True))
+            local = tuple(slice(part.start - at, part.stop - at) for part, at in zip(region, corner, strict=True))
+            most = max(1, self.most_bytes // max(self.dtype.itemsize, self.raw.dtype.itemsize))
+            for _, _, _, at in _row_runs(self.grid, local, most):
+                yield tuple(
+                    slice(part.start + cut.start, part.start + cut.stop) for part, cut in zip(region, at, strict=True)
+                )
+
+    async def read(self, region: Region) -> np.ndarray:
+        """The values of `region` (one of `pieces`, or any region where chunks are decoded whole)."""
+        if self.raw is not None:
+            values = await self.raw.read(region, self.most_bytes)
+            if values is not None:
+                return values if values.dtype == self.dtype else values.astype(self.dtype)
+        values = await self.store[region].read()
+        return values if values.dtype == self.dtype else values.astype(self.dtype)
 
 
 class NumpyHandler(ocp.type_handlers.NumpyHandler):
@@ -206,19 +366,16 @@ def _read_context(budget: int) -> ts.Context:
     return ts.Context(ts.Context.Spec(spec))
 
 
-async def _open_read(info: Any, arg: Any, budget: int) -> ts.TensorStore:
+async def _open_read(info: Any, arg: Any, budget: int) -> Reading:
     await info.await_path_creation()
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
     store = await ts.open(ts.Spec(spec), open=True, context=_read_context(budget))
-    dtype = getattr(arg, "dtype", None)
-    return store if dtype is None else ts.cast(store, np.dtype(dtype))
+    return Reading(store, budget, info.name, getattr(arg, "dtype", None))
 
 
 async def _read_host(info: Any, arg: Any, budget: int, slots: Slots) -> np.ndarray:
     """One array of an orbax item read into a numpy array, chunk by chunk."""
-    store = await _open_read(info, arg, budget)
-    warn_if_whole(store, budget, info.name)
-    return await read_host(store, slots)
+    return await read_host(await _open_read(info, arg, budget), slots)
 
 
 async def write_host(store: ts.TensorStore, value: np.ndarray, slots: Slots) -> None:
@@ -243,30 +400,37 @@ async def write_shard(store: ts.TensorStore, data: jax.Array, region: Region, sl
     await _each(chunks(store.shape, _chunk_shape(store), region), slots, write)
 
 
-async def read_host(store: ts.TensorStore, slots: Slots) -> np.ndarray:
-    """A whole stored array read into a numpy array, chunk by chunk."""
-    out = np.empty(store.shape, dtype=store.dtype.numpy_dtype)
+async def read_host(reading: Reading, slots: Slots) -> np.ndarray:
+    """A whole stored array read into a numpy array, chunk by chunk (a chunk decoded whole: the array at once)."""
+    if reading.whole:
+        async with slots():
+            return await reading.read(tuple(slice(0, size) for size in reading.shape))
+    out = np.empty(reading.shape, dtype=reading.dtype)
 
     async def read(region: Region) -> None:
-        out[region] = await store[region].read()
+        out[region] = await reading.read(region)
 
-    await _each(chunks(out.shape, _chunk_shape(store)), slots, read)
+    await _each(reading.pieces(tuple(slice(0, size) for size in out.shape)), slots, read)
     return out
 
 
-async def read_shards(store: ts.TensorStore, sharding: jax.sharding.Sharding, slots: Slots) -> jax.Array:
+async def read_shards(reading: Reading, sharding: jax.sharding.Sharding, slots: Slots) -> jax.Array:
     """A stored array read onto this process's devices under `sharding`: each shard made on its device and
-    filled with the chunks it covers, as they are read."""
-    shape = tuple(int(size) for size in store.shape)
-    dtype, grid = store.dtype.numpy_dtype, _chunk_shape(store)
+    filled with the chunks it covers, as they are read (where a chunk must be decoded whole, the shard is read
+    at once and put on its device: no shard is made beside it)."""
+    shape, dtype = reading.shape, reading.dtype
     shards = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a device of the sharding holds a part
         region = region_of(index, shape)
+        if reading.whole:
+            async with slots():
+                shards.append(jax.device_put(await reading.read(region), device).block_until_ready())
+            continue
         shard = jax.numpy.zeros(tuple(part.stop - part.start for part in region), dtype, device=device)
         reads: collections.deque[tuple[tuple[int, ...], Any]] = collections.deque()
         try:
-            for piece_region in chunks(shape, grid, region):
+            for piece_region in reading.pieces(region):
                 # A chunk read holds a slot until its copy on the device is in the shard. Where none is free,
                 # the oldest read goes into the shard first; holding none, this waits for another thread's.
                 while reads and not slots.try_acquire():
@@ -276,13 +440,14 @@ async def read_shards(store: ts.TensorStore, sharding: jax.sharding.Sharding, sl
                 if not reads:
                     await slots.acquire()
                 start = tuple(cut.start - part.start for cut, part in zip(piece_region, region, strict=True))
-                reads.append((start, store[piece_region].read()))
+                reads.append((start, asyncio.ensure_future(reading.read(piece_region))))
             while reads:
                 start, read = reads.popleft()
                 shard = put(shard, await read, start)
                 slots.release()
         finally:
-            for _ in reads:  # a failed read: the slots of those still pending
+            for _, read in reads:  # a failed read: the slots of those still pending
+                read.cancel()
                 slots.release()
         shards.append(shard)
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
@@ -382,12 +547,10 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         return [await self._read(info, arg) for info, arg in zip(infos, args, strict=True)]
 
     async def _read(self, info: Any, arg: Any) -> jax.Array:
-        store = await _open_read(info, arg, self._budget)
-        shape = tuple(int(size) for size in store.shape)
-        if arg.global_shape is not None and tuple(arg.global_shape) != shape:
+        reading = await _open_read(info, arg, self._budget)
+        if arg.global_shape is not None and tuple(arg.global_shape) != reading.shape:
             return (await self._inner.deserialize([info], [arg]))[0]  # orbax pads or truncates: its own read
-        warn_if_whole(store, self._budget, info.name)
-        return await read_shards(store, arg.sharding, self._slots)
+        return await read_shards(reading, arg.sharding, self._slots)
 
 
 def registry(budget: int) -> Any:

@@ -1,5 +1,6 @@
 """A save's and a restore's host memory budget: the same bits, arrays stored in bounded chunks, bad budgets named."""
 
+import asyncio
 import json
 
 import jax
@@ -60,6 +61,71 @@ def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path):
     manager = ocp.CheckpointManager(tmp_path / "budget", item_names=("model", "optimizer", "meta"))
     restored = manager.restore(4, args=ocp.args.Composite(model=ocp.args.PyTreeRestore()))
     np.testing.assert_array_equal(restored.model["target"]["Dense_0"]["kernel"], expected.params["Dense_0"]["kernel"])
+
+
+def open_array(spec, values):
+    store = ts.open(spec, create=True, delete_existing=True, dtype=ts.float32, shape=values.shape).result()
+    store.write(values).result()
+    return ts.open(spec, open=True).result()  # as a reader opens it: its metadata from storage
+
+
+@pytest.mark.parametrize(
+    "driver",
+    [
+        {"driver": "zarr", "metadata": {"chunks": [24, 10], "compressor": None}},  # orbax's: one raw chunk
+        {"driver": "zarr", "metadata": {"chunks": [8, 5], "compressor": None, "dimension_separator": "/"}},
+        {
+            "driver": "zarr3",
+            "metadata": {"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [24, 10]}}},
+        },
+        {
+            "driver": "zarr3",
+            "metadata": {
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [16, 4]}},
+                "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
+            },
+        },
+    ],
+)
+@pytest.mark.parametrize("most_bytes", [4, 36, 40, 44, 120])  # one element, under a row of 10, a row, more, 3 rows
+def test_an_uncompressed_chunk_larger_than_the_budget_s_is_read_in_byte_ranges_as_tensorstore_reads_it(
+    tmp_path, driver, most_bytes, monkeypatch
+):
+    values = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
+    base = {"driver": "ocdbt", "base": f"file://{tmp_path}/db/"} if driver["driver"] == "zarr" else None
+    kvstore = {**base, "path": "kernel/"} if base else {"driver": "file", "path": f"{tmp_path}/kernel/"}
+    store = open_array({**driver, "kvstore": kvstore}, values)
+    monkeypatch.setattr(budget, "chunk_bytes", lambda _: most_bytes)
+    reading = budget.Reading(store, BUDGET, "kernel")
+    assert reading.raw is not None and not reading.whole
+    decoded = []
+    monkeypatch.setattr(
+        ts.TensorStore,
+        "__getitem__",
+        lambda self, index: decoded.append(index),  # no chunk is decoded by tensorstore
+    )
+    for within in [(slice(0, 24), slice(0, 10)), (slice(3, 17), slice(2, 9)), (slice(23, 24), slice(9, 10))]:
+        pieces = list(reading.pieces(within))
+        assert all(np.prod([p.stop - p.start for p in piece]) * 4 <= max(4, most_bytes) for piece in pieces), pieces
+        out = np.full([part.stop - part.start for part in within], np.nan, np.float32)
+        for piece in pieces:
+            at = tuple(slice(p.start - w.start, p.stop - w.start) for p, w in zip(piece, within, strict=True))
+            out[at] = asyncio.run(reading.read(piece))
+        np.testing.assert_array_equal(out, values[within])  # every element once, none left unread
+    assert decoded == []
+
+
+def test_a_compressed_chunk_larger_than_the_budget_s_is_decoded_whole_once_and_said(tmp_path, caplog):
+    values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": f"{tmp_path}/k/"}, "metadata": {"chunks": [64, 64]}}
+    store = open_array(spec, values)  # zarr's default compressor (blosc)
+    with caplog.at_level("WARNING", logger="flaxstate"):
+        reading = budget.Reading(store, BUDGET, "k")
+    assert reading.whole and "k is stored in compressed chunks of 16384 bytes" in caplog.text
+    np.testing.assert_array_equal(asyncio.run(budget.read_host(reading, budget.Slots(BUDGET))), values)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    made = asyncio.run(budget.read_shards(reading, sharding, budget.Slots(BUDGET)))
+    np.testing.assert_array_equal(np.asarray(made), values)
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,9 @@ def test_a_budget_saves_each_process_s_shards_from_its_devices_chunk_by_chunk_an
     restore(tmp_path, n_devices=3, width=2560)
 
 
-def test_a_budget_reads_a_checkpoint_written_without_one_and_says_it_decodes_arrays_whole(tmp_path):
+def test_a_budget_reads_a_checkpoint_written_without_one_in_byte_ranges_of_its_chunks(tmp_path):
+    # orbax's one uncompressed chunk an array (a 40 KiB kernel) is read in 4 KiB byte ranges, onto 2 devices each
+    # taking half; the worker checks every value.
     save(tmp_path, n_devices=1, width=2560)
-    outputs = restore(tmp_path, n_devices=1, width=2560, budget=32768)
-    assert "target.Dense_0.kernel is stored in chunks of 40960 bytes, more than the budget's 4096" in outputs[0]
+    outputs = restore(tmp_path, n_devices=2, width=2560, budget=32768)
+    assert "decoded whole" not in outputs[0], outputs

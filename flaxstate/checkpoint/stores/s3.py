@@ -354,8 +354,7 @@ async def _read_bounded(
     arrays = []
     for name, sharding, spec in specs:
         store = await ts.open(spec, open=True)
-        budget.warn_if_whole(store, slots.budget, name)
-        arrays.append(await budget.read_shards(store, sharding, slots))
+        arrays.append(await budget.read_shards(budget.Reading(store, slots.budget, name), sharding, slots))
     return arrays
 
 
@@ -454,8 +453,8 @@ def _read_wholes(step_dir: Path, numbers: list[int], slots: budget.Slots | None 
             stored = []
             for number in numbers:
                 store = await ts.open(_array_spec(step_dir, number), open=True)
-                budget.warn_if_whole(store, slots.budget, f"{step_dir / ARRAYS}/{number}")
-                stored.append(await budget.read_host(store, slots))
+                reading = budget.Reading(store, slots.budget, f"{step_dir / ARRAYS}/{number}")
+                stored.append(await budget.read_host(reading, slots))
             return stored
 
         return asyncio.run(bounded())

@@ -1,7 +1,8 @@
 """Measures this (fresh) process's host memory for records, a save and a restore, beside `fs.plan`'s prediction.
 
 The state is a wide MLP's with adam (`mib` MiB: two square kernels, their
-two moments). Mode `save`: the plan, then a loop's records (the bytes one more
+two moments); with `kernels: 1` and `optimizer: "sgd"`, one square kernel
+and nothing more (the largest array the whole state). Mode `save`: the plan, then a loop's records (the bytes one more
 held record adds) and a writer's save of the newest (the peak it adds above
 what the process held). Mode `restore`: the plan, then a reader's restore of
 that checkpoint into shapes and shardings (the peak it adds). Prints one JSON
@@ -35,7 +36,9 @@ import flaxstate as fs  # noqa: E402
 from flaxstate.training.memory import host_peak_since_reset, host_resident, reset_host_peak  # noqa: E402
 
 budget = config.get("budget")
-width = int((config["mib"] * 2**20 / 4 / 3 / 2) ** 0.5)
+kernels, optimizer_name = config.get("kernels", 2), config.get("optimizer", "adam")
+copies = {"adam": 3, "sgd": 1}[optimizer_name]  # the parameters, and adam's two moments
+width = int((config["mib"] * 2**20 / 4 / copies / kernels) ** 0.5)
 
 
 sharded = config["mode"] == "peers"
@@ -50,11 +53,12 @@ class Wide(nn.Module):
             kernel = nn.initializers.lecun_normal()
             return nn.Dense(width, use_bias=False, kernel_init=nn.with_logical_partitioning(kernel, axes))
 
-        return dense(("hidden", None))(dense((None, "hidden"))(x))
+        hidden = dense((None, "hidden"))(x)
+        return hidden if kernels == 1 else dense(("hidden", None))(hidden)
 
 
 x = np.ones((8, width), np.float32)
-model, optimizer = Wide(), optax.adam(1e-3)
+model, optimizer = Wide(), {"adam": optax.adam, "sgd": optax.sgd}[optimizer_name](1e-3)
 task = fs.TrainTask(
     apply=model.apply,
     optimizer=optimizer,
