@@ -16,8 +16,13 @@ Its verdict names the first step that differs and why: `"data differs"` (the
 batches differ: the data did not resume where it was), `"state differs"`
 (the same batches, or batches not comparable, and another state: a changed
 program or setting, a nondeterministic kernel, a partial restore),
-`"bit-exact"`, or `"nothing replayed"` (the resume started at the newest
-step reached, or the records fall at other steps). The audit reports; it
+`"bit-exact"` (every replayed record's state was compared, and equal),
+`"unverified"` (nothing differs, but some replayed records had no state
+fingerprint to compare with: records of a flaxstate before fingerprints, or
+with them off; `not_compared` says how many), or `"nothing replayed"` (the
+resume started at the newest step reached, or the records fall at other
+steps). A state fingerprint is what verifies a step: equal batches alone do
+not (another learning rate trains other bits on them). The audit reports; it
 never stops a run. The writer of the run directory logs each resume's
 verdict in one line and keeps it in the ledger (`audit` events);
 `flaxstate audit RUN` prints every resume's verdict from the records.
@@ -35,7 +40,8 @@ BIT_EXACT = "bit-exact"
 DATA_DIFFERS = "data differs"
 STATE_DIFFERS = "state differs"
 NOTHING_REPLAYED = "nothing replayed"
-VERDICTS = (BIT_EXACT, DATA_DIFFERS, STATE_DIFFERS, NOTHING_REPLAYED)
+UNVERIFIED = "unverified"
+VERDICTS = (BIT_EXACT, DATA_DIFFERS, STATE_DIFFERS, NOTHING_REPLAYED, UNVERIFIED)
 
 _WHY = {
     DATA_DIFFERS: "the batches differ (data position)",
@@ -56,6 +62,9 @@ class Resume:
         against: the number of the session whose records the first difference was compared with, or `None`.
         restore_differs: whether the restored state itself differs from the record that saved it.
         data_compared: whether any batches were compared (records covering the same steps).
+        compared: how many replayed records' states were compared.
+        not_compared: how many replayed records had no state fingerprint to compare with (theirs or the
+            earlier session's): a replay with any is `"unverified"`, never `"bit-exact"`.
     """
 
     session: int
@@ -66,11 +75,18 @@ class Resume:
     against: int | None = None
     restore_differs: bool = False
     data_compared: bool = True
+    compared: int = 0
+    not_compared: int = 0
 
     @property
     def differs(self) -> bool:
         """Whether the replay differs."""
         return self.verdict in (DATA_DIFFERS, STATE_DIFFERS)
+
+    @property
+    def verified(self) -> bool:
+        """Whether the replay was checked whole: bit-exact, or nothing to replay."""
+        return self.verdict in (BIT_EXACT, NOTHING_REPLAYED)
 
     def line(self) -> str:
         """The verdict in one line: `resume audit: steps 41-57 replayed bit for bit`, or names the first
@@ -78,6 +94,14 @@ class Resume:
         if self.verdict == BIT_EXACT and self.replayed is not None:
             first, last = self.replayed
             return f"resume audit: steps {first}-{last} replayed bit for bit"
+        if self.verdict == UNVERIFIED and self.replayed is not None:
+            first, last = self.replayed
+            records = "record" if self.not_compared == 1 else "records"
+            return (
+                f"resume audit: steps {first}-{last} replayed, not verified: {self.not_compared} of "
+                f"{self.compared + self.not_compared} {records} had no state fingerprint to compare with (records "
+                f"of an earlier flaxstate, or fingerprints off); {self.compared} compared equal"
+            )
         if self.verdict == NOTHING_REPLAYED:
             return f"resume audit: nothing replayed (resumed from step {self.from_step}, the newest step reached)"
         why = _WHY[self.verdict]
@@ -96,6 +120,8 @@ class Resume:
             "verdict": self.verdict,
             "first_different_step": self.first_different_step,
             "against": self.against,
+            "compared": self.compared,
+            "not_compared": self.not_compared,
         }
 
 
@@ -129,7 +155,8 @@ def verdict(earlier: Sequence[SessionEvents], session: SessionEvents, number: in
         if _differs(session.start.get("restored_fp"), record.get("state_fp")):
             return Resume(number, start, None, STATE_DIFFERS, start, against, restore_differs=True)
     reached = max(saved, default=start)
-    compared: list[int] = []
+    replayed: list[int] = []
+    not_compared = 0
     data_compared = False
     for record in session.records:
         step = int(record["step"])
@@ -139,14 +166,32 @@ def verdict(earlier: Sequence[SessionEvents], session: SessionEvents, number: in
         same_span = record.get("from") is not None and record.get("from") == theirs.get("from")
         data = _differs(record.get("data_fp"), theirs.get("data_fp")) if same_span else None
         data_compared = data_compared or data is not None
-        compared.append(step)
-        if data:
-            return Resume(number, start, (start + 1, step), DATA_DIFFERS, step, against, data_compared=True)
-        if _differs(record.get("state_fp"), theirs.get("state_fp")):
-            return Resume(number, start, (start + 1, step), STATE_DIFFERS, step, against, data_compared=data_compared)
-    if not compared:
+        state = _differs(record.get("state_fp"), theirs.get("state_fp"))
+        not_compared += state is None
+        replayed.append(step)
+        if data or state:
+            return Resume(
+                number,
+                start,
+                (start + 1, step),
+                DATA_DIFFERS if data else STATE_DIFFERS,
+                first_different_step=step,
+                against=against,
+                data_compared=data_compared,
+                compared=len(replayed) - not_compared,
+                not_compared=not_compared,
+            )
+    if not replayed:
         return Resume(number, start, None, NOTHING_REPLAYED)
-    return Resume(number, start, (start + 1, compared[-1]), BIT_EXACT, data_compared=data_compared)
+    return Resume(
+        number,
+        start,
+        (start + 1, replayed[-1]),
+        UNVERIFIED if not_compared else BIT_EXACT,
+        data_compared=data_compared,
+        compared=len(replayed) - not_compared,
+        not_compared=not_compared,
+    )
 
 
 def replay_end(earlier: Sequence[SessionEvents]) -> int | None:

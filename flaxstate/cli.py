@@ -5,7 +5,8 @@ flaxstate show DIR [--step N]     the state tree: paths, shapes, dtypes, bytes, 
 flaxstate plot DIR -o FILE.png    train and eval metric curves from the event files
 flaxstate goodput DIR [--json]    where the run's time went, per session and in total (its goodput ledger)
 flaxstate audit DIR [--json]      each resume's verdict: replayed bit for bit, or the first step that differs
-                                  and why (exit 0: every replay bit for bit, 1: one differs, 2: an error)
+                                  and why (exit 0: every replay bit for bit, 1: one differs, 2: an error,
+                                  3: none differs but a replay was not verified: records without fingerprints)
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
@@ -35,6 +36,9 @@ from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.locations import is_url, run_directory
 from flaxstate.records import format_bytes
+
+AUDIT_UNVERIFIED = 3
+"""`flaxstate audit`'s exit status when no replay differs but one was not verified (records without fingerprints)."""
 
 
 class UsageError(Exception):
@@ -182,7 +186,9 @@ def command_audit(args: argparse.Namespace) -> int:
     else:
         for resume in found:
             print(f"session {resume.session}: {resume.line()}")
-    return int(any(resume.differs for resume in found))
+    if any(resume.differs for resume in found):
+        return 1
+    return AUDIT_UNVERIFIED if not all(resume.verified for resume in found) else 0
 
 
 def command_goodput(args: argparse.Namespace) -> None:
@@ -229,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     time_spent.add_argument("dir", type=_run_dir)
     time_spent.add_argument("--json", action="store_true", help="one JSON object: sessions and total")
     time_spent.set_defaults(run=command_goodput)
-    audited = commands.add_parser("audit", help="each resume's verdict (exit 0 bit for bit, 1 a replay differs)")
+    audited = commands.add_parser(
+        "audit", help="each resume's verdict (exit 0 bit for bit, 1 a replay differs, 3 a replay not verified)"
+    )
     audited.add_argument("dir", type=_run_dir)
     audited.add_argument("--json", action="store_true", help='one JSON object: {"resumes": [...]}')
     audited.set_defaults(run=command_audit)
@@ -282,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         the exit status: 0, or 2 for bad input (one line on stderr); `diff`: 1 when the checkpoints differ;
-        `audit`: 1 when a resume's replay differs.
+        `audit`: 1 when a resume's replay differs, 3 when none differs but a replay was not verified (records
+        without state fingerprints to compare).
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -125,7 +125,8 @@ def _audit(session: SessionEvents) -> dict[str, Any] | None:
     if not session.audits:
         return None
     logged = session.audits[-1]
-    return {name: logged.get(name) for name in ("verdict", "replayed", "first_different_step", "against")}
+    names = ("verdict", "replayed", "first_different_step", "against", "not_compared")
+    return {name: logged.get(name) for name in names}
 
 
 def _drags(session: SessionEvents) -> list[float]:
@@ -270,7 +271,9 @@ def _seconds(value: float | None) -> str:
 def _verdict(logged: dict[str, Any] | None) -> str:
     if logged is None:
         return "-"
-    step = logged.get("first_different_step")
+    step, not_compared = logged.get("first_different_step"), logged.get("not_compared")
+    if logged["verdict"] == "unverified" and not_compared:
+        return f"unverified ({not_compared} records not compared)"
     return str(logged["verdict"]) + ("" if step is None else f" at step {step}")
 
 

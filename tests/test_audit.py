@@ -1,7 +1,5 @@
 """Each resume's verdict from a ledger's records: bit for bit, or the first step that differs and why."""
 
-import pytest
-
 from flaxstate import audit
 
 
@@ -51,6 +49,8 @@ def test_a_replay_of_the_same_bits_is_bit_exact_and_a_resume_from_the_newest_ste
         "verdict": "bit-exact",
         "first_different_step": None,
         "against": None,
+        "compared": 2,
+        "not_compared": 0,
     }
     assert first.line() == "resume audit: steps 11-20 replayed bit for bit" and not first.differs
     assert second.verdict == "nothing replayed" and second.replayed is None
@@ -84,8 +84,29 @@ def test_records_over_other_steps_compare_the_state_only_and_the_newest_earlier_
     assert second.verdict == "state differs" and third.verdict == "bit-exact" and third.replayed == (11, 15)
 
 
-@pytest.mark.parametrize("missing", ["state_fp", "data_fp"])
-def test_records_without_fingerprints_are_not_taken_for_differences(missing):
-    old = [session(1), *({**record(step, "s", "d"), missing: None} for step in (5, 10))]
-    (resume,) = audit.resumes([*old, session(2, 5, "s"), record(10, "s", "d")])
-    assert resume.verdict == "bit-exact"
+def test_records_without_state_fingerprints_leave_a_replay_unverified_never_bit_exact():
+    # The previous version's records (no fingerprints), resumed by this one: nothing to compare with, whatever
+    # this session's fingerprints are (here another learning rate and data order would give other ones).
+    without = ("state_fp", "data_fp")
+    old = [session(1), *({k: v for k, v in record(step, "", "").items() if k not in without} for step in (5, 10, 15))]
+    (resume,) = audit.resumes([*old, session(2, 5, "s5"), record(10, "x10", "y10"), record(15, "x15", "y15")])
+    assert (resume.verdict, resume.replayed, resume.compared, resume.not_compared) == ("unverified", (6, 15), 0, 2)
+    assert not resume.differs and not resume.verified
+    assert resume.line() == (
+        "resume audit: steps 6-15 replayed, not verified: 2 of 2 records had no state fingerprint to compare with "
+        "(records of an earlier flaxstate, or fingerprints off); 0 compared equal"
+    )
+    # Some records compared equal and one not: still not verified, and the count says which part was.
+    events = [*FIRST, session(2, 10, "s10"), record(15, "s15", "d15"), {**record(20, "s20", "d20"), "state_fp": None}]
+    (resume,) = audit.resumes(events)
+    assert (resume.verdict, resume.compared, resume.not_compared) == ("unverified", 1, 1)
+    assert resume.to_json()["not_compared"] == 1
+    # A difference the batches show is still a difference without a state fingerprint.
+    events = [*FIRST, session(2, 10, "s10"), {**record(15, "s15", "other"), "state_fp": None}]
+    assert audit.resumes(events)[0].verdict == "data differs"
+
+
+def test_a_replay_whose_states_compared_equal_is_bit_exact_without_data_fingerprints():
+    old = [session(1), *({**record(step, f"s{step}", "d"), "data_fp": None} for step in (5, 10))]
+    (resume,) = audit.resumes([*old, session(2, 5, "s5"), record(10, "s10", "d")])
+    assert (resume.verdict, resume.compared, resume.not_compared) == ("bit-exact", 1, 0) and resume.verified

@@ -44,13 +44,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import jax
 
-from flaxstate import audit
+from flaxstate import audit, settings
 from flaxstate.goodput import SessionEvents, sessions_of
 from flaxstate.locations import as_path, is_url
 from flaxstate.records import MEMORY_FIELDS, Checkpoint
@@ -64,24 +64,46 @@ logger = logging.getLogger("flaxstate")
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a ledger file, oldest first; lines that do not parse (a torn last line) are skipped.
+    """The events of a ledger file, oldest first; lines that do not parse are skipped (`_parse`).
 
     Raises:
         FileNotFoundError: no ledger at `path`.
     """
-    with open(path, encoding="utf-8") as ledger_file:
-        return _parse(ledger_file)
+    with open(path, "rb") as ledger_file:
+        return _parse(ledger_file.read(), path)
 
 
-def _parse(lines: Iterable[str]) -> list[dict[str, Any]]:
-    events = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
+_WARNED: set[tuple[str, int]] = set()
+"""The ledgers (and their counts of damaged lines) warned of in this process: one warning each, however often the
+writer and the command line read them."""
+
+
+def _parse(data: bytes, where: str | Path) -> list[dict[str, Any]]:
+    """A ledger's events from its bytes. A line that is not an event (bytes that are not UTF-8, as a torn write on a
+    full disk or a flipped bit leaves them; text that is not JSON) is skipped, with one warning naming the first;
+    a last line without its newline (a kill during a write) is skipped silently."""
+    lines = data.split(b"\n")
+    events, damaged = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
             continue
+        try:
+            event = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and json's JSONDecodeError alike
+            event = None
         if isinstance(event, dict) and "event" in event:
             events.append(event)
+        elif number < len(lines):  # a line that ended: damaged, not merely cut short
+            damaged.append(number)
+    if damaged and (str(where), len(damaged)) not in _WARNED:
+        _WARNED.add((str(where), len(damaged)))
+        logger.warning(
+            "the goodput ledger %s has %d damaged line(s) (line %d first: not UTF-8 or not a JSON event); "
+            "skipped, the rest is read.",
+            where,
+            len(damaged),
+            damaged[0],
+        )
     return events
 
 
@@ -98,7 +120,7 @@ def run_events(run_dir: str | Path) -> list[dict[str, Any]]:
     sessions = sorted(folder.iterdir(), key=lambda path: path.name) if folder.is_dir() else []
     if not sessions:
         raise FileNotFoundError(f"{folder} holds no session of a goodput ledger")
-    by_session = [_parse(path.read_text().splitlines()) for path in sessions]
+    by_session = [_parse(path.read_bytes(), path) for path in sessions]
     run = _newest_run([event for events in by_session for event in events])
     return [event for events in by_session for event in events if event.get("run_id") == run]
 
@@ -222,7 +244,7 @@ class Ledger:
         if resume is None or not (ending or resume.differs or end is None or int(record["step"]) >= end):
             return
         self._mine = None
-        (logger.warning if resume.differs else logger.info)("%s", resume.line())
+        (logger.info if resume.verified else logger.warning)("%s", resume.line())
         self._append({"event": "audit", **resume.to_json()})
 
     def saved(self, step: int, blocking: float, completed: tuple[int, float | None] | None = None) -> None:
@@ -287,7 +309,7 @@ class Ledger:
         full disk) is warned of once and costs only the line.
         """
         event = {"time": time.time(), **event, "run_id": self._run_id}
-        line = json.dumps(event, allow_nan=True) + "\n"
+        line = json.dumps(event, allow_nan=True, default=settings.plain) + "\n"
         try:
             if self._file is None:
                 if self._bucket:

@@ -7,7 +7,7 @@ from flaxstate_testing import toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
-from flaxstate import goodput
+from flaxstate import cli, goodput
 from flaxstate.checkpoint import ledger
 
 
@@ -53,6 +53,27 @@ def test_a_torn_last_line_is_skipped_and_the_next_session_starts_on_a_line_of_it
     report = goodput.report(ledger.read_events(tmp_path / ledger.FILENAME))
     assert [session["restored_step"] for session in report["sessions"]] == [None, 8]
     assert report["total"]["steps"] == 12 and report["total"]["lost_steps"] == 0
+
+
+def test_a_line_of_bytes_that_are_not_utf_8_is_skipped_with_one_warning_wherever_the_ledger_is_read(
+    tmp_path, caplog, capsys
+):
+    # A torn write on a full disk, or a flipped bit: the line is skipped, the rest read, the run goes on.
+    train(tmp_path, loop=make_loop(n_steps=8))
+    path = tmp_path / ledger.FILENAME
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines.insert(2, b'{"event": "record", "step": 4, "st\xff\xfeps": 4}\n')
+    path.write_bytes(b"".join(lines))
+    with caplog.at_level("WARNING", logger="flaxstate"):
+        assert kinds(tmp_path)[-1] == "end" and kinds(tmp_path).count("record") == 2
+        assert "damaged line(s) (line 3 first" in caplog.text and caplog.text.count("damaged line") == 1
+        for command in ("goodput", "audit"):  # they ended in a UnicodeDecodeError's traceback
+            assert cli.main([command, str(tmp_path)]) == 0
+        assert "lost steps" in capsys.readouterr().out.lower()
+        resumed = make_loop(init=fs.CheckpointFileReader(tmp_path, target=toy.MLP().init), n_steps=12)
+        assert train(tmp_path, loop=resumed)[-1].step == 12  # the resumed run's writer raised at its first record
+    assert kinds(tmp_path).count("session") == 2
+    assert cli.main(["audit", str(tmp_path)]) == 0
 
 
 def test_a_fresh_run_over_another_runs_directory_moves_that_ledger_aside(tmp_path):

@@ -52,7 +52,7 @@ def audit(run_dir):
         text=True,
         timeout=120,
     )
-    assert done.returncode in (0, 1), done.stderr
+    assert done.returncode in (0, 1, 3), done.stderr
     return done.returncode, json.loads(done.stdout)["resumes"]
 
 
@@ -124,10 +124,24 @@ def test_a_resume_audit_names_the_first_step_that_differs_and_why(tmp_path):
     # first record replayed.
     config = {"data": "positioned", "n_steps": 25, "every": 5, "save_steps": [10], "wait_saved": True, "keep": 5}
     run_and_kill(tmp_path, "killed", after_record=20, delay=0.0, **config)
-    resumes = {"same": {}, "forgetful": {"data": "forgetful"}, "lr": {"lr": 2e-2}}
+    # A run of the flaxstate before fingerprints (its ledger's records without them), resumed with another
+    # learning rate and data that forgets its position: nothing to compare, so not verified, never bit-exact.
+    resumes = {
+        "same": {},
+        "forgetful": {"data": "forgetful"},
+        "lr": {"lr": 2e-2},
+        "old": {"data": "forgetful", "lr": 2e-2},
+    }
     found = {}
     for name, change in resumes.items():
         shutil.copytree(tmp_path / "killed", tmp_path / name)
+        if name == "old":
+            ledger = tmp_path / name / "goodput.jsonl"
+            events = [json.loads(line) for line in ledger.read_text().splitlines()]
+            old_keys = {"state_fp", "data_fp", "restored_fp"}
+            ledger.write_text(
+                "".join(json.dumps({k: v for k, v in e.items() if k not in old_keys}) + "\n" for e in events)
+            )
         _, output = run(tmp_path, name, **{**config, **change})
         assert "start 10" in output, output
         status, (resume,) = audit(tmp_path / name)
@@ -138,3 +152,6 @@ def test_a_resume_audit_names_the_first_step_that_differs_and_why(tmp_path):
     assert "resume audit: step 15 differs from session 1: the batches differ (data position)" in found["forgetful"][4]
     assert found["lr"][:4] == (1, "state differs", 15, [11, 15])
     assert "step 15 differs from session 1: the batches are the same and the state differs" in found["lr"][4]
+    status, verdict, first_different, (first, last), output = found["old"]
+    assert (status, verdict, first_different, first) == (3, "unverified", None, 11) and last >= 20
+    assert "bit for bit" not in output and "resume audit: steps 11-" in output and "replayed, not verified" in output
