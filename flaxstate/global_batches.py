@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from flaxstate import sharding
+from flaxstate import settings, sharding
 from flaxstate.sharding import AxisRules, Partitioning
 
 PyTree = Any
@@ -229,13 +229,14 @@ def global_batches(
             examples than one global batch (naming both), a `batch_size` that the processes (or the mesh's batch parts)
             do not divide, naming both, or only one of `mesh` and `axis_rules`.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not settings.is_integer(batch_size) or batch_size < 1:
         raise ValueError(f"global_batches batch_size must be a positive int, got {batch_size!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+    if not settings.is_integer(seed) or seed < 0:
         raise ValueError(
             f"global_batches seed must be an int of at least 0 (numpy's permutations take no negative seed), "
             f"got {seed!r}."
         )
+    batch_size, seed = int(batch_size), int(seed)  # numpy's from a config: plain ints in the data's JSON state
     if _is_arrays(source):
         source = _on_host(source)
         lengths = {len(leaf) for leaf in jax.tree.leaves(source)}

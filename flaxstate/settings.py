@@ -26,9 +26,20 @@ def _refuse(owner: str, name: str, value: Any, takes: str) -> ValueError:
     return ValueError(f"{owner} {name} must be {takes}, got {value!r} (a {type(value).__name__}).")
 
 
+def is_integer(value: Any) -> bool:
+    """Whether `value` is an integer that a config gives: a Python int, or numpy's (`numbers.Integral`), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def is_real(value: Any) -> bool:
+    """Whether `value` is a real number that a config gives: a Python or numpy int or float (`numbers.Real`), not a
+    bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
 def count(owner: str, name: str, value: Any, minimum: int = 1) -> int:
-    """`value` as an int of at least `minimum` (a bool or a string is refused)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    """`value` as a Python int of at least `minimum` (numpy's integers taken; a bool or a string is refused)."""
+    if not is_integer(value) or value < minimum:
         raise _refuse(owner, name, value, "a positive int" if minimum == 1 else f"an int of at least {minimum}")
     return int(value)
 
@@ -42,7 +53,7 @@ def optional_seconds(owner: str, name: str, value: Any) -> float | None:
     """`None`, or `value` as a positive finite number of seconds."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
         raise _refuse(owner, name, value, "a positive number of seconds or None")
     return float(value)
 
@@ -52,6 +63,18 @@ def flag(owner: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):
         raise _refuse(owner, name, value, "True or False")
     return bool(value)
+
+
+def plain(value: Any) -> Any:
+    """`json.dumps`'s `default=`: a numpy scalar as the Python number it holds (what a config built with numpy
+    gives: `np.int64(2)`, `np.float32(0.9)`), so that what is stored as JSON is a plain number.
+
+    Raises:
+        TypeError: anything else, as `json.dumps` raises it.
+    """
+    if isinstance(value, np.generic) and np.ndim(value) == 0 and not isinstance(value, np.void):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def text(owner: str, name: str, value: Any) -> str:

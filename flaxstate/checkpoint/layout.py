@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from flaxstate import tree_paths
+from flaxstate import settings, tree_paths
 from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.train_state import StateMismatchError
@@ -83,7 +83,7 @@ def decode_rng(encoded: Mapping[str, Any] | None) -> jax.Array | None:
 
 
 def to_json(value: Any) -> Any:
-    """Returns a dict, dataclass or plain value as JSON-ready data.
+    """Returns a dict, dataclass or plain value as JSON-ready data (numpy scalars as the Python numbers they hold).
 
     Raises:
         CheckpointError: it is not JSON-serializable.
@@ -91,7 +91,7 @@ def to_json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     try:
-        return json.loads(json.dumps(value))
+        return json.loads(json.dumps(value, default=settings.plain))
     except TypeError as error:
         raise CheckpointError(
             f"metadata must be JSON-serializable (a dict or dataclass of plain values): {error}"

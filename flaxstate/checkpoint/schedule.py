@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,7 +44,7 @@ RELOG = 0.1
 
 
 def _optional_seconds(owner: str, name: str, value: Any, zero: bool = False) -> float | None:
-    if zero and isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0:
+    if zero and settings.is_real(value) and value == 0:
         return 0.0
     return settings.optional_seconds(owner, name, value)
 

@@ -135,8 +135,9 @@ class _Writer:
         self.busy = False
         """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
         self._replaced_by: str | None = None
-        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 0:
+        if not settings.is_integer(peers) or peers < 0:
             raise ValueError(f"{description}: peers must be a count of copies (0, 1, ...), got {peers!r}.")
+        peers = int(peers)
         if peers and not per_process:
             raise ValueError(
                 f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
@@ -200,16 +201,19 @@ class _Writer:
             self.busy = False
 
     def hand_over(self, successor: str) -> None:
-        """Gives the directory to a new writer of this process: waits for the pending save, then refuses records.
+        """Gives the directory to a new writer of this process: waits for the pending save, then refuses records,
+        whatever that save's end (a failed one released the directory: this writer must not save beside the next).
 
         Args:
             successor: the new writer's description, for the refusal.
 
         Raises:
-            CheckpointSaveError: the pending save failed (the new writer is not made).
+            CheckpointSaveError: the pending save failed (the new writer is not made; made again, it is).
         """
-        self.close()
-        self._replaced_by = successor
+        try:
+            self.close()
+        finally:
+            self._replaced_by = successor
 
     def _save_record(self, checkpoint: Checkpoint) -> Checkpoint:
         last = checkpoint.final or checkpoint.preempted

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -41,9 +40,10 @@ class Schedule:
     n_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        _positive_int("n_steps", self.n_steps, minimum=0)
+        # Stored as Python ints (numpy's taken from a config): they reach the ledger's and the metadata's JSON.
+        object.__setattr__(self, "n_steps", _positive_int("n_steps", self.n_steps, minimum=0))
         for name in ("n_steps_per_checkpoint", "n_steps_per_dispatch", "n_microbatches"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if self.n_steps_per_checkpoint % self.n_steps_per_dispatch:
             raise ValueError(
                 f"TrainLoop n_steps_per_checkpoint ({self.n_steps_per_checkpoint}) must be a multiple of "
@@ -103,7 +103,7 @@ def check_peak_flops(peak_flops_per_device: float | str | None) -> float | None:
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not settings.is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"TrainLoop peak_flops_per_device must be a positive FLOP/s figure (e.g. 989e12 for an H100's dense "
             f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."

@@ -39,6 +39,8 @@ from typing import Any
 
 import jax
 
+from flaxstate import settings
+
 DENSE_BF16_PEAKS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),  # NVIDIA H100 PCIe data sheet, BF16 Tensor Core, dense
     ("H100", 989e12),  # H100 SXM5 (device kind "NVIDIA H100 80GB HBM3"), dense
@@ -91,9 +93,9 @@ def checked_flops(value: Any, name: str) -> float:
             number = float(number)
         except ValueError:
             pass
-    if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number) or number <= 0:
-        if hasattr(number, "dtype") and getattr(number, "shape", None) == ():  # a numpy or JAX scalar
-            return checked_flops(float(number), name)
+    if not settings.is_real(number) or not math.isfinite(number) or number <= 0:
+        if hasattr(number, "dtype") and getattr(number, "shape", None) == () and not settings.is_real(number):
+            return checked_flops(float(number), name)  # a JAX scalar (numpy's are numbers.Real)
         raise ValueError(
             f"{name} must be a positive FLOPs count of one global training step (e.g. 6 * n_params * tokens), "
             f"got {value!r}."

@@ -47,7 +47,8 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
-import numpy as np
+
+from flaxstate import settings
 
 EXIT_STATUS = 75
 """The exit status of a process that the watchdog ends (`EX_TEMPFAIL` of sysexits.h: restart me)."""
@@ -102,7 +103,7 @@ def check_timeout(hang_timeout: Any) -> HangTimeout:
         return None
     if isinstance(hang_timeout, str) and hang_timeout == "auto":
         return "auto"
-    if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, int | float | np.integer | np.floating):
+    if not settings.is_real(hang_timeout):
         raise ValueError(
             f"TrainLoop hang_timeout must be a positive number of seconds, 'auto' or None (no watchdog), "
             f"got {hang_timeout!r} ({type(hang_timeout).__name__})."

@@ -173,6 +173,34 @@ def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp
     assert int(fs.CheckpointFileReader(tmp_path).restore(fresh_state()).step) == 6
 
 
+def test_a_writer_replaced_after_its_background_save_failed_refuses_every_record(tmp_path, monkeypatch):
+    # The first writer's save fails in the background; a new writer of the directory (a notebook cell run again)
+    # reports that failure and is not made; made again, it is. The first must then save nothing more: it took
+    # records beside its successor, both writing steps to the directory.
+    recs = records()
+    first = fs.CheckpointFileWriter(tmp_path, keep=5)
+    first(recs[0])
+    first.wait()
+    failures = iter([OSError("No space left on device (injected)")])
+
+    def fail_once():
+        if (error := next(failures, None)) is not None:
+            raise error
+
+    patch_async_save(monkeypatch, fail_once)
+    first(recs[1])  # step 4 fails in the background
+    with pytest.raises(fs.CheckpointSaveError, match="step 4"):
+        fs.CheckpointFileWriter(tmp_path, keep=5)
+    second = fs.CheckpointFileWriter(tmp_path, keep=5)
+    with pytest.raises(fs.CheckpointError, match=r"was replaced by CheckpointFileWriter\(.*saves nothing more"):
+        first(recs[2])
+    second(recs[2])
+    second.close()
+    with pytest.raises(fs.CheckpointError, match="was replaced by"):
+        first(recs[2])  # still, after its successor closed
+    assert [int(path.name) for path in sorted(tmp_path.iterdir()) if path.name.isdigit()] == [2, 6]
+
+
 def test_a_save_returns_before_its_bytes_are_written(tmp_path, monkeypatch):
     recs = records()
     release = threading.Event()
