@@ -21,8 +21,14 @@ With `--min-processes K` (`min_processes`) the job goes on with fewer
 processes after a process is lost: one whose index failed `LOST_AFTER`
 rounds in a row, or that a cluster's health check named in the file that
 `FLAXSTATE_LOST_FILE` gives (one process index a line, in the numbering of
-the round that failed; the launcher reads each line once, so a health check
-appends a line for each loss). The next round
+the round that failed). At each failure the launcher takes that file: it
+renames it, applies its lines, and appends them to `<file>.applied`, so a
+line is applied once, and a health check may append lines to the file or
+write it anew (opening it for each write, as `echo 1 >> FILE` and
+`echo 1 > FILE` do: a write through a handle held open across a failure
+lands in the file taken). A line that is not a process index of that round
+(or bytes that are not one) is ignored, and the launcher says so in one
+line. The next round
 starts the largest count that divides `--processes` (so that a global
 batch that split over N processes splits over them too) within the
 processes left, and not below K; below K the launcher gives up with the
@@ -54,6 +60,7 @@ at the end: a crashed trainer's data-loader workers do not outlive it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import queue
 import shutil
@@ -66,7 +73,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from flaxstate import private_apis
+from flaxstate import private_apis, settings
 
 COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
 PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
@@ -183,16 +190,22 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("flaxstate launch needs a command: flaxstate launch --processes N -- python train.py")
-        if self.n_processes < 1:
-            raise ValueError(f"--processes must be at least 1, got {self.n_processes}.")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
-        if self.grace < 0:
-            raise ValueError(f"--grace must be 0 or more seconds, got {self.grace}.")
-        if self.min_processes is not None and not 1 <= self.min_processes <= self.n_processes:
+        if not settings.is_integer(self.n_processes) or self.n_processes < 1:
+            raise ValueError(f"--processes must be at least 1, got {self.n_processes!r}.")
+        if not settings.is_integer(self.max_restarts) or self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts!r}.")
+        if not settings.is_real(self.grace) or not math.isfinite(self.grace) or self.grace < 0:
+            raise ValueError(f"--grace must be 0 or more seconds, got {self.grace!r}.")
+        if self.min_processes is not None and (
+            not settings.is_integer(self.min_processes) or not 1 <= self.min_processes <= self.n_processes
+        ):
             raise ValueError(
                 f"--min-processes must be between 1 and --processes ({self.n_processes}), got {self.min_processes}."
             )
+        for name in ("n_processes", "max_restarts", "min_processes"):  # Python numbers (numpy's from a config)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "grace", float(self.grace))
         program = self.command[0]
         found = os.access(program, os.X_OK) if os.sep in program else shutil.which(program) is not None
         if not found:
@@ -222,8 +235,9 @@ class Launcher:
         """The processes of a round: `--processes`, fewer after processes were lost (`--min-processes`)."""
         self._failed_in_a_row: tuple[int, int] = (-1, 0)
         """The index that failed the last rounds, and how many rounds in a row."""
-        self._lost_lines_read = 0
-        """The lines of `FLAXSTATE_LOST_FILE` already applied: they name processes of an earlier round."""
+        self._lost_read_in_place: bytes | None = None
+        """What `FLAXSTATE_LOST_FILE` held when it was last read where it could not be taken (its folder read-only):
+        the same bytes again name no new loss."""
 
     def say(self, line: str) -> None:
         """One line of the launcher's own."""
@@ -294,17 +308,52 @@ class Launcher:
         self._failed_in_a_row = (index, times + 1 if last == index else 1)
         lost = {index} if self._failed_in_a_row[1] >= LOST_AFTER else set()
         path = os.environ.get(LOST_FILE)
-        if path:
+        return sorted(lost | (self._declared_lost(path) if path else set()))
+
+    def _declared_lost(self, path: str) -> set[int]:
+        """The process indices that the health check's file names (see the module): the launcher takes the file
+        (renames it, reads it, and appends what it read to `<file>.applied`), so that each line is applied once
+        whether the health check appends lines or writes the file anew. A line that is not an index of the round
+        that failed is ignored, in one line each."""
+        taking = f"{path}.taking"
+        try:
+            os.replace(path, taking)
+        except FileNotFoundError:  # nothing declared since the last failure
+            return set()
+        except OSError as error:  # a folder the launcher cannot write: read in place, new bytes only
             try:
-                with open(path, encoding="utf-8") as named:
-                    lines = named.read().split()
-            except OSError:  # no file yet: nothing declared
-                lines = []
-            if len(lines) < self._lost_lines_read:  # the health check wrote the file anew
-                self._lost_lines_read = 0
-            lost |= {int(line) for line in lines[self._lost_lines_read :] if line.isdigit()}
-            self._lost_lines_read = len(lines)
-        return sorted(each for each in lost if each < self.n_running)
+                with open(path, "rb") as named:
+                    data = named.read()
+            except OSError:
+                return set()
+            if data == self._lost_read_in_place:
+                return set()
+            self.say(f"{LOST_FILE} {path} could not be taken ({error}); read in place.")
+            self._lost_read_in_place = data
+        else:
+            try:
+                with open(taking, "rb") as named:
+                    data = named.read()
+                with open(f"{path}.applied", "ab") as applied:
+                    applied.write(data if data.endswith(b"\n") or not data else data + b"\n")
+                os.remove(taking)
+            except OSError as error:
+                self.say(f"{LOST_FILE} {path} could not be read ({error}); no process declared lost.")
+                return set()
+        declared = set()
+        for number, line in enumerate(data.splitlines(), start=1):
+            text = line.strip()
+            if not text:
+                continue
+            index = int(text) if text.isdigit() else None
+            if index is None or index >= self.n_running:
+                self.say(
+                    f'{LOST_FILE} line {number} "{text.decode("utf-8", "backslashreplace")}" is not a process index '
+                    f"of this round (0 to {self.n_running - 1}); ignored."
+                )
+                continue
+            declared.add(index)
+        return declared
 
     def _fewer(self, n_lost: int) -> int:
         """The processes of the next round after `n_lost` were lost: the largest count that divides `--processes`

@@ -313,19 +313,23 @@ FAILS_AGAIN = """
     index, count, restarts = (os.environ[f"FLAXSTATE_{name}"] for name in ("PROCESS_ID", "PROCESS_COUNT", "RESTARTS"))
     print("started", index, "of", count, "restarts", restarts, flush=True)
     if index == "1" and restarts == "2":  # the health check declares the new round's process 1 lost too
-        with open(os.environ["FLAXSTATE_LOST_FILE"], "a") as lost:
+        with open(os.environ["FLAXSTATE_LOST_FILE"], "{mode}") as lost:
             lost.write("1\\n")
     sys.exit(5 if index == "1" and restarts in ("0", "1", "2") else 0)
 """
 
 
-def test_each_line_of_the_lost_file_is_applied_once_in_the_numbering_of_the_round_that_failed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["a", "w"])  # a line appended, or the file written anew (truncated, then written)
+def test_each_line_of_the_lost_file_is_applied_once_in_the_numbering_of_the_round_that_failed(
+    tmp_path, monkeypatch, mode
+):
     # The file names process 1 of 4: the job goes on with 2. Their process 1 (another host) then fails once: the
-    # old line must not drop it, so all 2 start again. It fails again and the health check appends "1": now 1 is
-    # lost, and 1 process goes on.
+    # old line must not drop it, so all 2 start again. It fails again and the health check writes "1": now 1 is
+    # lost, and 1 process goes on. Written anew, the line was read from the old offset and missed.
     (tmp_path / "lost").write_text("1\n")
     monkeypatch.setenv("FLAXSTATE_LOST_FILE", str(tmp_path / "lost"))
-    launched = Launched(tmp_path, FAILS_AGAIN, "--min-processes", "1", "--grace", "1", n_processes=4)
+    script = FAILS_AGAIN.replace("{mode}", mode)
+    launched = Launched(tmp_path, script, "--min-processes", "1", "--grace", "1", n_processes=4)
     assert launched.finish() == 0, launched.output
     said = [line for line in launched.lines if line.startswith("flaxstate launch:")]
     assert said == [
@@ -336,6 +340,26 @@ def test_each_line_of_the_lost_file_is_applied_once_in_the_numbering_of_the_roun
         "(of 4; --min-processes 1).",
     ], launched.output
     assert launched.lines[-1] == "[0] started 0 of 1 restarts 3"
+    assert (tmp_path / "lost.applied").read_text() == "1\n1\n" and not (tmp_path / "lost").exists()
+
+
+def test_a_lost_file_s_damaged_bytes_and_lines_that_name_no_process_are_ignored_in_a_line_each(tmp_path, monkeypatch):
+    # Bytes that are not UTF-8 (a torn write, a flipped bit), a host name, an index beyond the round: each ignored
+    # with one line; the launcher goes on with the one index the file names (it exited 2 on the bytes).
+    (tmp_path / "lost").write_bytes(b"\xff\xfe\nhost-7\n9\n2\n")
+    monkeypatch.setenv("FLAXSTATE_LOST_FILE", str(tmp_path / "lost"))
+    launched = Launched(tmp_path, BROKEN_HOST.format(broken=1), "--min-processes", "2", "--grace", "1", n_processes=4)
+    assert launched.finish() == 0, launched.output
+    said = [line for line in launched.lines if line.startswith("flaxstate launch:")]
+    assert said == [
+        *(
+            f"flaxstate launch: FLAXSTATE_LOST_FILE line {number} {text} is not a process index of this round "
+            "(0 to 3); ignored."
+            for number, text in ((1, '"\\xff\\xfe"'), (2, '"host-7"'), (3, '"9"'))
+        ),
+        "flaxstate launch: process 1 exited with status 5; [2] lost: restart 1 of 3 goes on with 2 processes "
+        "(of 4; --min-processes 2).",
+    ], launched.output
 
 
 def data_fingerprints(run_dir) -> dict[int, str]:
