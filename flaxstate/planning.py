@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 
 from flaxstate import host_memory as host_plan
 from flaxstate import private_apis, settings, tree_paths
+from flaxstate.checkpoint import budget
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
@@ -211,7 +212,7 @@ def plan(
     peers = settings.count("plan", "peers", peers, minimum=0)
     local_keep = settings.count("plan", "local_keep", local_keep)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
-    host_memory_budget = settings.optional_count("plan", "host_memory_budget", host_memory_budget, minimum=1)
+    host_memory_budget = budget.check(host_memory_budget, "plan")  # the writer's and the reader's own check
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     global_batch = _global_batch(task, batch)

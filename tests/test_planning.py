@@ -188,7 +188,12 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
         ({"target": "cpu:1", "record_memory": "disk"}, r"plan record_memory must be one of \('host', 'device'\)"),
         ({"target": "cpu:1", "peers": -1}, r"plan peers must be an int of at least 0, got -1"),
         ({"target": "cpu:1", "host_memory": 0}, r"plan host_memory must be"),
-        ({"target": "cpu:1", "host_memory_budget": 0}, r"plan host_memory_budget must be a positive int"),
+        ({"target": "cpu:1", "host_memory_budget": 0}, r"plan host_memory_budget must be an int of at least 32768"),
+        # The writer's minimum: a budget the plan took would be refused by the writer and the reader it plans for.
+        (
+            {"target": "cpu:1", "host_memory_budget": 1000},
+            r"plan host_memory_budget must be .*at least 32768, got 1000",
+        ),
     ],
 )
 def test_bad_input_is_named_before_any_compile(kwargs, message):
