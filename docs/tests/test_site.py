@@ -1,7 +1,9 @@
 """The built docs site in headless Chromium: no errors in the browser's console, and its search finds a public name.
 
 Run by `make docs` after the build, against `docs/_build/html`, served on
-127.0.0.1 by the test. Chromium is Debian's (`/usr/bin/chromium`, or
+127.0.0.1 by the test. The checks in a browser are marked `browser`: on a
+machine without Chromium `make docs` leaves them out and says so (CI, which
+installs Chromium, runs them with `DOCS_BROWSER=required`). Chromium is Debian's (`/usr/bin/chromium`, or
 `$CHROMIUM`), driven over its DevTools protocol with tornado's websocket
 client (a dependency of ipykernel, which the docs' notebooks run in).
 """
@@ -139,6 +141,7 @@ class Page:
         self._loop.close()
 
 
+@pytest.mark.browser
 def test_every_page_loads_without_an_error_in_the_console(site: str, browser: str) -> None:
     page = Page(browser)
     try:
@@ -153,6 +156,7 @@ def test_every_page_loads_without_an_error_in_the_console(site: str, browser: st
         page.close()
 
 
+@pytest.mark.browser
 def test_the_search_finds_a_public_name_in_the_api_reference(site: str, browser: str) -> None:
     page = Page(browser)
     try:
