@@ -1,4 +1,7 @@
+import ast
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +48,46 @@ def digits_run(tmp_path_factory):
     """The README's example run for 20 steps, then resumed to 40: its directory and both outputs."""
     output_dir = tmp_path_factory.mktemp("digits") / "run"
     return output_dir, run_example(output_dir, 20), run_example(output_dir, 40)
+
+
+STARTS_PROCESSES = re.compile(
+    r"processes\.(run|start)\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
+    r"KernelManager|start_new_kernel|os\.kill\(|\.send_signal\(|\bdigits_run\b"
+)
+"""What in a test's code starts a process (a worker, a server, a kernel, a command) or sends a signal."""
+
+
+@functools.cache
+def _starting(path: str) -> frozenset[str]:
+    """The module-level functions and classes (tests, helpers, fixtures) of a test module that start processes,
+    directly or through another of them."""
+    tree = ast.parse(Path(path).read_text())
+    text = Path(path).read_text()
+    sources = {
+        node.name: ast.get_source_segment(text, node) or ""
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+    starting = {name for name, source in sources.items() if STARTS_PROCESSES.search(source)}
+    while True:
+        calls = re.compile(r"\b(" + "|".join(map(re.escape, starting)) + r")\b") if starting else None
+        more = {name for name, source in sources.items() if calls and name not in starting and calls.search(source)}
+        if not more:
+            return frozenset(starting)
+        starting |= more
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `processes` every test that starts a process or sends a signal, or asks for a fixture that does:
+    `pytest -m "not processes"` is the quick loop, `-m processes` the runs to repeat under load."""
+    for item in items:
+        path = getattr(item, "path", None)
+        if path is None or path.suffix != ".py":
+            continue
+        starting = _starting(str(path))
+        name = getattr(item, "originalname", item.name)
+        if name in starting or set(getattr(item, "fixturenames", ())) & (starting | {"digits_run"}):
+            item.add_marker(pytest.mark.processes)
 
 
 def pytest_sessionfinish(session, exitstatus):
