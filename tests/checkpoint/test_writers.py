@@ -150,8 +150,10 @@ def test_best_writer_names_a_missing_metric(tmp_path):
         writer(records(2, 2)[0])
 
 
-def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp_path, monkeypatch):
-    writer = fs.CheckpointFileWriter(tmp_path, keep=3)
+def saved_once_then_failing(tmp_path, monkeypatch):
+    """A writer (keep=5) that saved the first of `records()` (step 2), and whose next save fails in the background
+    (a full disk, injected); the records."""
+    writer = fs.CheckpointFileWriter(tmp_path, keep=5)
     recs = records()
     writer(recs[0])
     writer.wait()
@@ -162,6 +164,11 @@ def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp
             raise error
 
     patch_async_save(monkeypatch, fail_once)
+    return writer, recs
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save_naming_its_step(tmp_path, monkeypatch):
+    writer, recs = saved_once_then_failing(tmp_path, monkeypatch)
     writer(recs[1])  # returns at once: the bytes are written in the background, and fail there
     with pytest.raises(fs.CheckpointSaveError, match=f"step 4 to {tmp_path} failed in the background.*No space left"):
         writer(recs[2])
@@ -177,17 +184,7 @@ def test_a_writer_replaced_after_its_background_save_failed_refuses_every_record
     # The first writer's save fails in the background; a new writer of the directory (a notebook cell run again)
     # reports that failure and is not made; made again, it is. The first must then save nothing more: it took
     # records beside its successor, both writing steps to the directory.
-    recs = records()
-    first = fs.CheckpointFileWriter(tmp_path, keep=5)
-    first(recs[0])
-    first.wait()
-    failures = iter([OSError("No space left on device (injected)")])
-
-    def fail_once():
-        if (error := next(failures, None)) is not None:
-            raise error
-
-    patch_async_save(monkeypatch, fail_once)
+    first, recs = saved_once_then_failing(tmp_path, monkeypatch)
     first(recs[1])  # step 4 fails in the background
     with pytest.raises(fs.CheckpointSaveError, match="step 4"):
         fs.CheckpointFileWriter(tmp_path, keep=5)
