@@ -88,10 +88,11 @@ class Program:
             n_microbatches: M microbatches a step (see `step.microbatched`).
             given_flops: the user's count of a step's FLOPs, or `None` (see the class).
         """
+        apply, loss = task.step_functions()
         train_step, fenced_step, counted_step = (
             step.make_train_step(
-                task.apply,
-                task.loss,
+                apply,
+                loss,
                 rng_names=rng_names,
                 mutable=mutable,
                 across=placement.across,

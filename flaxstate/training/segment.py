@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxstate import private_apis
 from flaxstate.train_state import FlaxOptimTrainState
@@ -197,7 +198,7 @@ class SegmentRunner:
         """Checks a batch's split over the placement and into microbatches, once per shape."""
         if not self._checking:
             return
-        shapes = tuple([array.shape for part in batch for array in part])
+        shapes = tuple([np.shape(array) for array in jax.tree.leaves(batch)])
         if shapes not in self._checked_shapes:
             self._placement.check_batch(batch, "TrainTask", self._n_microbatches)
             self._checked_shapes.add(shapes)
@@ -209,9 +210,11 @@ class SegmentRunner:
         start = time.perf_counter()
         try:
             if n_steps == 1:
-                batch = batching.normalize(self._data.next(), "TrainTask")
+                batch = batching.normalize(self._data.next(), "TrainTask", whole=self._data.whole)
             else:
-                batches = [batching.normalize(each, "TrainTask") for each in self._data.take(n_steps)]
+                batches = [
+                    batching.normalize(each, "TrainTask", whole=self._data.whole) for each in self._data.take(n_steps)
+                ]
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)
