@@ -57,18 +57,37 @@ STARTS_PROCESSES = re.compile(
 """What in a test's code starts a process (a worker, a server, a kernel, a command) or sends a signal."""
 
 
+def _sources(path: Path) -> dict[str, str]:
+    """The source of each module-level function and class of a module, by name."""
+    text = path.read_text()
+    return {
+        node.name: ast.get_source_segment(text, node) or ""
+        for node in ast.parse(text).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+
+
+@functools.cache
+def _shared_helpers() -> re.Pattern[str]:
+    """What in a test's code calls a shared helper (`flaxstate_testing`) that starts processes."""
+    names = set()
+    for module in (ROOT / "tests" / "flaxstate_testing").glob("*.py"):
+        if module.name != "processes.py":  # its calls are `processes.run(...)`, which STARTS_PROCESSES names
+            names |= {
+                name
+                for name, source in _sources(module).items()
+                if not name.startswith("_") and STARTS_PROCESSES.search(source)
+            }
+    return re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\(") if names else re.compile("$^")
+
+
 @functools.cache
 def _starting(path: str) -> frozenset[str]:
     """The module-level functions and classes (tests, helpers, fixtures) of a test module that start processes,
-    directly or through another of them."""
-    tree = ast.parse(Path(path).read_text())
-    text = Path(path).read_text()
-    sources = {
-        node.name: ast.get_source_segment(text, node) or ""
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-    }
-    starting = {name for name, source in sources.items() if STARTS_PROCESSES.search(source)}
+    directly, through another of them, or through a shared helper."""
+    sources = _sources(Path(path))
+    starts = (STARTS_PROCESSES, _shared_helpers())
+    starting = {name for name, source in sources.items() if any(each.search(source) for each in starts)}
     while True:
         calls = re.compile(r"\b(" + "|".join(map(re.escape, starting)) + r")\b") if starting else None
         more = {name for name, source in sources.items() if calls and name not in starting and calls.search(source)}

@@ -15,7 +15,7 @@ directory (the reader, its tiers, a writer's claim, `ls`, `show`, `diff`):
 - `ANOTHER_RUN`: a complete step of another run than the one asked for.
 
 `read_first` is the retry policy: try the steps preferred first, list
-again when one vanishes (at most `LISTING_ATTEMPTS` times), pass over a
+again when one vanishes (`attempts()`: 20 times and 30 s at the least), pass over a
 damaged one, and raise anything else (out of memory, a bug, a Ctrl-C: a
 reader never goes back in time for those).
 """
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -38,7 +39,27 @@ from flaxstate.checkpoint.layout import LEGACY_RUN_ID
 logger = logging.getLogger("flaxstate")
 
 LISTING_ATTEMPTS = 20
-"""How often the steps are listed again when the one read was deleted meanwhile (a live writer's rotation)."""
+"""How often the steps are listed again, at the least, when the one read was deleted meanwhile (a live writer's
+rotation)."""
+LISTING_SECONDS = 30.0
+"""How long, at the least, the steps are listed again when they keep vanishing: on a loaded machine a read can
+lose many races in a row to a writer that rotates as fast as it saves (20 attempts in 2 s lost them all, with a
+second test run beside it)."""
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def attempts() -> Iterator[int]:
+    """Counts the attempts of a read beside a live writer: `LISTING_ATTEMPTS` and `LISTING_SECONDS`, both at the
+    least."""
+    start = _now()
+    for attempt in itertools.count():
+        if attempt >= LISTING_ATTEMPTS and _now() - start >= LISTING_SECONDS:
+            return
+        yield attempt
+
 
 VANISHING_SECONDS = 1.0
 """How long a step whose read failed is watched for disappearing (a writer's rotation deletes it file by file)
@@ -192,7 +213,7 @@ def read_first(
         Exception: a read's failure that is not damage, as it was raised.
     """
     vanished = False
-    for _ in range(LISTING_ATTEMPTS):
+    for _ in attempts():
         steps = [step for step in candidates() if step not in damaged]
         if not steps and not damaged and not layout.is_empty_or_missing(directory):
             time.sleep(0.05)  # a step being deleted, and the next one not yet renamed into place
@@ -228,9 +249,9 @@ def retrying(directory: Path, attempt: Callable[[], T]) -> T:
     """Runs `attempt` again (from its own listing) when a step it reads vanishes meanwhile.
 
     Raises:
-        CheckpointError: steps kept vanishing for `LISTING_ATTEMPTS` attempts.
+        CheckpointError: steps kept vanishing for the `attempts()`.
     """
-    for _ in range(LISTING_ATTEMPTS):
+    for _ in attempts():
         try:
             return attempt()
         except VanishedStepError:

@@ -56,17 +56,26 @@ def audit(run_dir):
     return done.returncode, json.loads(done.stdout)["resumes"]
 
 
-def run_and_kill(tmp_path, name, after_record, delay, **config):
+def run_and_kill(tmp_path, name, after_record, delay, saved_first=False, **config):
     """Starts a run, waits for a record line, then kills it with SIGKILL after `delay` seconds; returns the last
-    record step it printed."""
+    record step it printed. With `saved_first`, the kill also waits for a first step to be complete in the run's
+    directory (continuous saves pass records over while one runs: on a loaded machine the first save of a
+    record took longer than 40 more steps)."""
     config = {"output_dir": str(tmp_path / name), "out": str(tmp_path / f"{name}.npz"), **config}
     process = processes.start("resume.py", config)
     lines = []
     deadline = time.monotonic() + 120
+    reached = False
+
+    def saved() -> bool:
+        directory = tmp_path / name
+        return directory.is_dir() and any(path.name.isdigit() for path in directory.iterdir())
+
     try:
         for line in process.stdout:
             lines.append(line)
-            if line.strip() == f"record {after_record}":
+            reached = reached or line.strip() == f"record {after_record}"
+            if reached and (not saved_first or saved()):
                 time.sleep(delay)
                 process.send_signal(signal.SIGKILL)
                 break
@@ -99,7 +108,9 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted,
     config = {**KILLED, "writer_every": every}
     reference = uninterrupted
     # Continuous saves pass records over while the first one runs: the kill waits for a few more records.
-    printed = run_and_kill(tmp_path, "killed", after_record=50 if every else 20, delay=delay, **config)
+    printed = run_and_kill(
+        tmp_path, "killed", after_record=50 if every else 20, delay=delay, saved_first=every is not None, **config
+    )
     entries = sorted(p.name for p in (tmp_path / "killed").iterdir())
     print("after kill -9:", entries)
     steps = sorted(int(name) for name in entries if name.isdigit())

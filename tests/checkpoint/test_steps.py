@@ -109,8 +109,12 @@ def test_read_first_names_every_damaged_step_and_raises_what_is_not_damage(tmp_p
             steps.read_first(store.directory, lambda: [2, 1], out_of_memory, {})
 
 
-def test_read_first_and_retrying_give_up_on_steps_that_keep_vanishing(tmp_path):
+def test_read_first_and_retrying_give_up_on_steps_that_keep_vanishing(tmp_path, monkeypatch):
+    # 20 attempts at the least, and 30 s (on a clock that moves a second a look): a loaded machine's read lost
+    # 20 races in 2 s to a writer that rotates as fast as it saves.
     (tmp_path / "3").mkdir()
+    now = iter(range(10**6))
+    monkeypatch.setattr(steps, "_now", lambda: next(now))
     calls = []
 
     def vanishing(step=None):
@@ -119,8 +123,9 @@ def test_read_first_and_retrying_give_up_on_steps_that_keep_vanishing(tmp_path):
 
     with pytest.raises(CheckpointError, match="kept vanishing"):
         steps.read_first(tmp_path, lambda: [3], vanishing, {})
-    assert len(calls) == steps.LISTING_ATTEMPTS
+    assert steps.LISTING_ATTEMPTS < len(calls) < steps.LISTING_ATTEMPTS + steps.LISTING_SECONDS  # till 30 (fake) s
     calls.clear()
+    monkeypatch.setattr(steps, "LISTING_SECONDS", 0.0)
     with pytest.raises(CheckpointError, match="kept vanishing"):
         steps.retrying(tmp_path, vanishing)
     assert len(calls) == steps.LISTING_ATTEMPTS

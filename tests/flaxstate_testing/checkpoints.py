@@ -86,16 +86,22 @@ def damage_arrays(step_dir: Path, how: str) -> None:
 
 
 def read_beside_a_rotating_writer(directory: str, keep: int, reads: int, each: Any = None) -> list[int]:
-    """Restores `reads` times beside a writer process that saves steps 1, 2, ... as fast as it can; returns the steps.
+    """Restores `reads` times beside a writer process that saves steps 1, 2, ... a tenth of a second of training
+    apart; returns the steps.
 
     Each restored array must hold its step's value (the worker fills them so):
-    a reader never mixes two steps. `each(step)` runs after each read.
+    a reader never mixes two steps. `each(step)` runs after each read. With
+    `keep=1` a step lives from its save's end to the next one's: saving as
+    fast as it could (no training between saves), the writer rotated faster
+    than a reader could read on a machine running a second test run beside
+    it, and every read for 30 s found its step deleted (2 of 6 runs under load).
     """
     from flaxstate_testing import processes
 
     writer = processes.Watched(
         processes.start(
-            "checkpoint_faults", {"mode": "rotating_writer", "dir": directory, "keep": keep, "n_steps": 100_000}
+            "checkpoint_faults",
+            {"mode": "rotating_writer", "dir": directory, "keep": keep, "n_steps": 100_000, "pause": 0.1},
         )
     )
     params = {f"w{i}": np.zeros((256, 256), np.float32) for i in range(4)}

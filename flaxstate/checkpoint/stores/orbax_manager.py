@@ -43,7 +43,7 @@ from flaxstate.checkpoint.layout import (
     to_json,
 )
 from flaxstate.checkpoint.saving import Metrics, Tree
-from flaxstate.checkpoint.steps import LISTING_ATTEMPTS
+from flaxstate.checkpoint.steps import attempts
 from flaxstate.checkpoint.stores.lifecycle import CommitMarker, Lifecycle, RenameIntoPlace
 from flaxstate.locations import as_path
 
@@ -368,9 +368,9 @@ def _listing(list_steps: Callable[[], Any], directory: Path) -> Any:
 
     Raises:
         KeyboardInterrupt: Ctrl-C, wherever orbax wrapped it.
-        CheckpointError: steps kept vanishing for `LISTING_ATTEMPTS` listings.
+        CheckpointError: steps kept vanishing for the `steps.attempts()`.
     """
-    for _ in range(LISTING_ATTEMPTS):
+    for _ in attempts():
         try:
             return list_steps()
         except (FileNotFoundError, NotADirectoryError):  # orbax's paths say either of a step being deleted

@@ -7,7 +7,8 @@ Modes (config["mode"]):
   attempt, then creates `sent-<i>` in the directory; the worker reports only
   once that file exists (absorbing a signal that lands after its restore).
 - `rotating_writer`: saves steps 1, 2, ... with `keep`, each array filled
-  with its step, as fast as it can, until `n_steps`; prints `SAVED n`.
+  with its step, `pause` seconds of training between one save's end and the
+  next (0: as fast as it can), until `n_steps`; prints `SAVED n`.
 - `full_disk`: trains 6 steps with a writer; from step 4 on, files may not
   grow past 2,000 bytes (RLIMIT_FSIZE), so array writes fail inside tensorstore.
 """
@@ -101,6 +102,7 @@ def rotating_writer() -> None:
         writer(record(filled_state(float(step), 4, (256, 256)), step))
         writer.wait()
         print(f"SAVED {step}", flush=True)
+        time.sleep(config.get("pause", 0.0))
     writer.close()
 
 
