@@ -113,14 +113,17 @@ def takes_module(function: Callable[..., Any]) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, nnx.Module)
 
 
-def _takes(function: Callable[..., Any], name: str, position: int) -> bool:
-    """Whether `function` takes a parameter `name`, or a positional one at `position` (counted from 0)."""
+def _takes(function: Callable[..., Any], name: str, position: int | None = None) -> bool:
+    """Whether `function` takes a parameter `name` (or any keyword), or with `position` a positional one there
+    (counted from 0)."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
         return False
     if any(p.name == name for p in parameters) or any(p.kind == p.VAR_KEYWORD for p in parameters):
         return True
+    if position is None:
+        return False
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) > position or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
@@ -232,7 +235,8 @@ class NNXModel:
         self.wrt = wrt
         self.module_type = type(module)
         self.graphdef, state = nnx.split(module)
-        self.takes_rngs = _takes(type(module).__call__, "rngs", 2)
+        self.takes_rngs = _takes(type(module).__call__, "rngs")
+        """Whether the module's `__call__` takes `rngs` (by name: the loop passes it so, after the inputs)."""
         trained = nnx.filterlib.to_predicate(wrt)
         ephemeral = nnx.filterlib.to_predicate(nnx.Any(*EPHEMERAL))
         self._slots: dict[Path, _Slot] = {}
@@ -376,13 +380,17 @@ class NNXModel:
     def loss_apply(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """An `apply` whose output is NNX's `loss_fn(model, batch[, rngs])` (its first value where it returns
         `(loss, aux)`), the batch being the one input the step gives."""
-        with_rngs = _takes(loss_fn, "rngs", 2)
+        by_name = _takes(loss_fn, "rngs")  # loss_fn(model, batch, rngs=...) or (model, batch, **options)
+        by_place = not by_name and _takes(loss_fn, "rngs", 2)  # loss_fn(model, batch, keys)
 
         def apply(
             variables: Mapping[str, Any], batch: Any, rngs: Mapping[str, jax.Array] | None = None, mutable: Any = False
         ) -> Any:
             module = self.merge(variables)
-            value = loss_fn(module, batch, self.rngs(rngs)) if with_rngs else loss_fn(module, batch)
+            if by_name:
+                value = loss_fn(module, batch, rngs=self.rngs(rngs))
+            else:
+                value = loss_fn(module, batch, self.rngs(rngs)) if by_place else loss_fn(module, batch)
             value = value[0] if isinstance(value, tuple | list) else value
             return (value, self.carried(module)) if mutable else value
 

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from flaxstate_testing import nnx_models, processes, toy
@@ -323,3 +324,23 @@ def test_an_annotated_module_trains_fsdp_over_two_processes_each_holding_half_an
     assert single["held"] == single["kernel"]
     for path, values in single["final"].items():
         np.testing.assert_allclose(sharded["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_plain_orbax_reads_an_nnx_run_s_step_with_the_documented_template(tmp_path):
+    module = nnx_models.CNN(rngs=nnx.Rngs(0))
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        for record in cnn_loop(module, n_steps=4, n_steps_per_checkpoint=4):
+            writer(record)
+    # docs/guides/nnx.md: an abstract module built alike, the step's layout as the template, plain orbax.
+    abstract = nnx.eval_shape(lambda: nnx_models.CNN(rngs=nnx.Rngs(0)))
+    template = {
+        "target": nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+        "flax_mutables": {
+            "batch_stats": nnx.to_pure_dict(nnx.state(abstract, nnx.BatchStat)),
+            "calls": nnx.to_pure_dict(nnx.state(abstract, nnx_models.Calls)),
+        },
+    }
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "4" / "model", template)
+    expected = {"target": record.state.params, "flax_mutables": record.state.flax_mutables}
+    for path, value in fs.tree_paths.flatten(expected).items():
+        np.testing.assert_array_equal(fs.tree_paths.flatten(restored)[path], value, err_msg=path)

@@ -184,7 +184,8 @@ def _stacked(parts: list[Any]) -> Any:
     """K arrays stacked along a new first axis (K trees of arrays, leaf by leaf: a whole batch's dict)."""
     if _is_array(parts[0]):
         return np.array(parts)
-    if any(jax.tree.structure(part) != jax.tree.structure(parts[0]) for part in parts):
+    structure: Any = jax.tree.structure(parts[0])
+    if any(jax.tree.structure(part) != structure for part in parts):
         raise ValueError("the batches differ in structure")
     return jax.tree.map(lambda *leaves: np.array(leaves), *parts)
 
