@@ -104,8 +104,10 @@ def uninterrupted(tmp_path_factory):
 # well into the training steps after it.
 @pytest.mark.parametrize(("delay", "every"), [(0.0, None), (0.05, None), (0.3, None), (0.05, "continuous")])
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted, delay, every):
-    # With every="continuous" the writer passes over the records that come while a save runs.
-    config = {**KILLED, "writer_every": every}
+    # With every="continuous" the writer passes over the records that come while a save runs, and its first
+    # complete step is waited for: its steps take 50 ms each, so that on a loaded machine the run still goes on
+    # then (the first save outlasted the other 90 steps, and the kill found the run at its end).
+    config = {**KILLED, "writer_every": every, **({"data_sleep": 0.05} if every else {})}
     reference = uninterrupted
     # Continuous saves pass records over while the first one runs: the kill waits for a few more records.
     printed = run_and_kill(

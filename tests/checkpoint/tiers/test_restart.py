@@ -77,7 +77,10 @@ def test_both_processes_killed_resume_from_the_local_tier_bit_for_bit(killed, tm
     # The persistent writer's goodput ledger counts lost progress against the local step restored.
     first, second = goodput.report(read_events(directory / "persistent" / "goodput.jsonl"))["sessions"]
     assert second["restored_step"] == newest
-    assert first["lost_steps"] == first["last_step"] - newest < first["last_step"] - PERSISTENT_STEP
+    # A kill can land after a process's local save of a step and before the ledger's line of it (the ledger's
+    # last step older than the one restored, as one run in 6 under load saw): nothing is lost then.
+    lost = max(0, first["last_step"] - newest)
+    assert first["lost_steps"] == lost < first["last_step"] - PERSISTENT_STEP
 
 
 def test_a_replaced_data_parallel_host_restores_its_replicas_local_step(killed, tmp_path):
