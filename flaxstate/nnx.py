@@ -91,7 +91,10 @@ def refuse_nnx_object(value: Any, where: str) -> None:
     if isinstance(value, nnx.Rngs | nnx.State | nnx.GraphDef) or (
         isinstance(value, nnx.Pytree) and not isinstance(value, nnx.Module)
     ):
-        raise TypeError(f"{where} got an NNX {type(value).__name__}, not an nnx.Module: give the module itself.")
+        raise TypeError(
+            f"{where} got an NNX {type(value).__name__}, not an nnx.Module: give the module itself (its Variables "
+            "are read and written in place)."
+        )
 
 
 def takes_module(function: Callable[..., Any]) -> bool:

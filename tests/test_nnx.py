@@ -164,6 +164,9 @@ def test_wrong_nnx_objects_are_named_by_class_without_their_repr():
         "selects none of the module's Variables": lambda: fs.TrainTask(
             apply=model, optimizer=optax.sgd(0.1), loss=nnx_models.loss_fn, data=data, wrt=nnx.LoRAParam
         ),
+        "CheckpointFileReader.restore got an NNX State": lambda: fs.CheckpointFileReader("/nowhere").restore(
+            nnx.state(model)
+        ),
     }
     for expected, attempt in attempts.items():
         with pytest.raises((TypeError, ValueError)) as raised:

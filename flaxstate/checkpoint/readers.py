@@ -284,6 +284,7 @@ class CheckpointFileReader:
         """
         if nnx.is_module(state):  # an NNX module: its Variables, in place
             return nnx.nnx_update(state, self, use_ema=use_ema)
+        nnx.refuse_nnx_object(state, "CheckpointFileReader.restore")  # nnx.state(model): the module goes there
         if use_ema and getattr(state, "param_states", None) is not None:
             raise CheckpointError(
                 "restore(use_ema=True) takes an InferenceState (the EMA becomes its parameters); a training "
