@@ -3,9 +3,11 @@
 Checkpoints, resume and TensorBoard logs land in --output-dir; run it again
 and it resumes from the newest checkpoint (and the exact data position). The
 settings are one frozen dataclass, `Config`, read with tyro (`--help` lists
-them) and stored as the checkpoints' metadata.
+them) and stored as the checkpoints' metadata. The model is linen's, or with
+`--api nnx` the same MLP as a Flax NNX module, given to the loop itself.
 
     python examples/digits.py --steps 600 --output-dir runs/digits
+    python examples/digits.py --api nnx --output-dir runs/digits-nnx
 
 Several processes (one per host, or several on one machine) join with the
 standard coordinator settings, as flags or JAX's environment variables:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -26,6 +29,7 @@ import numpy as np
 import optax
 import redex
 import tyro
+from flax import nnx
 from sklearn.datasets import load_digits
 
 import flaxstate as fs
@@ -41,6 +45,20 @@ class MLP(nn.Module):
         x = nn.BatchNorm(use_running_average=not train)(x)
         x = nn.Dropout(0.2, deterministic=not self.has_rng("dropout"))(nn.relu(x))
         return nn.Dense(10)(x)
+
+
+class NNXMLP(nnx.Module):
+    """`MLP` as a Flax NNX module: its Dropout takes rngs at call time (the loop gives them in training), and the
+    loop evaluates a view of it in evaluation mode (running statistics, no dropout)."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.dense = nnx.Linear(64, 128, rngs=rngs)
+        self.norm = nnx.BatchNorm(128, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2)
+        self.out = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.out(self.dropout(nnx.relu(self.norm(self.dense(x))), rngs=rngs))
 
 
 def loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -88,6 +106,8 @@ class Config:
     """The global batch size (all processes together)."""
     ema_decay: float | None = None
     """Keep an EMA of the parameters with this decay, and evaluate it too (group eval_ema)."""
+    api: Literal["linen", "nnx"] = "linen"
+    """The model's API: linen's init and apply, or a Flax NNX module given to the loop itself."""
     coordinator_address: str | None = os.environ.get("JAX_COORDINATOR_ADDRESS")
     """Several processes: the coordinator's host:port (or JAX_COORDINATOR_ADDRESS)."""
     num_processes: int = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
@@ -110,11 +130,15 @@ def main(config: Config) -> None:
     devices = jax.devices() if config.devices is None else list(jax.devices())[: config.devices]
     train_data, eval_data = digits(config.batch_size)
 
-    model = MLP()
+    if config.api == "nnx":  # the module itself is the model: its init, its apply
+        init = apply = NNXMLP(rngs=nnx.Rngs(0))
+    else:
+        linen = MLP()
+        init, apply = linen.init, linen.apply
     loop = fs.TrainLoop(
-        init=fs.CheckpointFileReader(config.output_dir, target=model.init),  # resume, or init fresh
+        init=fs.CheckpointFileReader(config.output_dir, target=init),  # resume, or init fresh
         task=fs.TrainTask(
-            apply=model.apply, optimizer=optax.adam(1e-3), loss=loss, data=train_data, ema_decay=config.ema_decay
+            apply=apply, optimizer=optax.adam(1e-3), loss=loss, data=train_data, ema_decay=config.ema_decay
         ),
         rng=jax.random.key(0),
         n_steps=config.steps,
@@ -122,7 +146,7 @@ def main(config: Config) -> None:
         n_steps_per_dispatch=10,
         devices=devices,
     )
-    eval_task = fs.EvalTask(apply=model.apply, metrics={"loss": loss, "acc": accuracy}, data=eval_data)
+    eval_task = fs.EvalTask(apply=apply, metrics={"loss": loss, "acc": accuracy}, data=eval_data)
     evaluations = [fs.EvalLoop(eval_task, rng=jax.random.key(1), n_steps=len(eval_data), devices=devices)]
     if config.ema_decay is not None:
         evaluations.append(

@@ -18,7 +18,7 @@ from flaxstate.checkpoint import (
     LowestCheckpointFileWriter,
 )
 from flaxstate.global_batches import GlobalBatches, global_batches
-from flaxstate.nnx import nnx_functions
+from flaxstate.nnx import nnx_functions, nnx_update
 from flaxstate.planning import Plan, plan
 from flaxstate.plotting import plot
 from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
@@ -63,6 +63,7 @@ __all__ = [
     "global_batches",
     "logical_shardings",
     "nnx_functions",
+    "nnx_update",
     "plan",
     "plot",
     "sharded_like",

@@ -222,7 +222,8 @@ def plan(
     rng = jax.random.key(0)
     init_names, apply_names = startup.rng_names(None)
     inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
-    state = _abstract_state(startup.state_maker(init, task, init_names), rng, inputs, where)
+    sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)), list(inputs))
+    state = _abstract_state(*startup.fresh(init, task, init_names, rng, sample), where)
     program = Program.build(
         placement=where,
         task=task,
@@ -285,10 +286,9 @@ _BATCH, _BATCH_PARTS = "plan: the global batch", "parts of the batch's mesh axes
 """A plan's global batch, and what it splits over, as `batching.check_divisible`'s errors name them."""
 
 
-def _abstract_state(create: Callable[..., Any], rng: jax.Array, inputs: Sequence[Any], where: Any) -> Any:
-    """The state that `create` makes from one example of `inputs`, as `jax.ShapeDtypeStruct`s placed by `where`."""
-    sample = [jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)) for x in inputs]
-    abstract = jax.eval_shape(create, rng, *sample)
+def _abstract_state(create: Callable[..., Any], arguments: Sequence[Any], where: Any) -> Any:
+    """The state that `create(*arguments)` makes, as `jax.ShapeDtypeStruct`s placed by `where`."""
+    abstract = jax.eval_shape(create, *arguments)
     shardings = where.state_shardings(abstract)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 

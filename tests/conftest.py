@@ -32,9 +32,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 ROOT = Path(__file__).parents[1]
 
 
-def run_example(output_dir, steps, timeout=300):
+def run_example(output_dir, steps, *options, timeout=300):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", str(steps), "--output-dir", str(output_dir)],
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", str(steps), "--output-dir", str(output_dir)]
+        + list(options),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,9 +1,14 @@
+import gc
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
-from flaxstate_testing import toy
+from flaxstate_testing import nnx_models, processes, toy
 
 import flaxstate as fs
 
@@ -76,3 +81,269 @@ def test_nnx_batch_statistics_and_dropout_are_handled():
     record = fs.Checkpoint(state=state, grads=None, loss=0.0, n_completed_steps=0, elapsed_time=0.0, step=20)
     expected = float(toy.mse(apply(trained, x), y))
     np.testing.assert_allclose(evaluate(record).metrics["eval"]["loss"], expected, rtol=1e-6)
+
+
+# The module itself as the model: Flax's NNX MNIST tutorial's CNN, loss_fn(model, batch, rngs) and dict batches.
+
+
+def cnn_loop(model, n_steps=8, rng=0, init=None, **options):
+    task = fs.TrainTask(
+        apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_models.loss_fn, data=nnx_models.digits(n_steps)
+    )
+    return fs.TrainLoop(
+        init=model if init is None else init, task=task, rng=rng, n_steps=n_steps, stdout=False, **options
+    )
+
+
+def test_the_tutorial_s_module_loss_and_dict_batches_train_with_its_dropout_and_every_variable_carried():
+    # Its Dropout takes rngs at call time (ValueError: "'deterministic' is False, but no 'rngs' argument was
+    # provided"); the Variable of the user's own was dropped; BatchNorm's statistics are carried.
+    model = nnx_models.CNN(rngs=nnx.Rngs(0))
+    initial = np.asarray(model.linear2.kernel[...]).copy()
+    records = list(cnn_loop(model, n_steps=24))
+    state = records[-1].state
+    assert set(state.flax_mutables) == {"batch_stats", "calls"} and int(state.flax_mutables["calls"]["calls"]) == 24
+    assert float(np.abs(state.flax_mutables["batch_stats"]["batch_norm1"]["mean"]).sum()) > 0
+    losses = [record.loss for record in records]
+    assert np.mean(losses[-6:]) < np.mean(losses[:6]) - 0.1, losses
+    other_rng = list(cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), n_steps=24, rng=1, n_steps_per_checkpoint=24))[-1].state
+    assert not np.array_equal(other_rng.params["linear2"]["kernel"], state.params["linear2"]["kernel"])  # dropout on
+    np.testing.assert_array_equal(model.linear2.kernel[...], initial)  # the user's module is untouched until asked
+    fs.nnx_update(model, records[-1])
+    np.testing.assert_array_equal(model.linear2.kernel[...], state.params["linear2"]["kernel"])
+    assert int(model.calls[...]) == 24
+    model.conv1.kernel[...] += 1.0  # writable jax arrays, not the record's read-only host copies
+    evaluate = fs.EvalLoop(
+        fs.EvalTask(apply=model, metrics={"acc": nnx_models.accuracy}, data=nnx_models.digits(4, seed=1)),
+        rng=1,
+        n_steps=4,
+    )
+    assert 0.0 <= evaluate(records[-1]).metrics["eval"]["acc"] <= 1.0
+    assert model.dropout1.deterministic is False and model.batch_norm1.use_running_average is False  # unchanged
+
+
+def test_k_steps_a_dispatch_train_an_nnx_module_as_one_step_a_dispatch_does():
+    one = list(cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), n_steps=4, n_steps_per_checkpoint=4))[-1].state
+    two = cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), n_steps=4, n_steps_per_checkpoint=4, n_steps_per_dispatch=2)
+    four = list(two)[-1].state
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_an_nnx_run_resumes_from_its_checkpoint_bit_for_bit_with_its_own_variables(tmp_path):
+    straight = list(cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), n_steps=8, n_steps_per_checkpoint=4))[-1].state
+    model = nnx_models.CNN(rngs=nnx.Rngs(0))
+    reader = fs.CheckpointFileReader(tmp_path, target=model)
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        first = cnn_loop(model, n_steps=8, init=reader, n_steps_per_checkpoint=4)
+        writer(first.next_checkpoint())  # step 4, then the run stops
+    resumed = cnn_loop(model, n_steps=8, init=fs.CheckpointFileReader(tmp_path, target=model), n_steps_per_checkpoint=4)
+    assert resumed.step == 4
+    state = list(resumed)[-1].state
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(a, b)
+    restored = fs.CheckpointFileReader(tmp_path).restore(nnx_models.CNN(rngs=nnx.Rngs(9)))  # into a module
+    assert int(restored.calls[...]) == 4
+
+
+def test_wrong_nnx_objects_are_named_by_class_without_their_repr():
+    model = nnx_models.CNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(0.005), wrt=nnx.Param)
+    data = nnx_models.digits(2)
+    attempts = {
+        "TrainTask(apply=...) got an nnx.Optimizer": lambda: fs.TrainTask(
+            apply=optimizer, optimizer=optax.sgd(0.1), loss=nnx_models.loss_fn, data=data
+        ),
+        "TrainTask optimizer is an nnx.Optimizer": lambda: fs.TrainTask(
+            apply=model, optimizer=optimizer, loss=nnx_models.loss_fn, data=data
+        ),
+        "TrainLoop(init=...) got an nnx.Optimizer": lambda: cnn_loop(model, init=optimizer),
+        "takes the model first (NNX's loss_fn(model, batch))": lambda: fs.TrainTask(
+            apply=lambda v, x: x, optimizer=optax.sgd(0.1), loss=nnx_models.loss_fn, data=data
+        ),
+        "selects none of the module's Variables": lambda: fs.TrainTask(
+            apply=model, optimizer=optax.sgd(0.1), loss=nnx_models.loss_fn, data=data, wrt=nnx.LoRAParam
+        ),
+        "CheckpointFileReader.restore got an NNX State": lambda: fs.CheckpointFileReader("/nowhere").restore(
+            nnx.state(model)
+        ),
+    }
+    for expected, attempt in attempts.items():
+        with pytest.raises((TypeError, ValueError)) as raised:
+            attempt()
+        message = str(raised.value)
+        assert expected in message and len(message) < 400, message  # a class's name, never a 4 KB repr
+
+
+def test_nnx_update_names_the_paths_of_a_module_that_differs_and_writes_nothing():
+    record = list(cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), n_steps=2))[-1]
+    other = nnx_models.MLP(nnx.Rngs(0))
+    before = np.asarray(other.Dense_0.kernel[...]).copy()
+    with pytest.raises(fs.StateMismatchError, match=r"missing .*params/Dense_0/kernel \(\[4, 16\]\).*unexpected"):
+        fs.nnx_update(other, record)
+    np.testing.assert_array_equal(other.Dense_0.kernel[...], before)
+    with pytest.raises(fs.StateMismatchError, match=r"does not match the task's module CNN"):
+        cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), init=other)
+
+
+def test_training_calls_the_module_as_configured_and_evaluation_a_view_of_it():
+    # A frozen BatchNorm (a fine-tuning view): its statistics stay; trained as built, they move.
+    x, y = toy.batches(1, 8, seed=4)[0]
+    data = toy.batches(6, 8)
+
+    def trained(module, n_steps=3):
+        task = fs.TrainTask(apply=module, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
+        loop = fs.TrainLoop(init=module, task=task, rng=0, n_steps=n_steps, stdout=False)
+        return list(loop)[-1]
+
+    model = NNXBatchNormNet(nnx.Rngs(0))
+    frozen = nnx.view(model, only=nnx.BatchNorm, use_running_average=True)
+    stats = trained(frozen).state.flax_mutables["batch_stats"]["norm"]
+    np.testing.assert_array_equal(stats["mean"], np.zeros(8))
+    assert float(np.abs(trained(model).state.flax_mutables["batch_stats"]["norm"]["mean"]).sum()) > 0
+    # EvalLoop evaluates in evaluation mode, with or without rngs for the model, and leaves the module as it was.
+    record = trained(model)
+    for rng_collections in ((), ("dropout",)):
+        evaluate = fs.EvalLoop(
+            fs.EvalTask(apply=model, metrics={"mse": toy.mse}, data=[(x, y)]), rng=1, rng_collections=rng_collections
+        )
+        assert evaluate(record).metrics["eval"]["mse"] == evaluate(record).metrics["eval"]["mse"]
+    assert model.dropout.deterministic is False and model.norm.use_running_average is False
+
+
+def test_each_rng_stream_draws_its_own_key_a_step_and_a_module_s_own_streams_advance():
+    class Seen(nnx.Variable):
+        pass
+
+    class Streams(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 1, rngs=rngs)
+            self.seen = Seen(jnp.zeros((2, 2), jnp.uint32))
+
+        def __call__(self, x, rngs=None):
+            self.seen[...] = jnp.stack([jax.random.key_data(rngs.dropout()), jax.random.key_data(rngs.noise())])
+            return self.linear(x)[:, 0]
+
+    def seen(rng, n_steps):
+        module = Streams(nnx.Rngs(0))
+        task = fs.TrainTask(apply=module, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(n_steps, 8))
+        collections = {"apply": ["dropout", "noise"]}
+        loop = fs.TrainLoop(init=module, task=task, rng=rng, n_steps=n_steps, stdout=False, collections=collections)
+        return [np.asarray(record.state.flax_mutables["seen"]["seen"]) for record in loop]
+
+    first, second = seen(0, 2)
+    assert not np.array_equal(first[0], first[1])  # 'noise' is a stream of its own, not 'dropout''s key
+    assert not np.array_equal(first, second)  # another step, other keys
+    np.testing.assert_array_equal(seen(0, 2)[1], second)  # the same rng, the same draws
+    assert not np.array_equal(seen(1, 2)[1], second)
+    # A module holding its own streams (Dropout(..., rngs=)): their counts are carried, so masks differ each step.
+    module = nnx_models.MLP(nnx.Rngs(0), dropout=0.5)
+    task = fs.TrainTask(apply=module, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(3, 8))
+    records = list(fs.TrainLoop(init=module, task=task, rng=0, n_steps=3, stdout=False))
+    counts = [int(record.state.flax_mutables["rng_count"]["dropout"]["rngs"]["count"]) for record in records]
+    assert counts == [1, 2, 3]
+
+
+def test_wrt_trains_the_variables_it_selects_and_carries_the_rest_unchanged():
+    class Adapted(nnx.Module):
+        def __init__(self, rngs):
+            self.lora = nnx.LoRA(4, 2, 1, base_module=nnx.Linear(4, 1, rngs=rngs), rngs=rngs)
+
+        def __call__(self, x):
+            return self.lora(x)[:, 0]
+
+    module = Adapted(nnx.Rngs(0))
+    base = np.asarray(module.lora.base_module.kernel[...]).copy()
+    task = fs.TrainTask(
+        apply=module, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8), wrt=nnx.LoRAParam
+    )
+    record = list(fs.TrainLoop(init=module, task=task, rng=0, n_steps=4, stdout=False))[-1]
+    assert set(jax.tree.leaves(jax.tree.map(lambda _: 1, record.state.params))) == {1}
+    assert sorted(record.state.params["lora"]) == ["lora_a", "lora_b"]
+    np.testing.assert_array_equal(record.state.flax_mutables["frozen_params"]["lora"]["base_module"]["kernel"], base)
+    assert not np.array_equal(record.state.params["lora"]["lora_b"], np.zeros((2, 1)))
+    fs.nnx_update(module, record)
+    np.testing.assert_array_equal(module.lora.base_module.kernel[...], base)
+
+
+@pytest.mark.filterwarnings("ignore:no axis rule names")  # the data-parallel plan's: the annotations unused
+def test_sharding_annotations_are_the_state_s_logical_axes_in_the_plan():
+    class Annotated(nnx.Module):
+        def __init__(self, rngs):
+            kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+            self.linear = nnx.Linear(4, 64, kernel_init=kernel, use_bias=False, rngs=rngs)
+            out = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("hidden", "embed"))
+            self.out = nnx.Linear(64, 1, kernel_init=out, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.linear(x)))[:, 0]
+
+    with nnx.use_eager_sharding(False):  # the annotations as metadata (no mesh at construction)
+        module = Annotated(nnx.Rngs(0))
+    task = fs.TrainTask(apply=module, optimizer=optax.adam(1e-3), loss=toy.mse, data=toy.batches(2, 8))
+    rules = [("batch", "fsdp"), ("hidden", "fsdp"), ("embed", None)]
+    sharded = fs.plan(module, task, target="cpu:4", mesh_shape={"fsdp": 4}, axis_rules=rules)
+    replicated = fs.plan(module, task, target="cpu:4")
+    assert sharded.per_device["params"] * 4 == replicated.per_device["params"] == (4 * 64 + 64) * 4
+
+
+def test_the_loop_holds_one_copy_of_the_parameters_once_the_module_goes():
+    class Wide(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(512, 2048, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x).mean(axis=1)
+
+    def live_bytes():
+        gc.collect()
+        return sum(array.nbytes for array in jax.live_arrays())
+
+    before = live_bytes()
+    module = Wide(nnx.Rngs(0))
+    task = fs.TrainTask(
+        apply=module,
+        optimizer=optax.sgd(1e-3),
+        loss=toy.mse,
+        data=[(np.ones((8, 512), np.float32), np.ones((8,), np.float32))] * 4,
+    )
+    loop = fs.TrainLoop(init=module, task=task, rng=0, n_steps=2, stdout=False)
+    kernel = 512 * 2048 * 4
+    del module
+    held = live_bytes() - before
+    assert kernel <= held < 1.2 * kernel, (held, kernel)  # three copies before (96.5 MiB of a 32 MiB kernel)
+    assert loop.step == 0
+
+
+def test_an_annotated_module_trains_fsdp_over_two_processes_each_holding_half_and_ends_as_one_device():
+    # Two gloo processes, a mesh fsdp=2 from the module's own annotations and the rules; one process on one device.
+    results = []
+    for n_processes in (2, 1):
+        outputs = processes.run("nnx_sharded", {}, n_processes=n_processes, timeout=240)
+        line = next(line for line in outputs[0].splitlines() if line.startswith("result "))
+        results.append(json.loads(line.removeprefix("result ")))
+    sharded, single = results
+    assert sharded["spec"][:2] == ["None", "fsdp"] and sharded["held"] * 2 == sharded["kernel"]
+    assert single["held"] == single["kernel"]
+    for path, values in single["final"].items():
+        np.testing.assert_allclose(sharded["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_plain_orbax_reads_an_nnx_run_s_step_with_the_documented_template(tmp_path):
+    module = nnx_models.CNN(rngs=nnx.Rngs(0))
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        for record in cnn_loop(module, n_steps=4, n_steps_per_checkpoint=4):
+            writer(record)
+    # docs/guides/nnx.md: an abstract module built alike, the step's layout as the template, plain orbax.
+    abstract = nnx.eval_shape(lambda: nnx_models.CNN(rngs=nnx.Rngs(0)))
+    template = {
+        "target": nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+        "flax_mutables": {
+            "batch_stats": nnx.to_pure_dict(nnx.state(abstract, nnx.BatchStat)),
+            "calls": nnx.to_pure_dict(nnx.state(abstract, nnx_models.Calls)),
+        },
+    }
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "4" / "model", template)
+    expected = {"target": record.state.params, "flax_mutables": record.state.flax_mutables}
+    for path, value in fs.tree_paths.flatten(expected).items():
+        np.testing.assert_array_equal(fs.tree_paths.flatten(restored)[path], value, err_msg=path)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import settings, train_state, tree_paths
+from flaxstate import nnx, settings, train_state, tree_paths
 from flaxstate.checkpoint import budget, damage, steps, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.errors import CheckpointError
@@ -270,7 +270,9 @@ class CheckpointFileReader:
 
         Args:
             state: a `FlaxOptimTrainState`, or an `InferenceState` (which
-                reads no optimizer state from disk).
+                reads no optimizer state from disk), or an `nnx.Module`
+                (its Variables get the checkpoint's values in place, and it is
+                returned: `flaxstate.nnx.nnx_update`).
             use_ema: an `InferenceState` gets the checkpoint's EMA of the
                 parameters (`state/ema`, `TrainTask(ema_decay=...)`) as its
                 parameters, in their dtypes and shardings; of the optimizer's
@@ -280,6 +282,9 @@ class CheckpointFileReader:
             CheckpointError: there is no checkpoint to restore, or (with
                 `use_ema`) it holds no EMA, or `state` is not an `InferenceState`.
         """
+        if nnx.is_module(state):  # an NNX module: its Variables, in place
+            return nnx.nnx_update(state, self, use_ema=use_ema)
+        nnx.refuse_nnx_object(state, "CheckpointFileReader.restore")  # nnx.state(model): the module goes there
         if use_ema and getattr(state, "param_states", None) is not None:
             raise CheckpointError(
                 "restore(use_ema=True) takes an InferenceState (the EMA becomes its parameters); a training "

@@ -60,8 +60,13 @@ def _nothing() -> None:
 class DataStream:
     """Batches drawn one by one from a task's data, held until trained, with a saveable position."""
 
-    def __init__(self, data: Iterable[Any], task_name: str, on_draw: Callable[[], None] | None = None) -> None:
-        """Wraps `data`; `on_draw` is called after each batch drawn from it (a sign of progress for a watchdog)."""
+    def __init__(
+        self, data: Iterable[Any], task_name: str, on_draw: Callable[[], None] | None = None, whole: bool = False
+    ) -> None:
+        """Wraps `data`; `on_draw` is called after each batch drawn from it (a sign of progress for a watchdog);
+        `whole`: its batches go to the loss whole (NNX's `loss_fn(model, batch)`), not split (`batching.normalize`).
+        """
+        self.whole = whole
         self._data = data
         self._task_name = task_name
         self._on_draw = on_draw or _nothing

@@ -117,8 +117,9 @@ class EvalLoop:
         self._use_ema = use_ema
         self._placement = placement.create(sharding.resolve("EvalLoop", partitioning, devices, mesh, axis_rules))
         self._iterator = iter(task.data)
+        apply, metrics = task.eval_functions()
         self._eval_step = make_eval_step(
-            task.apply, task.metrics, self._rng_collections, self._placement.across, jax.random.key_impl(self._rng)
+            apply, metrics, self._rng_collections, self._placement.across, jax.random.key_impl(self._rng)
         )
         self._compiled: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         """The state's shardings and compiled evaluation by its structure and shapes (one, unless several models
@@ -185,9 +186,9 @@ class EvalLoop:
         for index in range(self._n_steps):
             if noticed is not None and noticed():
                 return self._cut_short(checkpoint, totals, n_examples, index)
-            batch = batching.normalize(self._next_batch(), "EvalTask")
+            batch = batching.normalize(self._next_batch(), "EvalTask", whole=self._task.whole_batches)
             self._placement.check_batch(batch, "EvalTask")
-            size = self._placement.global_batch_size(int(np.shape(batch[0][0])[0]))
+            size = self._placement.global_batch_size(batching.local_size(batch))
             rng_data = self._batch_rng_data(int(checkpoint.step), index)
             values = evaluate(state, self._placement.to_devices(batch, stacked=False), rng_data)
             weighted = jax.tree.map(lambda value, size=size: value * size, values)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxstate import private_apis
 from flaxstate.train_state import FlaxOptimTrainState
@@ -167,11 +168,15 @@ class SegmentRunner:
             )
         resumed_at = time.perf_counter()
         compiled_before = compiling.seconds()
+        overlapped = 0.0
+        """The compile seconds that ran at once (`compile_ahead`) beyond the wall-clock time they took."""
         try:
-            if not self._flops_counted:  # compiles the one-step update ahead of its first dispatch
+            if not self._flops_counted:  # compiles the first segment's programs ahead of its dispatches, at once
                 self._watchdog.enter(Phase.COMPILING_ONE_STEP)
                 self._program.flops_per_step(self._global_batch, self.rng_data)
-                self._program.xla_flops_per_step(self._global_batch, self.rng_data)
+                began, counted = time.perf_counter(), compiling.seconds()
+                self._program.compile_ahead(self._global_batch, self.rng_data, list(sizes))
+                overlapped = max(0.0, compiling.seconds() - counted - (time.perf_counter() - began))
                 self._flops_counted = True
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads, fingerprint = self._dispatch_until(sizes, total, segment)
@@ -179,7 +184,7 @@ class SegmentRunner:
             first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
-            segment.compile += compiling.seconds() - compiled_before
+            segment.compile += compiling.seconds() - compiled_before - overlapped
         self._segment = None
         if first_nonfinite is not None:
             raise nonfinite.error(first_nonfinite, self._patience)
@@ -197,7 +202,7 @@ class SegmentRunner:
         """Checks a batch's split over the placement and into microbatches, once per shape."""
         if not self._checking:
             return
-        shapes = tuple([array.shape for part in batch for array in part])
+        shapes = tuple([np.shape(array) for array in jax.tree.leaves(batch)])
         if shapes not in self._checked_shapes:
             self._placement.check_batch(batch, "TrainTask", self._n_microbatches)
             self._checked_shapes.add(shapes)
@@ -209,9 +214,11 @@ class SegmentRunner:
         start = time.perf_counter()
         try:
             if n_steps == 1:
-                batch = batching.normalize(self._data.next(), "TrainTask")
+                batch = batching.normalize(self._data.next(), "TrainTask", whole=self._data.whole)
             else:
-                batches = [batching.normalize(each, "TrainTask") for each in self._data.take(n_steps)]
+                batches = [
+                    batching.normalize(each, "TrainTask", whole=self._data.whole) for each in self._data.take(n_steps)
+                ]
         finally:
             self._signals.in_data = False
             self._clock.drew(start, time.perf_counter(), waits)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxstate import nnx
 from flaxstate.global_batches import GlobalBatches
 from flaxstate.records import CheckpointFile, format_bytes
 from flaxstate.train_state import FlaxOptimTrainState
@@ -132,10 +133,10 @@ def first_look(
             parallelism), naming both.
     """
     check_split(task.data, placement)
-    data = DataStream(task.data, "TrainTask", on_draw)
-    batch = batching.normalize(data.peek(), "TrainTask")
+    data = DataStream(task.data, "TrainTask", on_draw, whole=task.whole_batches)
+    batch = batching.normalize(data.peek(), "TrainTask", whole=data.whole)
     placement.check_batch(batch, "TrainTask", n_microbatches)
-    local_size = int(np.shape(batch[0][0])[0])
+    local_size = batching.local_size(batch)
     device_batch = local_size // placement.n_local_parts
     if max_device_batch is not None:
         n_microbatches = microbatches_for(device_batch, max_device_batch)
@@ -268,6 +269,41 @@ def state_maker(
     return create
 
 
+def fresh(
+    model_init: Any, task: TrainTask, init_names: tuple[str, ...], rng: jax.Array, sample: Sequence[Any]
+) -> tuple[Callable[..., FlaxOptimTrainState], tuple[Any, ...]]:
+    """How a fresh state is made: `create(*arguments)`, to compile where the state is placed.
+
+    A linen `init`: `create(rng, *sample)` (`state_maker`). An `nnx.Module`:
+    `create(variables)` of the module's values, passed in (never closed
+    over, so no compiled program keeps a copy of them).
+
+    Raises:
+        TypeError: a module with a task whose apply is not that module's graph, or the reverse, naming both.
+        StateMismatchError: a module whose Variables differ from the task's module.
+    """
+    model = task.nnx_model
+    nnx.refuse_nnx_object(model_init, "TrainLoop(init=...)")
+    if nnx.is_module(model_init):
+        if model is None:
+            raise TypeError(
+                f"TrainLoop(init=) is an nnx.Module ({type(model_init).__name__}), but TrainTask(apply=) is not: "
+                "give the module to both, TrainTask(apply=model) and TrainLoop(init=model)."
+            )
+        variables = model.variables_of(model_init)
+
+        def create(variables: Any) -> FlaxOptimTrainState:
+            return FlaxOptimTrainState.create(task.optimizer, variables, _loss_scale(task), task.ema_decay)
+
+        return create, (variables,)
+    if model is not None:
+        raise TypeError(
+            f"TrainTask(apply=) is an nnx.Module ({model.module_type.__name__}): give the module as "
+            "TrainLoop(init=model) (or as CheckpointFileReader(dir, target=model)), not an init function."
+        )
+    return state_maker(model_init, task, init_names), (jax.random.fold_in(rng, 0), *sample)
+
+
 def _loss_scale(task: TrainTask) -> scaling.LossScale | None:
     return None if task.loss_scale is None else scaling.LossScale.create(task.loss_scale)
 
@@ -289,21 +325,19 @@ def _state(
         if restored is None:
             raise ValueError("TrainLoop needs init: a model's init, or a reader with a checkpoint or a target.")
         return _from_state_dict(task, placement, restored.state), restored, time.perf_counter() - began
-    init_rng = jax.random.fold_in(rng, 0)
-    per_device = [np.asarray(x)[: max(1, len(x) // placement.n_local_devices)] for x in inputs]
-    create = state_maker(model_init, task, init_names)
-
-    shardings = placement.state_shardings(jax.eval_shape(create, init_rng, *per_device))
-    fresh = jax.jit(create, out_shardings=shardings)
+    per_device = jax.tree.map(lambda x: np.asarray(x)[: max(1, len(x) // placement.n_local_devices)], list(inputs))
+    create, arguments = fresh(model_init, task, init_names, rng, per_device)
+    shardings = placement.state_shardings(jax.eval_shape(create, *arguments))
+    made = jax.jit(create, out_shardings=shardings)
     if reader is None:
-        return fresh(init_rng, *per_device), None, 0.0
+        return made(*arguments), None, 0.0
     # The template is abstract: a resumed run never holds a fresh state beside the restored one.
     began = time.perf_counter()
-    restored = reader.read(CheckpointFile(state=fresh.eval_shape(init_rng, *per_device), step=0, rng=rng))
+    restored = reader.read(CheckpointFile(state=made.eval_shape(*arguments), step=0, rng=rng))
     read_seconds = time.perf_counter() - began
     if restored is None:
         progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
-        return fresh(init_rng, *per_device), None, read_seconds
+        return made(*arguments), None, read_seconds
     return restored.state, restored, read_seconds
 
 

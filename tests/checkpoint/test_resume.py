@@ -130,6 +130,23 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted,
         assert resume["verdict"] in ("bit-exact", "nothing replayed"), resume
 
 
+def test_an_nnx_module_killed_mid_save_resumes_bit_for_bit_with_its_streams_and_own_variables(tmp_path):
+    # The module itself (TrainLoop(init=module), CheckpointFileReader(dir, target=module)): its parameters, the
+    # counts of its own dropout stream and a Variable of the user's own are saved and restored.
+    config = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep": 2, "nnx": True}
+    reference, _ = run(tmp_path, "reference", resume=False, **config)
+    assert (
+        int(reference["flax_mutables/calls/calls"]) == 40
+        and int(reference["flax_mutables/rng_count/dropout/rngs/count"]) == 40
+    )
+    run_and_kill(tmp_path, "killed", after_record=20, delay=0.05, **config)
+    resumed, output = run(tmp_path, "killed", **config)
+    assert 10 <= int(output.split("start ")[1].split()[0]) < 40, output
+    assert_same(resumed, reference)
+    status, (resume,) = audit(tmp_path / "killed")
+    assert status == 0 and resume["verdict"] in ("bit-exact", "nothing replayed"), resume
+
+
 def test_a_resume_audit_names_the_first_step_that_differs_and_why(tmp_path):
     # Killed after its record of step 20 (or of 25, where the kill came late), with step 10 its newest checkpoint:
     # each resume replays 11-20 at least, from a copy of the killed run. The same settings replay bit for bit;

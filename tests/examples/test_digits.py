@@ -20,6 +20,16 @@ def test_example_trains_checkpoints_and_resumes(digits_run):
     assert list(output_dir.glob("events.out.tfevents.*"))
 
 
+def test_the_example_with_an_nnx_module_trains_checkpoints_and_resumes(tmp_path):
+    first = run_example(tmp_path / "nnx", 20, "--api", "nnx")
+    assert "Total number of trainable weights: 9,866" in first and "step 20: eval/acc" in first  # linen's MLP's
+    second = run_example(tmp_path / "nnx", 40, "--api", "nnx")
+    assert "Resumed from the checkpoint at step 20." in second and "step 40: eval/acc" in second
+    restored = fs.CheckpointFileReader(tmp_path / "nnx").read(None)
+    assert restored.step == 40 and sorted(restored.state["flax_mutables"]) == ["batch_stats"]
+    assert restored.metadata["api"] == "nnx"
+
+
 def test_the_resumed_example_ends_bit_for_bit_as_an_uninterrupted_run(digits_run, tmp_path):
     resumed_dir, _, _ = digits_run
     run_example(tmp_path / "straight", 40)

@@ -15,9 +15,24 @@ def test_every_accepted_form_normalizes_to_two_tuples_and_others_are_named():
     assert batching.normalize(((X, X), (Y,)), "TrainTask") == ((X, X), (Y,))
     assert batching.normalize(((X,), ()), "TrainTask") == ((X,), ())
     assert batching.normalize([X, [Y]], "TrainTask") == ((X,), (Y,))
-    for bad, described in [({"x": X}, "dict"), ((X, "label"), r"\(array\[8, 3\], str\)"), (((), (Y,)), r"\(\(\)")]:
+    for bad, described in [
+        ({"x": X}, r"\{'x': array\[8, 3\]\}"),
+        ((X, "label"), r"\(array\[8, 3\], str\)"),
+        (((), (Y,)), r"\(\(\)"),
+    ]:
         with pytest.raises(ValueError, match=rf"EvalTask.data yielded a batch of the wrong structure: {described}"):
             batching.normalize(bad, "EvalTask")
+    # Whole (NNX's loss_fn(model, batch)): any tree of arrays with a batch axis, as it came; else named.
+    assert batching.normalize({"image": X, "label": Y}, "TrainTask", whole=True) == (({"image": X, "label": Y},), ())
+    with pytest.raises(ValueError, match=r"A batch for loss_fn\(model, batch\) is any tree of arrays"):
+        batching.normalize({"image": X, "label": "seven"}, "TrainTask", whole=True)
+
+
+def test_k_whole_batches_stack_leaf_by_leaf_and_unequal_ones_are_named():
+    stacked = batching.stack([(({"image": X, "label": Y},), ())] * 3, first_step=1)
+    assert stacked[0][0]["image"].shape == (3, 8, 3) and stacked[0][0]["label"].shape == (3, 8)
+    with pytest.raises(ValueError, match="steps 1-2"):
+        batching.stack([(({"image": X},), ()), (({"image": X[:4]},), ())], first_step=1)
 
 
 def test_a_batch_must_divide_over_the_devices_and_then_into_microbatches():

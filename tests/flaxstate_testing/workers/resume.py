@@ -29,10 +29,19 @@ from jax.experimental import multihost_utils  # noqa: E402
 import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
 
-if config.get("width") is None:
-    model = toy.BatchNormNet()
+if config.get("nnx"):  # the module itself: its own dropout streams and a Variable of the user's own, carried
+    from flax import nnx  # noqa: E402
+
+    from flaxstate_testing import nnx_models  # noqa: E402
+
+    module = nnx_models.MLP(nnx.Rngs(0), width=config.get("width") or 16, dropout=0.25, calls=True)
+    model_init, model_apply = module, module
 else:
-    model = (toy.ShardedMLP if config.get("sharded") else toy.MLP)(width=config["width"])
+    if config.get("width") is None:
+        model = toy.BatchNormNet()
+    else:
+        model = (toy.ShardedMLP if config.get("sharded") else toy.MLP)(width=config["width"])
+    model_init, model_apply = model.init, model.apply
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)) if config.get("sharded") else None
 global_batches = toy.batches(64, config.get("global_batch", 8), seed=1)
 x = np.concatenate([b[0] for b in global_batches])
@@ -136,13 +145,13 @@ optimizer = optax.sgd(0.05, momentum=0.9) if config.get("optimizer") == "sgd" el
 loop = fs.TrainLoop(
     init=fs.CheckpointFileReader(
         [local_dir, output_dir] if local_dir else output_dir,
-        target=model.init,
+        target=model_init,
         host_memory_budget=config.get("budget"),
     )
     if config.get("resume", True)
-    else model.init,
+    else model_init,
     task=fs.TrainTask(
-        apply=model.apply, optimizer=optimizer, loss=toy.mse, data=data, ema_decay=config.get("ema_decay")
+        apply=model_apply, optimizer=optimizer, loss=toy.mse, data=data, ema_decay=config.get("ema_decay")
     ),
     rng=jax.random.key(0),
     n_steps=config["n_steps"],
@@ -184,7 +193,7 @@ if config.get("slow_eval"):  # an evaluation of 40 batches, `slow_eval` seconds 
             yield toy.batches(1, 8, seed=2)[0]
 
     evaluate = fs.EvalLoop(
-        fs.EvalTask(apply=model.apply, metrics={"mse": toy.mse}, data=slow_eval_data()), rng=0, n_steps=40
+        fs.EvalTask(apply=model_apply, metrics={"mse": toy.mse}, data=slow_eval_data()), rng=0, n_steps=40
     )
     train_only = process
 
@@ -213,6 +222,7 @@ flat = fs.tree_paths.flatten(final.state_dict())
 if mesh is not None:  # the whole of each array, on every process
     flat = multihost_utils.process_allgather(flat, tiled=True)
 if jax.process_index() == 0:
-    flat = {k: np.asarray(v) for k, v in flat.items()}
+    is_key = {k: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) for k, v in flat.items()}  # an NNX stream's
+    flat = {k: np.asarray(jax.random.key_data(v) if is_key[k] else v) for k, v in flat.items()}
     np.savez(Path(config["out"]), **flat)
 print("done", loop.step, flush=True)

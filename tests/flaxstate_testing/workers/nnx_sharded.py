@@ -1,0 +1,62 @@
+"""Trains an NNX module annotated as Flax's GSPMD guide does (`nnx.with_partitioning`) over a mesh of the
+processes' devices (`fsdp`), the annotations its logical axes; prints one `result {json}` line from process 0:
+the bytes of the kernel's shards each process holds against the kernel's, its partition spec, and the final
+parameters (whole, gathered) and batch statistics."""
+
+from __future__ import annotations
+
+import json
+
+from flaxstate_testing.workers.common import setup
+
+config = setup()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import flaxstate as fs  # noqa: E402
+from flaxstate_testing import toy  # noqa: E402
+
+
+class Annotated(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        hidden = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+        self.linear = nnx.Linear(4, 64, kernel_init=hidden, use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(64, rngs=rngs)
+        out = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("hidden", "embed"))
+        self.out = nnx.Linear(64, 1, kernel_init=out, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(nnx.relu(self.norm(self.linear(x))))[:, 0]
+
+
+with nnx.use_eager_sharding(False):  # the annotations as metadata: the loop places the state
+    module = Annotated(nnx.Rngs(0))
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
+rules = (("batch", "fsdp"), ("hidden", "fsdp"), ("embed", None))
+examples = toy.batches(16, 8, seed=3)
+x = np.concatenate([batch[0] for batch in examples])
+y = np.concatenate([batch[1] for batch in examples])
+data = fs.global_batches((x, y), batch_size=8, mesh=mesh, axis_rules=rules, shuffle=False)
+task = fs.TrainTask(apply=module, optimizer=optax.adam(1e-2), loss=lambda o, t: jnp.mean((o - t) ** 2), data=data)
+loop = fs.TrainLoop(
+    init=module, task=task, rng=0, n_steps=6, stdout=False, mesh=mesh, axis_rules=rules, record_memory="device"
+)
+record = list(loop)[-1]  # its state on the devices, where it lives
+kernel = record.state.params["linear"]["kernel"]
+held = sum(shard.data.nbytes for shard in kernel.addressable_shards)
+whole = multihost_utils.process_allgather(
+    {"params": record.state.params, "batch_stats": record.state.flax_mutables["batch_stats"]}, tiled=True
+)
+if jax.process_index() == 0:
+    result = {
+        "held": int(held),
+        "kernel": int(kernel.nbytes),
+        "spec": [str(axis) for axis in kernel.sharding.spec],
+        "final": {path: np.asarray(leaf).tolist() for path, leaf in fs.tree_paths.flatten(whole).items()},
+    }
+    print("result", json.dumps(result), flush=True)
