@@ -30,7 +30,7 @@ from tornado import ioloop, websocket
 
 DOCS = Path(__file__).parents[1]
 SITE = DOCS / "_build" / "html"
-PAGES = ["index.html", "api.html", "tutorials/first_run.html", "tutorials/two_tiers.html"]
+PAGES = ["index.html", "api.html", "tutorials/first_run.html", "tutorials/nnx_mnist.html", "tutorials/two_tiers.html"]
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
