@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import command_line, processes
 
 from flaxstate import goodput
 from flaxstate.checkpoint import ledger
@@ -20,13 +20,8 @@ CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep"
 
 
 def goodput_json(run_dir):
-    done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", "goodput", str(run_dir), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    done = command_line.run_here("goodput", run_dir, "--json")
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import buckets, processes, toy
+from flaxstate_testing import buckets, command_line, processes, toy
 from flaxstate_testing.checkpoints import assert_same, read_beside_a_rotating_writer
 
 import flaxstate as fs
@@ -72,6 +72,7 @@ def start_start(output: str) -> int:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m flaxstate ARGS` as a user runs it, in a process of its own."""
     return subprocess.run(
         [sys.executable, "-m", "flaxstate", *args],
         env=processes.worker_env(),
@@ -108,7 +109,7 @@ def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(bucket, re
     assert len(folders["goodput-sessions"]) == 2  # one ledger object a session, both kept
 
     # The command line on the bucket: the ledger's two sessions, the steps with their bytes, one step.
-    report = cli("goodput", url, "--json")
+    report = command_line.run_here("goodput", url, "--json")
     assert report.returncode == 0, report.stderr
     sessions = json.loads(report.stdout)["sessions"]
     assert [session["restored_step"] for session in sessions] == [None, newest]
@@ -116,13 +117,13 @@ def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(bucket, re
     assert audited.returncode == 0, audited.stdout + audited.stderr
     (resume,) = json.loads(audited.stdout)["resumes"]
     assert resume["from_step"] == newest and resume["verdict"] in ("bit-exact", "nothing replayed"), resume
-    listing = cli("ls", url)
+    listing = command_line.run_here("ls", url)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines() if line.split()[1:2] in (["30"], ["40"])]
     assert len(rows) == 2 and all(row[5] == "MB" and float(row[4]) > 1 for row in rows), listing.stdout
-    shown = cli("show", url, "--step", "30")
+    shown = command_line.run_here("show", url, "--step", "30")
     assert shown.returncode == 0 and f"{url}/30" in shown.stdout, shown.stdout + shown.stderr
-    compared = cli("diff", url, url, "--step-a", "30", "--step-b", "40")
+    compared = command_line.run_here("diff", url, url, "--step-a", "30", "--step-b", "40")
     assert compared.returncode == 1 and "step" in compared.stdout, compared.stdout + compared.stderr  # 10 steps apart
 
 

@@ -3,13 +3,11 @@
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import command_line, processes
 
 
 def run(tmp_path, name, **config):
@@ -45,13 +43,7 @@ def test_resume_with_steps_per_dispatch(tmp_path):
 
 def audit(run_dir):
     """`flaxstate audit RUN --json`: its exit status and each resume's verdict."""
-    done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", "audit", str(run_dir), "--json"],
-        env=processes.worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = command_line.run_here("audit", run_dir, "--json")
     assert done.returncode in (0, 1, 3), done.stderr
     return done.returncode, json.loads(done.stdout)["resumes"]
 
