@@ -7,15 +7,21 @@ survive crashes and restore anywhere.
 
 from flaxstate import launch as _launch  # noqa: F401  (registers `flaxstate launch`'s processes with JAX)
 from flaxstate.checkpoint import (
+    AutoInterval,
     BestPolicy,
     CheckpointError,
     CheckpointFileReader,
     CheckpointFileWriter,
     CheckpointSaveError,
+    Continuous,
+    EveryRecord,
+    EverySeconds,
     HighestCheckpointFileReader,
     HighestCheckpointFileWriter,
     LowestCheckpointFileReader,
     LowestCheckpointFileWriter,
+    RunHistory,
+    SavePolicy,
 )
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions, nnx_update
@@ -29,6 +35,7 @@ from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMism
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
 
 __all__ = [
+    "AutoInterval",
     "AxisRules",
     "BatchLayout",
     "BestPolicy",
@@ -39,8 +46,11 @@ __all__ = [
     "CheckpointFileWriter",
     "CheckpointSaveError",
     "CheckpointSource",
+    "Continuous",
     "EvalLoop",
     "EvalTask",
+    "EveryRecord",
+    "EverySeconds",
     "FlaxOptimTrainState",
     "GlobalBatches",
     "HighestCheckpointFileReader",
@@ -50,6 +60,8 @@ __all__ = [
     "LowestCheckpointFileWriter",
     "Partitioning",
     "Plan",
+    "RunHistory",
+    "SavePolicy",
     "Session",
     "StateMismatchError",
     "Summary",

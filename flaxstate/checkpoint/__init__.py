@@ -1,6 +1,7 @@
-"""Checkpoints on orbax: writers, readers, the best-checkpoint policy, and what a run directory holds."""
+"""Checkpoints on orbax: writers, readers, the save and best-checkpoint policies, and what a run directory holds."""
 
 from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.policies import AutoInterval, Continuous, EveryRecord, EverySeconds, RunHistory, SavePolicy
 from flaxstate.checkpoint.readers import (
     CheckpointFileReader,
     HighestCheckpointFileReader,
@@ -14,13 +15,19 @@ from flaxstate.checkpoint.writers import (
 )
 
 __all__ = [
+    "AutoInterval",
     "BestPolicy",
     "CheckpointError",
     "CheckpointFileReader",
     "CheckpointFileWriter",
     "CheckpointSaveError",
+    "Continuous",
+    "EveryRecord",
+    "EverySeconds",
     "HighestCheckpointFileReader",
     "HighestCheckpointFileWriter",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
+    "RunHistory",
+    "SavePolicy",
 ]

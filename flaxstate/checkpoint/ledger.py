@@ -51,6 +51,8 @@ from typing import IO, Any
 import jax
 
 from flaxstate import audit, settings
+from flaxstate.checkpoint.policies import RunHistory
+from flaxstate.checkpoint.schedule import IntervalChange
 from flaxstate.goodput import SessionEvents, sessions_of
 from flaxstate.locations import as_path, is_url
 from flaxstate.records import MEMORY_FIELDS, Checkpoint
@@ -129,17 +131,6 @@ def _newest_run(events: list[dict[str, Any]]) -> str | None:
     return next((event["run_id"] for event in reversed(events) if isinstance(event.get("run_id"), str)), None)
 
 
-_HISTORIES: dict[str, tuple[int, float]] = {}
-"""Each run's failures and seconds of running before this process's session, as its ledger read them."""
-
-
-def history(run_id: str | None) -> tuple[int, float] | None:
-    """The failures (sessions that ended without their final or preempted record) and the seconds of running of a
-    run's sessions before this process's, as the run directory's writer read them in this process (at its first
-    record); `None` where no ledger of the run was read here yet (a local tier's writer asks, every few records)."""
-    return None if run_id is None else _HISTORIES.get(run_id)
-
-
 def run_of(run_dir: str | Path) -> str | None:
     """The run that a run directory's ledger belongs to (its newest event's), or `None` where it has none."""
     try:
@@ -171,6 +162,9 @@ class Ledger:
         """The sessions before this one (read at a resumed session's first record), for its audit."""
         self._mine: SessionEvents | None = None
         """This session's events, while its replay is audited (then `None`)."""
+        self.history: RunHistory | None = None
+        """The run's failures (sessions that ended without their final or preempted record) and seconds of
+        running before this session, once read at the session's first record (on the primary process)."""
         self._replay_end: int | None = None
         """The newest step that the sessions before this one recorded: this one's replay ends there."""
 
@@ -198,7 +192,7 @@ class Ledger:
             }
             if session.restored_step is not None:
                 self._begin_audit(started)
-            _HISTORIES[checkpoint.run_id] = (
+            self.history = RunHistory(
                 sum(not earlier.ended for earlier in self._earlier),
                 sum(max(earlier.last_time - float(earlier.start["time"]), 0.0) for earlier in self._earlier),
             )
@@ -259,10 +253,10 @@ class Ledger:
             self._append({"event": "save", "step": step, "blocking": blocking})
             self._completed(completed)
 
-    def cadence(self, change: dict[str, Any]) -> None:
-        """Logs a change of `every="auto"`'s interval, with its inputs (`flaxstate.checkpoint.schedule`)."""
+    def cadence(self, change: IntervalChange) -> None:
+        """Logs a change of `AutoInterval`'s interval, with its inputs (`flaxstate.checkpoint.schedule`)."""
         if self._primary and self._run_id is not None:
-            self._append({"event": "cadence", **change})
+            self._append({"event": "cadence", **change.event()})
 
     def end(self, checkpoint: Checkpoint, completed: tuple[int, float | None] | None = None) -> None:
         """Logs the end of a session: its final or preempted record is on disk."""

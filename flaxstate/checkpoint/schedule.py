@@ -1,22 +1,12 @@
-"""When a writer saves a record: every record, every few seconds, continuously, or at an interval from the run.
+"""When a writer saves a record: a policy (`flaxstate.checkpoint.policies`) asked at each record.
 
-`CheckpointFileWriter(every=..., every_seconds=..., min_seconds=..., mtbf=...)`:
-
-- `every=None`, `every_seconds=None` (the default): every record it is given.
-- `every_seconds=S`: a record once S seconds have passed since the last save
-  (or since the writer was made).
-- `every="continuous"`: a record whenever no save of the writer's is in flight
-  and at least `min_seconds` have passed since the last one started; a record
-  that comes while a save runs is passed over, so the loop never waits for a
-  save (orbax's `ContinuousCheckpointingPolicy`, MaxText's
-  `enable_continuous_checkpointing`).
-- `every="auto"`: as continuously, at an interval chosen by Young and Daly's
-  rule from the save's measured cost to the training (what the writer's call
-  blocked plus the drag of the save in the background: the records' step
-  time while it ran against while none did) and the failure rate seen in the
-  run's goodput ledger, with `mtbf=` seconds as a prior; bounded below by
-  `min_seconds` and above by `flaxstate.cadence.MAX_SECONDS`. Each change of
-  interval is logged with its inputs (and kept in the ledger).
+`SaveSchedule(policy, clock, history)` holds what the policy needs of the run:
+the last save's time (`EverySeconds`, `Continuous`), and for `AutoInterval`
+the step time of recent records, the windows of recent saves (`SaveWindow`)
+and the run's failures (`RunHistory`, handed over by the writer), from which
+it chooses the interval by Young and Daly's rule (`flaxstate.cadence`); each
+change of interval is an `IntervalChange`, which the writer logs and keeps in
+its ledger.
 
 Final, preempted and requested records are always saved (the writer decides
 that). Under several processes the primary process's decision is every
@@ -26,101 +16,111 @@ process's (the writer broadcasts it).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-from flaxstate import cadence, settings
+from flaxstate import cadence
+from flaxstate.checkpoint.policies import AutoInterval, Continuous, EverySeconds, RunHistory, SavePolicy
 from flaxstate.records import Checkpoint
 
-Every = Literal["continuous", "auto"] | None
-MODES = ("continuous", "auto")
 RECENT_RECORDS = 64
 """The records whose step time the drag of recent saves is measured on."""
 RECENT_SAVES = 8
-"""The saves whose cost `every="auto"` averages (so it follows a cost that changes)."""
+"""The saves whose cost `AutoInterval` averages (so it follows a cost that changes)."""
 RELOG = 0.1
-"""`every="auto"` logs its interval again when it moved by more than this fraction."""
+"""`AutoInterval` logs its interval again when it moved by more than this fraction."""
 
 
-def _optional_seconds(owner: str, name: str, value: Any, zero: bool = False) -> float | None:
-    if zero and settings.is_real(value) and value == 0:
-        return 0.0
-    return settings.optional_seconds(owner, name, value)
+@dataclasses.dataclass
+class SaveWindow:
+    """A recent save, as `AutoInterval` measures its cost (filled in as the save and the records after it go)."""
+
+    step: int
+    start: float
+    """When it started, on the schedule's clock."""
+    blocking: float
+    """The seconds its call blocked the caller."""
+    end: float | None = None
+    """When it ended, once known complete."""
+    cost: float | None = None
+    """Its seconds of training lost (blocking plus drag), once a record after it came; then fixed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalChange:
+    """A new interval of `AutoInterval`'s, with the inputs it came from (what the log line and the ledger's
+    `cadence` event say)."""
+
+    interval: float
+    """The seconds between saves now."""
+    cost: float
+    """The seconds of training a recent save cost, averaged."""
+    mtbf: float
+    """The mean seconds between failures it assumed."""
+    failures: int
+    observed: float
+    """The seconds of running those failures came in."""
+    prior: float | None
+    """The policy's `mtbf`, where given."""
+    expected_loss: float
+    """The seconds a failure is expected to lose at this interval."""
+
+    def event(self) -> dict[str, Any]:
+        """The ledger's `cadence` event's fields."""
+        return dataclasses.asdict(self)
+
+    def line(self, owner: str) -> str:
+        """The log line of the change, with its inputs."""
+        prior = "" if self.prior is None else f", prior mtbf={self.prior:.0f} s"
+        rule = cadence.young_daly(self.cost, self.mtbf)
+        bounded = "" if math.isclose(self.interval, rule) else f" (bounded; the rule gives {rule:.1f} s)"
+        return (
+            f"{owner}: saving every {self.interval:.1f} s{bounded} = sqrt(2 x {self.cost:.3f} s a save costs "
+            f"x {self.mtbf:.0f} s between failures: {self.failures} in {self.observed:.0f} s of running"
+            f"{prior}); a failure is expected to lose {self.expected_loss:.1f} s"
+        )
 
 
 class SaveSchedule:
-    """A writer's choice of which records to save (see the module).
+    """A writer's choice of which records to save, by its policy (see the module).
 
     Args:
-        owner: the writer's name, for errors.
-        every: `None`, `"continuous"` or `"auto"`.
-        every_seconds: seconds between saves (with `every=None` only).
-        min_seconds: the least seconds between the starts of two saves (with `every`).
-        mtbf: a prior of the mean seconds between failures (with `every="auto"`).
+        policy: when to save (`flaxstate.checkpoint.policies`).
         clock: the monotonic clock the seconds are measured on.
-        history: the run's failures and seconds of running before this
-            session, where known (`flaxstate.checkpoint.ledger.history`), asked
-            at each decision.
-
-    Raises:
-        ValueError: an unknown `every`, seconds that are not positive numbers,
-            `every_seconds` with `every`, `min_seconds` without it, `mtbf` without `every="auto"`.
+        history: the run's failures and seconds of running before this session, where known, asked at each
+            decision of an `AutoInterval` (the writer hands over its ledger's, or the policy's own).
     """
 
     def __init__(
         self,
-        owner: str,
-        every: Every,
-        every_seconds: float | None,
-        min_seconds: float | None,
-        mtbf: float | None,
+        policy: SavePolicy,
         clock: Callable[[], float],
-        history: Callable[[], tuple[int, float] | None] = lambda: None,
+        history: Callable[[], RunHistory | None] = lambda: None,
     ) -> None:
-        if every is not None and every not in MODES:
-            raise ValueError(
-                f"{owner} every must be None (every record), 'continuous' or 'auto', got {every!r}; "
-                "every_seconds= saves at a fixed time interval."
-            )
-        self.every_seconds = _optional_seconds(owner, "every_seconds", every_seconds)
-        self.min_seconds = _optional_seconds(owner, "min_seconds", min_seconds, zero=True)
-        self.mtbf = _optional_seconds(owner, "mtbf", mtbf)
-        if every is not None and self.every_seconds is not None:
-            raise ValueError(
-                f"{owner} got every={every!r} and every_seconds={every_seconds!r}: both set when to save. Give "
-                f"one; min_seconds= is the least time between saves with every={every!r}."
-            )
-        if every is None and self.min_seconds is not None:
-            raise ValueError(
-                f"{owner} got min_seconds={min_seconds!r} without every=: it bounds every='continuous' and "
-                "every='auto'. Add one, or give every_seconds= for a fixed interval."
-            )
-        if every != "auto" and self.mtbf is not None:
-            raise ValueError(
-                f"{owner} got mtbf={mtbf!r} with every={every!r}: the mean time between failures chooses "
-                "every='auto''s interval. Add every='auto', or leave mtbf out."
-            )
-        self.every = every
+        self.policy = policy
+        self.auto = isinstance(policy, AutoInterval)
+        self.continuous = isinstance(policy, Continuous | AutoInterval)
+        """Whether a record is passed over while a save is in flight."""
+        self.every_record = not self.continuous and not isinstance(policy, EverySeconds)
         self._clock = clock
         self._history = history
         self._created = clock()
         self._last_start: float | None = None
         """When the newest save started (on the clock), or `None` before the first."""
         self._last_save_time = self._created
-        """When the newest save call returned (every_seconds counts from it), or the writer's creation."""
+        """When the newest save call returned (`EverySeconds` counts from it), or the writer's creation."""
         self._intervals: collections.deque[cadence.Interval] = collections.deque(maxlen=RECENT_RECORDS)
-        self._windows: collections.deque[list[Any]] = collections.deque(maxlen=RECENT_SAVES)
-        """`[step, start, end or None, blocking, cost or None]` of the newest saves: `end` once known complete,
-        `cost` once a record after it came (then fixed: a save's figure does not move with later records)."""
+        self._windows: collections.deque[SaveWindow] = collections.deque(maxlen=RECENT_SAVES)
         self.interval: float | None = None
-        """`every="auto"`'s interval now (seconds), once a save's cost is known."""
+        """`AutoInterval`'s interval now (seconds), once a save's cost is known."""
         self._logged: float | None = None
 
     def note(self, checkpoint: Checkpoint) -> None:
-        """Notes a record's training (its step time, for the drag of saves in flight meanwhile: `every="auto"`'s
-        cost; other schedules keep nothing)."""
-        if self.every != "auto":
+        """Notes a record's training (its step time, for the drag of saves in flight meanwhile: `AutoInterval`'s
+        cost; other policies keep nothing)."""
+        if not self.auto:
             return
         interval = cadence.Interval.ending(
             self._clock(), checkpoint.elapsed_time, checkpoint.productive_time, checkpoint.n_completed_steps
@@ -131,35 +131,37 @@ class SaveSchedule:
     def _settle(self, after: float) -> None:
         """Fixes the cost of each save that ended before `after` (a record trained wholly after it has come):
         its blocking plus the drag of the records that it overlapped, against the clean records seen so far."""
-        ended = [window for window in self._windows if window[2] is not None and window[4] is None]
-        if not any(window[2] <= after for window in ended):
+        ended = [window for window in self._windows if window.end is not None and window.cost is None]
+        if not any(window.end <= after for window in ended if window.end is not None):
             return
         intervals = list(self._intervals)
-        spans = [(begin, end if end is not None else math.inf) for _, begin, end, _, _ in self._windows]
+        spans = [(window.start, math.inf if window.end is None else window.end) for window in self._windows]
         drags = cadence.save_drag(intervals, spans)
         for window in ended:
-            if window[2] <= after:
-                _, begin, end, blocking, _ = window
+            if window.end is not None and window.end <= after:
                 overlapped = [
-                    drag for each, drag in zip(intervals, drags, strict=True) if each.end > begin and each.start < end
+                    drag
+                    for each, drag in zip(intervals, drags, strict=True)
+                    if each.end > window.start and each.start < window.end
                 ]
-                window[4] = blocking + sum(overlapped)
+                window.cost = window.blocking + sum(overlapped)
 
-    def due(self, in_flight: bool) -> tuple[bool, dict[str, Any] | None]:
+    def due(self, in_flight: bool) -> tuple[bool, IntervalChange | None]:
         """Whether this process would save the record noted last (`in_flight`: a save of the writer's runs).
 
         Returns:
-            the decision, and `every="auto"`'s new interval with its inputs
-            where it changed (to log; else `None`).
+            the decision, and `AutoInterval`'s new interval with its inputs where it changed (to log; else `None`).
         """
         now = self._clock()
-        if self.every is None:
-            return self.every_seconds is None or now - self._last_save_time >= self.every_seconds, None
+        if isinstance(self.policy, EverySeconds):
+            return now - self._last_save_time >= self.policy.seconds, None
+        if not self.continuous:
+            return True, None
         if in_flight:
             return False, None
-        least = self.min_seconds or 0.0
+        least = self.policy.min_seconds if isinstance(self.policy, Continuous | AutoInterval) else 0.0
         change = None
-        if self.every == "auto":
+        if self.auto:
             change = self._choose(now)
             least = max(least, self.interval or 0.0)
         return self._last_start is None or now - self._last_start >= least, change
@@ -168,54 +170,44 @@ class SaveSchedule:
         """Notes a save that started at `start` (on the clock) and blocked its call `blocking` seconds."""
         self._last_start = start
         self._last_save_time = self._clock()
-        if self.every == "auto":
-            self._windows.append([step, start, None, blocking, None])
+        if self.auto:
+            self._windows.append(SaveWindow(step, start, blocking))
 
     def completed(self, completed: tuple[int, float | None] | None) -> None:
         """Notes the newest save known complete, `(step, seconds from start to end)` (the store's `completed`)."""
         if completed is None or completed[1] is None:
             return
         for window in self._windows:
-            if window[0] == completed[0] and window[2] is None:
-                window[2] = window[1] + completed[1]
+            if window.step == completed[0] and window.end is None:
+                window.end = window.start + completed[1]
 
     def save_cost(self) -> float | None:
         """The seconds of training a recent save cost, averaged: its call's blocking plus its drag (a save still
         running, or whose drag is not known yet, counts its blocking); `None` before the first save."""
         if not self._windows:
             return None
-        return sum(window[4] if window[4] is not None else window[3] for window in self._windows) / len(self._windows)
+        costs = [window.blocking if window.cost is None else window.cost for window in self._windows]
+        return sum(costs) / len(costs)
 
-    def _choose(self, now: float) -> dict[str, Any] | None:
+    def _choose(self, now: float) -> IntervalChange | None:
+        assert isinstance(self.policy, AutoInterval)
         cost = self.save_cost()
         if cost is None:
             return None
-        failures, before = self._history() or (0, 0.0)
-        observed = before + (now - self._created)
-        mean_time = cadence.mtbf(failures, observed, self.mtbf)
+        history = self._history() or RunHistory(0, 0.0)
+        observed = history.seconds + (now - self._created)
+        mean_time = cadence.mtbf(history.failures, observed, self.policy.mtbf)
         chosen = cadence.young_daly(cost, mean_time)
-        self.interval = min(max(chosen, self.min_seconds or 0.0), cadence.MAX_SECONDS)
+        self.interval = min(max(chosen, self.policy.min_seconds), cadence.MAX_SECONDS)
         if self._logged is not None and abs(self.interval - self._logged) <= RELOG * self._logged:
             return None
         self._logged = self.interval
-        return {
-            "interval": self.interval,
-            "cost": cost,
-            "mtbf": mean_time,
-            "failures": failures,
-            "observed": observed,
-            "prior": self.mtbf,
-            "expected_loss": cadence.expected_loss(self.interval, cost),
-        }
-
-
-def line(change: dict[str, Any], owner: str) -> str:
-    """The log line of a change of `every="auto"`'s interval, with its inputs."""
-    prior = "" if change["prior"] is None else f", prior mtbf={change['prior']:.0f} s"
-    rule = cadence.young_daly(change["cost"], change["mtbf"])
-    bounded = "" if math.isclose(change["interval"], rule) else f" (bounded; the rule gives {rule:.1f} s)"
-    return (
-        f"{owner}: saving every {change['interval']:.1f} s{bounded} = sqrt(2 x {change['cost']:.3f} s a save costs "
-        f"x {change['mtbf']:.0f} s between failures: {change['failures']} in {change['observed']:.0f} s of running"
-        f"{prior}); a failure is expected to lose {change['expected_loss']:.1f} s"
-    )
+        return IntervalChange(
+            interval=self.interval,
+            cost=cost,
+            mtbf=mean_time,
+            failures=history.failures,
+            observed=observed,
+            prior=self.policy.mtbf,
+            expected_loss=cadence.expected_loss(self.interval, cost),
+        )

@@ -19,9 +19,10 @@ has passed since its last save (or its creation), so records can come often
 for logging while checkpoints land every few minutes. Final and preempted
 records are always saved, and the writer waits for them to be on disk
 before it returns; a requested record (SIGUSR1, `Checkpoint.requested`) is
-always saved too. `every="continuous"` saves whenever no save is in flight,
-and `every="auto"` at the interval that Young and Daly's rule gives from the
-run's own save cost and failure rate (`flaxstate.checkpoint.schedule`).
+always saved too. `every=fs.Continuous()` saves whenever no save is in
+flight, and `every=fs.AutoInterval()` at the interval that Young and Daly's
+rule gives from the run's own save cost and failure rate
+(`flaxstate.checkpoint.policies`, `flaxstate.checkpoint.schedule`).
 Under several processes the primary process's clock decides for all (a save
 is a collective).
 
@@ -45,13 +46,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxstate import environment, settings
-from flaxstate.checkpoint import budget, claims, schedule, stores
+from flaxstate.checkpoint import budget, claims, policies, schedule, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
-from flaxstate.checkpoint.ledger import history as ledger_history
+from flaxstate.checkpoint.policies import AutoInterval, RunHistory, SavePolicy
 from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
@@ -94,15 +95,12 @@ class _Writer:
         best: BestPolicy | None,
         overwrite: bool,
         description: str,
-        every_seconds: float | None = None,
+        policy: SavePolicy = policies.EVERY_RECORD,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = False,
         per_process: bool = False,
         peers: int = 0,
         host_memory_budget: int | None = None,
-        every: schedule.Every = None,
-        min_seconds: float | None = None,
-        mtbf: float | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
         host_memory_budget = budget.check(host_memory_budget, owner)
@@ -128,9 +126,7 @@ class _Writer:
         self._environment: dict[str, Any] | None = None
         self._keep = keep
         self._run_id: str | None = None
-        self._schedule = schedule.SaveSchedule(
-            owner, every, every_seconds, min_seconds, mtbf, clock, lambda: ledger_history(self._run_id)
-        )
+        self._schedule = schedule.SaveSchedule(policy, clock, self._history_source(policy))
         self._saved_step: int | None = None
         self.busy = False
         """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
@@ -252,18 +248,40 @@ class _Writer:
                 self._ledger.end(checkpoint, self._store.completed)
         return checkpoint
 
+    def run_history(self) -> RunHistory | None:
+        """The run's failures and seconds of running before this session, as this writer's goodput ledger read
+        them at its first record; a writer that keeps no ledger (a local tier's) asks the open writer of the same
+        run that keeps one, in this process. `None` while unknown.
+
+        What an `AutoInterval(history=None)` chooses from; another writer's policy may be given this method.
+        """
+        if self._ledger is not None:
+            return self._ledger.history
+        for other in claims.open_writers():
+            same_run = self._run_id is not None and other._run_id == self._run_id
+            if other is not self and same_run and other._ledger is not None:
+                return other._ledger.history
+        return None
+
+    def _history_source(self, policy: SavePolicy) -> Callable[[], RunHistory | None]:
+        """What the schedule asks for the run's history: the policy's, else this writer's (`run_history`)."""
+        given = policy.history if isinstance(policy, AutoInterval) else None
+        if isinstance(given, RunHistory):
+            return lambda: given
+        return given if given is not None else self.run_history
+
     def _due(self) -> bool:
         """Whether the schedule saves this record (`flaxstate.checkpoint.schedule`; the primary process decides).
 
-        A change of `every="auto"`'s interval is logged, with its inputs, and kept in the ledger.
+        A change of `AutoInterval`'s interval is logged, with its inputs, and kept in the ledger.
         """
-        if self._schedule.every is None and self._schedule.every_seconds is None:
+        if self._schedule.every_record:
             return True  # every record: nothing to decide, no collective
-        in_flight = self._schedule.every is not None and self._store.in_flight()
+        in_flight = self._schedule.continuous and self._store.in_flight()
         self._schedule.completed(self._store.completed)
         due, change = self._schedule.due(in_flight)
         if change is not None and jax.process_index() == 0:
-            logger.info("%s", schedule.line(change, self._description))
+            logger.info("%s", change.line(self._description))
             if self._ledger is not None:
                 self._ledger.cadence(change)
         if jax.process_count() > 1:
@@ -375,7 +393,7 @@ class CheckpointFileWriter(_Writer):
         per_process: bool = False,
         peers: int = 0,
         host_memory_budget: int | None = None,
-        every: schedule.Every = None,
+        every: policies.Every = None,
         min_seconds: float | None = None,
         mtbf: float | None = None,
     ) -> None:
@@ -428,22 +446,21 @@ class CheckpointFileWriter(_Writer):
                 eighth of it, written to the copy's file as they come, and the
                 loop waits for the move. An s3:// directory stores each array
                 in chunks of it too (`flaxstate.checkpoint.stores.s3`).
-            every: `"continuous"`: save a record whenever no save of this
-                writer's is in flight (and `min_seconds` have passed since the
-                last one started), passing records over while one is, so the
-                loop never waits for a save. `"auto"`: the same at the interval
-                that loses the least time by Young and Daly's rule, from this
-                writer's measured save cost (its call's blocking plus the drag
-                of the save in the background on the steps) and the failures
-                in the run's goodput ledger, bounded by `min_seconds` and
-                `flaxstate.cadence.MAX_SECONDS`; each change is logged.
-                `None`: every record (or `every_seconds`). Final, preempted
-                and requested records are always saved; under several
-                processes the primary process decides.
-            min_seconds: with `every`, the least time between the starts of two saves.
+            every: when to save, a policy (`flaxstate.checkpoint.policies`):
+                `fs.EveryRecord()`, `fs.EverySeconds(s)`, `fs.Continuous(min_seconds)`
+                (whenever no save of this writer's is in flight, so the loop
+                never waits for one) or `fs.AutoInterval(min_seconds, mtbf, history)`
+                (as continuously, at the interval that Young and Daly's rule
+                gives from this writer's measured save cost and the run's
+                failures; each change logged). The old keywords build one:
+                `None` is every record (or `every_seconds`), `"continuous"`
+                and `"auto"` take `min_seconds` and `mtbf` beside them. Final,
+                preempted and requested records are always saved; under
+                several processes the primary process decides.
+            min_seconds: with `every="continuous"` or `"auto"`, the least time
+                between the starts of two saves (`Continuous.min_seconds`).
             mtbf: with `every="auto"`, a prior of the mean seconds between
-                the job's failures (the ledger's failures refine it; without
-                one, the run's time so far with no failure counts).
+                the job's failures (`AutoInterval.mtbf`).
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
@@ -451,13 +468,15 @@ class CheckpointFileWriter(_Writer):
                 directories are one or nested (naming both); or `metadata`
                 is not JSON-serializable.
             ValueError: `keep` below 1, `every_seconds`, `min_seconds` or
-                `mtbf` not positive, `every` not one of None, "continuous" and
+                `mtbf` not positive, `every` not a policy, None, "continuous" or
                 "auto", `every` with `every_seconds`, `min_seconds` without
-                `every`, `mtbf` without `every="auto"`,
+                `every`, `mtbf` without `every="auto"`, a policy with any of
+                the three,
                 `peers` not below the process count, or without `per_process`,
                 or `host_memory_budget` below 32 KiB.
         """
         budget.check(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
+        policy = policies.from_keywords("CheckpointFileWriter", every, every_seconds, min_seconds, mtbf)
         when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)
         given += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
@@ -476,15 +495,12 @@ class CheckpointFileWriter(_Writer):
             best=None,
             overwrite=overwrite,
             description=description,
-            every_seconds=every_seconds,
+            policy=policy,
             clock=clock,
             ledger=ledger,
             per_process=per_process,
             peers=peers,
             host_memory_budget=host_memory_budget,
-            every=every,
-            min_seconds=min_seconds,
-            mtbf=mtbf,
         )
 
 

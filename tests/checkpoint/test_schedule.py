@@ -35,9 +35,10 @@ def held_saves(monkeypatch):
     return release, outcomes
 
 
-def test_continuous_saves_pass_records_over_while_a_save_runs_and_never_wait_for_it(tmp_path, monkeypatch, recs):
+@pytest.mark.parametrize("every", ["continuous", fs.Continuous()], ids=["keyword", "policy"])
+def test_continuous_saves_pass_records_over_while_a_save_runs_and_never_wait_for_it(tmp_path, monkeypatch, recs, every):
     release, outcomes = held_saves(monkeypatch)
-    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every="continuous")
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every=every)
     for record in recs[:5]:  # steps 2-10: the first is saved, and held; the next four come while it runs
         writer(record)
     release.set()
@@ -52,9 +53,14 @@ def test_continuous_saves_pass_records_over_while_a_save_runs_and_never_wait_for
     writer.close()
 
 
-def test_continuous_saves_keep_min_seconds_between_their_starts(tmp_path, recs):
+@pytest.mark.parametrize(
+    "when",
+    [{"every": "continuous", "min_seconds": 30}, {"every": fs.Continuous(min_seconds=30)}],
+    ids=["keyword", "policy"],
+)
+def test_continuous_saves_keep_min_seconds_between_their_starts(tmp_path, recs, when):
     clock = Clock()
-    with fs.CheckpointFileWriter(tmp_path, keep=10, every="continuous", min_seconds=30, clock=clock) as writer:
+    with fs.CheckpointFileWriter(tmp_path, keep=10, clock=clock, **when) as writer:
         writer(recs[0])  # the first record: saved
         writer.wait()
         clock.now += 29
@@ -99,16 +105,16 @@ def test_auto_follows_a_changed_save_cost_and_failure_rate(recs):
     # hour between failures give sqrt(2 x 2 x (3600 + running)); a save that costs 8 s doubles it; failures
     # seen in the ledger shorten it.
     clock, failures = Clock(), [None]
-    sched = schedule.SaveSchedule("W", "auto", None, None, 3600.0, clock, lambda: failures[0])
+    sched = schedule.SaveSchedule(fs.AutoInterval(mtbf=3600.0), clock, lambda: failures[0])
     record = recs[0]
     assert drive(sched, clock, record, 10.0) == (True, None)  # no cost known yet: the first record is saved
     sched.started(2, clock.now, blocking=2.0)
     sched.completed((2, 2.0))  # it ran 2 s, all of them blocking: no background part
     due, change = drive(sched, clock, record, 10.0)
     expected = math.sqrt(2 * 2.0 * (3600.0 + 20.0))
-    assert not due and change["interval"] == pytest.approx(expected) and change["cost"] == pytest.approx(2.0)
-    assert change["expected_loss"] == pytest.approx(expected / 2 + 2.0)
-    assert "saving every" in schedule.line(change, "W") and "3620 s between failures" in schedule.line(change, "W")
+    assert not due and change.interval == pytest.approx(expected) and change.cost == pytest.approx(2.0)
+    assert change.expected_loss == pytest.approx(expected / 2 + 2.0)
+    assert "saving every" in change.line("W") and "3620 s between failures" in change.line("W")
     assert drive(sched, clock, record, 10.0) == (False, None)  # the same interval is not logged again
     clock.now += expected  # the interval passed
     due, _ = drive(sched, clock, record, 1.0)
@@ -120,16 +126,16 @@ def test_auto_follows_a_changed_save_cost_and_failure_rate(recs):
     slower = sched.interval
     running = clock.now - 1000.0
     assert slower == pytest.approx(math.sqrt(2 * 8.0 * (3600.0 + running)), rel=1e-6)
-    failures[0] = (9, 1000.0)  # the ledger: 9 failures in 1000 s before this session
+    failures[0] = fs.RunHistory(9, 1000.0)  # the ledger: 9 failures in 1000 s before this session
     _, change = drive(sched, clock, record, 1.0)
     mean_time = (1000.0 + running + 1.0 + 3600.0) / 10
-    assert change["failures"] == 9 and change["mtbf"] == pytest.approx(mean_time)
+    assert change.failures == 9 and change.mtbf == pytest.approx(mean_time)
     assert sched.interval == pytest.approx(math.sqrt(2 * 8.0 * mean_time)) and sched.interval < slower
 
 
 def test_auto_counts_a_save_s_drag_and_keeps_to_its_bounds(recs):
     clock = Clock()
-    sched = schedule.SaveSchedule("W", "auto", None, 5.0, 100.0, clock)
+    sched = schedule.SaveSchedule(fs.AutoInterval(5.0, 100.0), clock)
     record = recs[0]
     for _ in range(4):  # clean: 1 s a step
         drive(sched, clock, record, 10.0)
@@ -140,16 +146,16 @@ def test_auto_counts_a_save_s_drag_and_keeps_to_its_bounds(recs):
     drive(sched, clock, record, 10.0)
     assert sched.save_cost() == pytest.approx(0.5 + 10.0)  # blocking plus 2 x 5 s of drag
     assert sched.interval == pytest.approx(math.sqrt(2 * 10.5 * (100.0 + clock.now - 1000.0) / 1))
-    tiny = schedule.SaveSchedule("W", "auto", None, 5.0, 1.0, clock)  # failing every second: the least is 5 s
+    tiny = schedule.SaveSchedule(fs.AutoInterval(5.0, 1.0), clock)  # failing every second: the least is 5 s
     tiny.started(2, clock.now, 0.01)
     tiny.completed((2, 0.01))
     drive(tiny, clock, record, 1.0)
     assert tiny.interval == 5.0
-    rare = schedule.SaveSchedule("W", "auto", None, None, 1e9, clock)  # never failing: an hour at most
+    rare = schedule.SaveSchedule(fs.AutoInterval(mtbf=1e9), clock)  # never failing: an hour at most
     rare.started(2, clock.now, 60.0)
     rare.completed((2, 60.0))
     _, change = drive(rare, clock, record, 1.0)
-    assert rare.interval == cadence.MAX_SECONDS and "bounded" in schedule.line(change, "W")
+    assert rare.interval == cadence.MAX_SECONDS and "bounded" in change.line("W")
 
 
 def test_auto_counts_no_drag_for_a_save_that_ran_only_while_the_caller_held_a_record(recs):
@@ -157,7 +163,7 @@ def test_auto_counts_no_drag_for_a_save_that_ran_only_while_the_caller_held_a_re
     # that. The next record is slower (12 s) for a reason of its own: none of its training overlapped the save,
     # so the save costs its blocking alone.
     clock = Clock()
-    sched = schedule.SaveSchedule("W", "auto", None, None, 100.0, clock)
+    sched = schedule.SaveSchedule(fs.AutoInterval(mtbf=100.0), clock)
     record = recs[0]
     for _ in range(4):
         drive(sched, clock, record, 10.0)
@@ -197,7 +203,8 @@ def test_auto_reads_the_failures_in_the_run_s_ledger_and_logs_each_change(tmp_pa
     local = fs.CheckpointFileWriter(tmp_path / "local", every="auto", clock=clock, per_process=True)
     with caplog.at_level(logging.INFO, logger="flaxstate"):
         writer(local(dataclasses.replace(recs[2], session=resumed)))
-        assert ledger.history(run_id) == (1, pytest.approx(1000.0))
+        history = writer.run_history()
+        assert local.run_history() == history and (history.failures, history.seconds) == (1, pytest.approx(1000.0))
         writer.wait()
         local.wait()
         clock.now += 10

@@ -85,10 +85,11 @@ def test_a_save_runs_in_the_background_below_the_loops_priority(tmp_path, monkey
     assert saved_steps(tmp_path) == [2]
 
 
-def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path):
+@pytest.mark.parametrize("when", [{"every_seconds": 60}, {"every": fs.EverySeconds(60)}], ids=["keyword", "policy"])
+def test_a_time_based_writer_saves_when_every_seconds_passed_and_always_the_final_and_preempted(tmp_path, when):
     clock = Clock()
     recs = records(n_steps=12, every=2)  # steps 2, 4, ..., 12 (final)
-    writer = fs.CheckpointFileWriter(tmp_path, keep=10, every_seconds=60, clock=clock.monotonic)
+    writer = fs.CheckpointFileWriter(tmp_path, keep=10, clock=clock.monotonic, **when)
     writer(recs[0])  # 0 s since the writer was made
     clock.now += 59
     writer(recs[1])  # 59 s
