@@ -36,12 +36,15 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from flaxstate import tree_paths
 from flaxstate.records import format_bytes
+
+if TYPE_CHECKING:
+    from flaxstate.checkpoint.budget import HostMemoryBudget
 
 SAVE = 0.8
 """A save's peak host bytes beyond the record it saves, as a fraction of the state's: orbax's writer with its
@@ -114,7 +117,7 @@ def per_host(
     local_dir: str | os.PathLike[str] | None,
     local_keep: int,
     devices: int | None,
-    budget: int | None = None,
+    budget: HostMemoryBudget | None = None,
 ) -> dict[str, int]:
     """A process's host bytes by kind (see the module).
 
@@ -143,9 +146,9 @@ def per_host(
     return sizes
 
 
-def _within(size: int, budget: int | None) -> int:
+def _within(size: int, budget: HostMemoryBudget | None) -> int:
     """A save's, a peer exchange's or a restore's reads, under a budget where there is one."""
-    return size if budget is None else min(size, budget + BUDGET_ALLOWANCE)
+    return size if budget is None else min(size, budget.bytes + BUDGET_ALLOWANCE)
 
 
 def memory_backed(directory: str | os.PathLike[str]) -> bool:

@@ -39,6 +39,9 @@ from jax.sharding import Mesh
 from flaxstate import host_memory as host_plan
 from flaxstate import private_apis, settings, tree_paths
 from flaxstate.checkpoint import budget
+from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.tiers import local_tier
+from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
@@ -91,6 +94,7 @@ class Plan:
             "cpu:N"), or `None` where unknown.
         fits_host: whether `per_host["total"]` fits in `host_memory` (`None` where unknown).
         host_advice: for a process that does not fit its host, its kinds largest first and what shrinks each.
+        n_microbatches: the microbatches a step that it compiled (`plan`'s, or those `max_device_batch` chose).
     """
 
     target: str
@@ -105,6 +109,7 @@ class Plan:
     advice: str | None = None
     xla_flops_per_step: float | None = None
     per_host: dict[str, int] = dataclasses.field(default_factory=dict)
+    n_microbatches: int = 1
     host_memory: int | None = None
     fits_host: bool | None = None
     host_advice: str | None = None
@@ -165,10 +170,11 @@ def plan(
     device_memory: int | None = None,
     record_memory: str = "host",
     peers: int = 0,
-    local_dir: str | os.PathLike[str] | None = None,
+    local_dir: str | os.PathLike[str] | LocalTier | None = None,
     local_keep: int = 1,
     host_memory: int | None = None,
-    host_memory_budget: int | None = None,
+    host_memory_budget: HostMemoryBudget | int | None = None,
+    max_device_batch: int | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -188,13 +194,19 @@ def plan(
         record_memory: where the loop's records hold their copy, as `TrainLoop` takes it.
         peers: the local tier's peer copies, as `CheckpointFileWriter` takes them.
         local_dir: the local tier's directory (its host memory counts where it is
-            memory-backed, as `/dev/shm` is), or `None` for no local tier.
+            memory-backed, as `/dev/shm` is), or `None` for no local tier; or
+            the `fs.LocalTier` the writer takes (its peers and keep with it).
         local_keep: the local tier's `keep`.
         host_memory: a host's memory in bytes (by default this machine's for
             "local" and "cpu:N", unknown for a TPU topology).
-        host_memory_budget: the writer's and the reader's `host_memory_budget=`:
-            a save, a peer exchange and a restore's reads hold at most it and
-            `host_memory.BUDGET_ALLOWANCE` beyond the state.
+        host_memory_budget: the writer's and the reader's `host_memory_budget=`
+            (a `fs.HostMemoryBudget` or its bytes): a save, a peer exchange and
+            a restore's reads hold at most it and `host_memory.BUDGET_ALLOWANCE`
+            beyond the state.
+        max_device_batch: the most examples a device may take at once, as
+            `TrainLoop` takes it: the plan's microbatches are then the fewest
+            that split each device's part of the global batch within it
+            (`Plan.n_microbatches`), instead of `n_microbatches`.
 
     Returns:
         the `Plan`.
@@ -209,13 +221,25 @@ def plan(
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
     record_memory = check_record_memory(record_memory, "plan")
+    if isinstance(local_dir, LocalTier):
+        local_keep, peers = local_tier.settings_of(
+            local_dir, "plan", keep=local_keep, peers=peers, names=("local_keep", "peers")
+        )
+        local_dir = local_dir.directory
     peers = settings.count("plan", "peers", peers, minimum=0)
     local_keep = settings.count("plan", "local_keep", local_keep)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
-    host_memory_budget = budget.check(host_memory_budget, "plan")  # the writer's and the reader's own check
+    host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     global_batch = _global_batch(task, batch)
+    max_device_batch = startup.check_max_device_batch("plan", max_device_batch, n_microbatches)
+    if max_device_batch is not None:
+        batching.check_divisible(
+            global_batch, where.batch_layout.n_parts, "plan", 1, _BATCH_PARTS, source=_BATCH, scope="global"
+        )
+        device_batch = batching.local_size(global_batch) // where.batch_layout.n_parts
+        n_microbatches = startup.microbatches_for(device_batch, max_device_batch)
     batching.check_divisible(
         global_batch, where.batch_layout.n_parts, "plan", n_microbatches, _BATCH_PARTS, source=_BATCH, scope="global"
     )
@@ -275,6 +299,7 @@ def plan(
         xla_flops_per_step=program.xla_flops_per_step(one_batch, rng_data) if refused_temp is None else None,
         largest=sorted(sizes.items(), key=lambda item: (-item[1], not item[0].startswith("target/"), item[0]))[:5],
         per_host=per_host,
+        n_microbatches=n_microbatches,
         host_memory=host_memory,
         fits_host=fits_host,
         host_advice=None if host_memory is None or fits_host else host_plan.advice(per_host, host_memory),

@@ -65,6 +65,26 @@ def test_each_kind_of_host_memory_follows_the_process_s_parts_and_the_options(tm
     assert on_disk.per_host["local_tier"] == (3 * state_bytes if "tmpfs" in filesystem(tmp_path) else 0)
 
 
+def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_refuses_what_the_writer_refuses():
+    smallest = fs.HostMemoryBudget(32 * 2**10)  # the writer's minimum
+    assert plan(host_memory_budget=smallest.bytes).per_host == plan(host_memory_budget=smallest).per_host
+    # A state of 1 GiB, on a TPU's host (its devices' memory is not the host's): the budget bounds a save, a peer
+    # exchange and a restore's reads to itself and the allowance.
+    state = 2**30
+    options = {"record_memory": "host", "peers": 1, "replicated": False, "local_dir": None, "local_keep": 1}
+    free = host_memory.per_host(state, state // 4, devices=None, **options)
+    bounded = host_memory.per_host(state, state // 4, devices=None, budget=smallest, **options)
+    most = smallest.bytes + host_memory.BUDGET_ALLOWANCE
+    assert bounded["save"] == bounded["peers"] == bounded["restore"] == most
+    assert free["save"] > most and free["peers"] > most and free["restore"] > most
+    for owner, door in [
+        ("plan", lambda budget: plan(host_memory_budget=budget)),
+        ("CheckpointFileWriter", lambda budget: fs.CheckpointFileWriter("/nonexistent/run", host_memory_budget=budget)),
+    ]:  # one check: a budget the plan takes, the writer takes, and one that either refuses, both refuse
+        with pytest.raises(ValueError, match=f"{owner} host_memory_budget must be an int of at least 32768, got 32767"):
+            door(smallest.bytes - 1)
+
+
 def test_a_host_too_small_does_not_fit_and_is_told_what_to_change():
     fitting = plan()
     total = fitting.per_host["total"]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flaxstate_testing import lm
 
 import flaxstate as fs
@@ -241,3 +242,36 @@ topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
 print("holding", flush=True)
 time.sleep(300)
 """
+
+
+class NnxMLP(nnx.Module):
+    """Two linear layers, as NNX writes them (no logical axes)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.first = nnx.Linear(256, 64, rngs=rngs)
+        self.second = nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(nnx.relu(self.first(x))).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_max_device_batch_plans_the_microbatches_the_loop_would_choose(kind):
+    # A global batch of 16 over 2 devices: 8 examples a device, at most 3 at once: 4 microbatches of 2 (the
+    # fewest that divide 8 within 3), and the same compiled step as n_microbatches=4.
+    if kind == "linen":
+        model = MLP(width=64)
+        init, task = model.init, task_of(model)
+    else:
+        model = NnxMLP(nnx.Rngs(0))
+        data = [(np.ones((16, 256), np.float32), np.zeros((16,), np.float32))] * 4
+        init, task = model, fs.TrainTask(apply=model, optimizer=optax.adam(1e-3), loss=mse, data=data)
+    chosen = fs.plan(init, task, target="cpu:2", max_device_batch=3)
+    given = fs.plan(init, task, target="cpu:2", n_microbatches=4)
+    whole = fs.plan(init, task, target="cpu:2")
+    assert chosen.n_microbatches == given.n_microbatches == 4 and whole.n_microbatches == 1
+    assert chosen.per_device == given.per_device
+    with pytest.raises(ValueError, match="plan got n_microbatches=2 and max_device_batch=3: both set the microbatches"):
+        fs.plan(init, task, target="cpu:2", n_microbatches=2, max_device_batch=3)
+    with pytest.raises(ValueError, match="plan max_device_batch must be a positive int, got 0"):
+        fs.plan(init, task, target="cpu:2", max_device_batch=0)

@@ -1,6 +1,7 @@
 """Checkpoints on orbax: writers, readers, the save and best-checkpoint policies, and what a run directory holds."""
 
 from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.policies import AutoInterval, Continuous, EveryRecord, EverySeconds, RunHistory, SavePolicy
 from flaxstate.checkpoint.readers import (
     CheckpointFileReader,
@@ -8,6 +9,7 @@ from flaxstate.checkpoint.readers import (
     LowestCheckpointFileReader,
 )
 from flaxstate.checkpoint.stores.orbax_manager import CheckpointError, CheckpointSaveError
+from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.checkpoint.writers import (
     CheckpointFileWriter,
     HighestCheckpointFileWriter,
@@ -26,6 +28,8 @@ __all__ = [
     "EverySeconds",
     "HighestCheckpointFileReader",
     "HighestCheckpointFileWriter",
+    "HostMemoryBudget",
+    "LocalTier",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
     "RunHistory",

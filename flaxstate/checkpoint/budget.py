@@ -5,9 +5,9 @@ a host array holds a copy of it and tensorstore's buffers (about 2x the
 array with chunks), and a restore holds the array it read before it is put
 on the devices; a read of a slice of a one-chunk array decodes the whole
 chunk (benchmarks/RESULTS.md, issue 60). With a budget B, each array is
-stored in chunks of at most B/8 and 4 MiB (`chunk_bytes`), in orbax's own
-format (any orbax reader reads it), and written and read chunk by chunk,
-`slots(B)` chunks in flight in a process, each held at most `COPIES` times:
+stored in chunks of at most B/8 and 4 MiB (`HostMemoryBudget.chunk_bytes`),
+in orbax's own format (any orbax reader reads it), and written and read
+chunk by chunk, `HostMemoryBudget.slots` chunks in flight in a process, each held at most `COPIES` times:
 a save references the record's host copy (read-only, which nothing donates)
 and holds only the chunks being encoded; a restore makes each device's
 shard on the device and writes each chunk it reads into it. Neither holds
@@ -81,26 +81,53 @@ PRIMARY_HOST = 0
 """The process that creates each array's metadata and the sharding file (orbax's primary host)."""
 
 
-def check(budget: int | None, owner: str) -> int | None:
-    """Returns `host_memory_budget`, checked: `None` (no budget) or at least `MINIMUM` bytes.
+@dataclasses.dataclass(frozen=True)
+class HostMemoryBudget:
+    """Bytes that a save, a peer exchange or a restore may hold in host memory beyond the state, however large
+    its largest array (see the module).
+
+    One object for every place that a budget bounds: a writer's saves and its peer copies, a reader's restores
+    and the tiers' reads, the S3 store's chunks, and `fs.plan`'s figures; each takes it, or the int it is made
+    of (`host_memory_budget=16 * 2**20` is `HostMemoryBudget(16 * 2**20)`), and all check it here.
+
+    Args:
+        bytes: the budget, at least `MINIMUM` (32 KiB: a page-sized chunk, `COPIES` x `SLOTS` of them).
 
     Raises:
-        ValueError: not a positive int, or too small to hold one row of chunks.
+        ValueError: `bytes` not an int, or below `MINIMUM`.
     """
-    if budget is None:
-        return None
-    return settings.count(owner, "host_memory_budget", budget, minimum=MINIMUM)
+
+    bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bytes", settings.count("HostMemoryBudget", "bytes", self.bytes, minimum=MINIMUM))
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest chunk the budget stores, reads or moves: `bytes / (COPIES SLOTS)`, at most
+        `LARGEST_CHUNK`."""
+        return min(self.bytes // (COPIES * SLOTS), LARGEST_CHUNK)
+
+    @property
+    def slots(self) -> int:
+        """How many chunks the budget lets fly at once in a process (each held at most `COPIES` times), at most
+        `MOST_SLOTS`."""
+        return min(self.bytes // (COPIES * self.chunk_bytes), MOST_SLOTS)
+
+    def registry(self) -> Any:
+        """orbax's default type handlers, with host and device arrays written and read within the budget."""
+        return _registry(self)
 
 
-def chunk_bytes(budget: int) -> int:
-    """The largest chunk a budget stores: `budget / (COPIES SLOTS)`, at most `LARGEST_CHUNK`."""
-    return min(budget // (COPIES * SLOTS), LARGEST_CHUNK)
+def of(value: HostMemoryBudget | int | None, owner: str) -> HostMemoryBudget | None:
+    """A door's `host_memory_budget=`, checked once: `None` (no budget), a `HostMemoryBudget`, or its bytes.
 
-
-def slots(budget: int) -> int:
-    """How many chunks a budget lets fly at once in a process (each held at most `COPIES` times), at most
-    `MOST_SLOTS`."""
-    return min(budget // (COPIES * chunk_bytes(budget)), MOST_SLOTS)
+    Raises:
+        ValueError: an int that is not at least `MINIMUM`, or anything else.
+    """
+    if value is None or isinstance(value, HostMemoryBudget):
+        return value
+    return HostMemoryBudget(settings.count(owner, "host_memory_budget", value, minimum=MINIMUM))
 
 
 def chunks(shape: Sequence[int], chunk_shape: Sequence[int], within: Region | None = None) -> Iterator[Region]:
@@ -117,18 +144,18 @@ def chunks(shape: Sequence[int], chunk_shape: Sequence[int], within: Region | No
         )
 
 
-def _chunked(args: Sequence[Any] | None, n: int, budget: int) -> list[Any]:
-    """orbax's save arguments of `n` arrays, each stored in chunks of at most `chunk_bytes(budget)`."""
-    return [dataclasses.replace(arg, chunk_byte_size=chunk_bytes(budget)) for arg in (args or [ocp.SaveArgs()] * n)]
+def _chunked(args: Sequence[Any] | None, n: int, budget: HostMemoryBudget) -> list[Any]:
+    """orbax's save arguments of `n` arrays, each stored in chunks of at most the budget's `chunk_bytes`."""
+    return [dataclasses.replace(arg, chunk_byte_size=budget.chunk_bytes) for arg in (args or [ocp.SaveArgs()] * n)]
 
 
 class Slots:
-    """At most `slots(budget)` chunks in flight in a process, whichever thread's event loop runs them (orbax saves and
-    restores a step's items on loops of their own)."""
+    """At most the budget's `slots` chunks in flight in a process, whichever thread's event loop runs them (orbax
+    saves and restores a step's items on loops of their own)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: HostMemoryBudget) -> None:
         self.budget = budget
-        self.size = slots(budget)
+        self.size = budget.slots
         self._free = threading.BoundedSemaphore(self.size)
 
     def try_acquire(self) -> bool:
@@ -282,11 +309,11 @@ class Reading:
     """A stored array read within a budget: chunks no larger than the budget's read as tensorstore reads them;
     larger ones in byte ranges where they are raw (`RawChunks`), or decoded whole where they are not."""
 
-    def __init__(self, store: ts.TensorStore, budget: int, name: str, dtype: Any = None) -> None:
+    def __init__(self, store: ts.TensorStore, budget: HostMemoryBudget, name: str, dtype: Any = None) -> None:
         self.store = store
         self.name = name
         self.dtype = np.dtype(store.dtype.numpy_dtype if dtype is None else dtype)
-        self.most_bytes = chunk_bytes(budget)
+        self.most_bytes = budget.chunk_bytes
         self.large = _stored_chunk_bytes(store) > self.most_bytes
         self.raw = RawChunks.of(store) if self.large else None
         self.whole = self.large and self.raw is None
@@ -337,7 +364,7 @@ class Reading:
 class NumpyHandler(ocp.type_handlers.NumpyHandler):
     """orbax's handler of host (numpy) arrays, writing and reading chunk by chunk within a budget."""
 
-    def __init__(self, budget: int, slots: Slots) -> None:
+    def __init__(self, budget: HostMemoryBudget, slots: Slots) -> None:
         super().__init__(deepcopy_host_arrays=False)  # records are read-only host copies: referenced, not copied
         self._budget = budget
         self._slots = slots
@@ -359,21 +386,21 @@ class NumpyHandler(ocp.type_handlers.NumpyHandler):
         return [await _read_host(info, arg, self._budget, self._slots) for info, arg in zip(infos, args, strict=True)]
 
 
-def _read_context(budget: int) -> ts.Context:
+def _read_context(budget: HostMemoryBudget) -> ts.Context:
     """orbax's tensorstore context for reads, with OCDBT's cache (orbax's: 100 MB) bounded to one chunk."""
     spec = ocp.type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
-    spec["cache_pool#ocdbt"] = {"total_bytes_limit": chunk_bytes(budget)}
+    spec["cache_pool#ocdbt"] = {"total_bytes_limit": budget.chunk_bytes}
     return ts.Context(ts.Context.Spec(spec))
 
 
-async def _open_read(info: Any, arg: Any, budget: int) -> Reading:
+async def _open_read(info: Any, arg: Any, budget: HostMemoryBudget) -> Reading:
     await info.await_path_creation()
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
     store = await ts.open(ts.Spec(spec), open=True, context=_read_context(budget))
     return Reading(store, budget, info.name, getattr(arg, "dtype", None))
 
 
-async def _read_host(info: Any, arg: Any, budget: int, slots: Slots) -> np.ndarray:
+async def _read_host(info: Any, arg: Any, budget: HostMemoryBudget, slots: Slots) -> np.ndarray:
     """One array of an orbax item read into a numpy array, chunk by chunk."""
     return await read_host(await _open_read(info, arg, budget), slots)
 
@@ -485,7 +512,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
     Saves, metadata and restores of anything but a sharded array of the stored shape stay `inner`'s.
     """
 
-    def __init__(self, budget: int, inner: Any, slots: Slots) -> None:
+    def __init__(self, budget: HostMemoryBudget, inner: Any, slots: Slots) -> None:
         self._budget = budget
         self._inner = inner
         self._slots = slots
@@ -553,7 +580,7 @@ class ArrayHandler(ocp.type_handlers.TypeHandler):
         return await read_shards(reading, arg.sharding, self._slots)
 
 
-def registry(budget: int) -> Any:
+def _registry(budget: HostMemoryBudget) -> Any:
     """orbax's default type handlers, with host and device arrays written and read within `budget`."""
     slots = Slots(budget)  # one process's chunks in flight, host and device arrays together
     own = {

@@ -57,9 +57,9 @@ class StoredCheckpoint:
     meta: dict[str, Any]
 
 
-def handlers(host_memory_budget: int | None = None) -> dict[str, Any]:
+def handlers(host_memory_budget: budget.HostMemoryBudget | None = None) -> dict[str, Any]:
     """orbax's handler of each item of a step; with a budget, arrays written and read within it (`budget`)."""
-    registry = {} if host_memory_budget is None else {"type_handler_registry": budget.registry(host_memory_budget)}
+    registry = {} if host_memory_budget is None else {"type_handler_registry": host_memory_budget.registry()}
 
     def arrays() -> ocp.PyTreeCheckpointHandler:
         return ocp.PyTreeCheckpointHandler(use_compression=False, **registry)

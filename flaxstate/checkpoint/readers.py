@@ -22,11 +22,13 @@ from flax import serialization
 from flaxstate import nnx, settings, train_state, tree_paths
 from flaxstate.checkpoint import budget, damage, steps, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
+from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store
 from flaxstate.checkpoint.tiers import restart
+from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import CheckpointFile
 
@@ -39,7 +41,7 @@ class _Source:
 
     directory: Path
     per_process: bool
-    host_memory_budget: int | None = None
+    host_memory_budget: HostMemoryBudget | None = None
 
     def open(self) -> Store:
         return stores.open_store(
@@ -65,12 +67,12 @@ class CheckpointFileReader:
 
     def __init__(
         self,
-        output_dir: str | Path | Sequence[str | Path],
+        output_dir: str | Path | Sequence[str | Path | LocalTier],
         target: Callable[..., Any] | None = None,
         step: int | None = None,
         rename: Rename = None,
         *,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | int | None = None,
     ) -> None:
         """Points the reader at a directory, or at two tiers (nothing is read yet).
 
@@ -78,13 +80,14 @@ class CheckpointFileReader:
             output_dir: the directory a `CheckpointFileWriter` wrote; or
                 `[local_dir, persistent_dir]`: the directory of a
                 `CheckpointFileWriter(..., per_process=True)` (each process
-                reads its own part of it) and the persistent one.
+                reads its own part of it), or the `fs.LocalTier` it was
+                given, and the persistent one.
             target: the model's `init`, to start fresh when there is no checkpoint.
             step: restore this step instead of the newest.
             rename: `{old regex: new}` on '/'-joined state-dict paths (e.g.
                 `{"Dense_0/": "Encoder_0/"}`), to load a checkpoint of an
                 earlier model layout (the persistent tier only).
-            host_memory_budget: bytes a restore may hold in host memory
+            host_memory_budget: a `fs.HostMemoryBudget`, or its bytes: what a restore may hold in host memory
                 beyond the restored state, however large its largest array:
                 each device's shard is made on the device and filled chunk by
                 chunk (`flaxstate.checkpoint.budget`), bounded for a checkpoint
@@ -103,13 +106,18 @@ class CheckpointFileReader:
         if isinstance(output_dir, str | Path):
             self.output_dir = run_directory(output_dir, type(self).__name__)
         else:
-            dirs = list(output_dir)
+            given = list(output_dir)
+            # A LocalTier first: its directory is what a reader needs of the tier.
+            dirs = [Path(d.directory) if i == 0 and isinstance(d, LocalTier) else d for i, d in enumerate(given)]
             if len(dirs) != 2 or not all(isinstance(d, str | Path) for d in dirs):
                 raise ValueError(
-                    f"CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir]; got {dirs!r}."
+                    "CheckpointFileReader takes one directory or two tiers, [local_dir, persistent_dir] (local_dir "
+                    f"a path or a fs.LocalTier); got {given!r}."
                 )
-            self.local_dir = local_path(dirs[0], f"{type(self).__name__}'s local tier")
-            self.output_dir = run_directory(dirs[1], type(self).__name__)
+            local, persistent = dirs
+            assert isinstance(local, str | Path) and isinstance(persistent, str | Path)
+            self.local_dir = local_path(local, f"{type(self).__name__}'s local tier")
+            self.output_dir = run_directory(persistent, type(self).__name__)
             overlap = restart.overlap(self.local_dir, self.output_dir)
             if overlap is not None:
                 raise ValueError(
@@ -124,7 +132,7 @@ class CheckpointFileReader:
                 f"{owner} rename must be a dict of {{old regex: new}} state-dict paths, or None; got {rename!r}."
             )
         self.rename = rename
-        self.host_memory_budget = budget.check(host_memory_budget, owner)
+        self.host_memory_budget = budget.of(host_memory_budget, owner)
 
     def __repr__(self) -> str:
         where = repr(str(self.output_dir))

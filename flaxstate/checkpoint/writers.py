@@ -48,12 +48,15 @@ from jax.experimental import multihost_utils
 from flaxstate import environment, settings
 from flaxstate.checkpoint import budget, claims, policies, schedule, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
+from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
 from flaxstate.checkpoint.ledger import Ledger
 from flaxstate.checkpoint.policies import AutoInterval, RunHistory, SavePolicy
+from flaxstate.checkpoint.tiers import local_tier
 from flaxstate.checkpoint.tiers import peers as peer_copies
+from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
 from flaxstate.sharding import logical_axes_by_path
@@ -100,10 +103,10 @@ class _Writer:
         ledger: bool = False,
         per_process: bool = False,
         peers: int = 0,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | int | None = None,
     ) -> None:
         owner = description.split("(", 1)[0]
-        host_memory_budget = budget.check(host_memory_budget, owner)
+        host_memory_budget = budget.of(host_memory_budget, owner)
         keep = settings.count(owner, "keep", keep)
         overwrite = settings.flag(owner, "overwrite", overwrite)
         ledger = settings.flag(owner, "ledger", ledger)
@@ -382,7 +385,7 @@ class CheckpointFileWriter(_Writer):
 
     def __init__(
         self,
-        output_dir: str | Path,
+        output_dir: str | Path | LocalTier,
         keep: int = 1,
         metadata: Any = None,
         every_seconds: float | None = None,
@@ -392,7 +395,7 @@ class CheckpointFileWriter(_Writer):
         ledger: bool = True,
         per_process: bool = False,
         peers: int = 0,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | int | None = None,
         every: policies.Every = None,
         min_seconds: float | None = None,
         mtbf: float | None = None,
@@ -400,7 +403,9 @@ class CheckpointFileWriter(_Writer):
         """Opens (or creates) the directory.
 
         Args:
-            output_dir: the run's directory.
+            output_dir: the run's directory; or a `fs.LocalTier` (its
+                directory, peers and keep), the same as `per_process=True`
+                with those keywords.
             keep: how many of the newest checkpoints to keep.
             metadata: a dict or dataclass (e.g. the run's config) stored as JSON;
                 a resumed run logs each key that differs from the stored one.
@@ -434,7 +439,7 @@ class CheckpointFileWriter(_Writer):
                 parts to its peers by one collective, and holds the local
                 tier's bytes `1 + peers` times on disk. Every process makes the
                 writer together (the hosts are gathered).
-            host_memory_budget: bytes a save may hold in host memory beyond
+            host_memory_budget: a `fs.HostMemoryBudget`, or its bytes: what a save may hold in host memory beyond
                 the record it saves, however large its largest array: arrays
                 are stored in chunks of an eighth of it, in orbax's format,
                 and written chunk by chunk (`flaxstate.checkpoint.budget`).
@@ -475,7 +480,12 @@ class CheckpointFileWriter(_Writer):
                 `peers` not below the process count, or without `per_process`,
                 or `host_memory_budget` below 32 KiB.
         """
-        budget.check(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
+        budget.of(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
+        if isinstance(output_dir, LocalTier):
+            keep, peers = local_tier.settings_of(
+                output_dir, "CheckpointFileWriter", keep=keep, peers=peers, names=("keep", "peers")
+            )
+            output_dir, per_process = Path(output_dir.directory), True
         policy = policies.from_keywords("CheckpointFileWriter", every, every_seconds, min_seconds, mtbf)
         when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)

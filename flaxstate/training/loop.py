@@ -159,14 +159,7 @@ class TrainLoop:
         handle_preemption = settings.flag("TrainLoop", "handle_preemption", handle_preemption)
         stdout = settings.flag("TrainLoop", "stdout", stdout)
         n_microbatches = self._schedule.n_microbatches  # checked
-        if max_device_batch is not None:
-            max_device_batch = settings.count("TrainLoop", "max_device_batch", max_device_batch)
-            if n_microbatches != 1:
-                raise ValueError(
-                    f"TrainLoop got n_microbatches={n_microbatches} and max_device_batch={max_device_batch}: both "
-                    "set the microbatches. Give max_device_batch alone (the loop chooses the microbatches from "
-                    "each device's batch), or n_microbatches alone."
-                )
+        max_device_batch = startup.check_max_device_batch("TrainLoop", max_device_batch, n_microbatches)
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         try:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import types
 
 import jax
 import numpy as np
@@ -14,8 +15,7 @@ from flaxstate_testing.checkpoints import assert_trees_equal, fresh_state, recor
 
 import flaxstate as fs
 from flaxstate.checkpoint import budget
-from flaxstate.checkpoint.stores import local as local_store
-from flaxstate.checkpoint.stores import parts
+from flaxstate.checkpoint.stores import packed, parts
 
 MODEL = toy.MLP(width=2048)  # a kernel of 4 x 2048 float32 (32 KiB), its Adam moments alike
 BUDGET = budget.MINIMUM  # 32 KiB: chunks of 4 KiB, so the largest arrays span 8 chunks
@@ -35,20 +35,21 @@ def stored_chunk_bytes(step_dir, name):
     return int(np.prod(store.chunk_layout.read_chunk.shape)) * store.dtype.numpy_dtype.itemsize
 
 
-def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path):
+@pytest.mark.parametrize("given", [BUDGET, fs.HostMemoryBudget(BUDGET)], ids=["int", "object"])
+def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path, given):
     recs = records(n_steps=4, model=MODEL)
-    with fs.CheckpointFileWriter(tmp_path / "budget", host_memory_budget=BUDGET) as writer:
+    with fs.CheckpointFileWriter(tmp_path / "budget", host_memory_budget=given) as writer:
         for record in recs:
             writer(record)
     with fs.CheckpointFileWriter(tmp_path / "plain") as writer:
         writer(recs[-1])
     kernel = "target.Dense_0.kernel"
-    assert stored_chunk_bytes(tmp_path / "budget" / "4", kernel) <= budget.chunk_bytes(BUDGET)
+    assert stored_chunk_bytes(tmp_path / "budget" / "4", kernel) <= fs.HostMemoryBudget(BUDGET).chunk_bytes
     assert stored_chunk_bytes(tmp_path / "plain" / "4", kernel) == 4 * 2048 * 4  # orbax's own: one chunk
 
     expected = recs[-1].state
     for directory in ("budget", "plain"):
-        for reader_budget in (BUDGET, None):
+        for reader_budget in (given, None):
             reader = fs.CheckpointFileReader(tmp_path / directory, host_memory_budget=reader_budget)
             restored = reader.restore(fresh_state(MODEL))
             assert int(restored.step) == 4
@@ -95,8 +96,8 @@ def test_an_uncompressed_chunk_larger_than_the_budget_s_is_read_in_byte_ranges_a
     base = {"driver": "ocdbt", "base": f"file://{tmp_path}/db/"} if driver["driver"] == "zarr" else None
     kvstore = {**base, "path": "kernel/"} if base else {"driver": "file", "path": f"{tmp_path}/kernel/"}
     store = open_array({**driver, "kvstore": kvstore}, values)
-    monkeypatch.setattr(budget, "chunk_bytes", lambda _: most_bytes)
-    reading = budget.Reading(store, BUDGET, "kernel")
+    tiny = types.SimpleNamespace(chunk_bytes=most_bytes)  # a budget's chunks, below the minimum budget's
+    reading = budget.Reading(store, tiny, "kernel")
     assert reading.raw is not None and not reading.whole
     decoded = []
     monkeypatch.setattr(
@@ -120,11 +121,13 @@ def test_a_compressed_chunk_larger_than_the_budget_s_is_decoded_whole_once_and_s
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": f"{tmp_path}/k/"}, "metadata": {"chunks": [64, 64]}}
     store = open_array(spec, values)  # zarr's default compressor (blosc)
     with caplog.at_level("WARNING", logger="flaxstate"):
-        reading = budget.Reading(store, BUDGET, "k")
+        reading = budget.Reading(store, fs.HostMemoryBudget(BUDGET), "k")
     assert reading.whole and "k is stored in compressed chunks of 16384 bytes" in caplog.text
-    np.testing.assert_array_equal(asyncio.run(budget.read_host(reading, budget.Slots(BUDGET))), values)
+    np.testing.assert_array_equal(
+        asyncio.run(budget.read_host(reading, budget.Slots(fs.HostMemoryBudget(BUDGET)))), values
+    )
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    made = asyncio.run(budget.read_shards(reading, sharding, budget.Slots(BUDGET)))
+    made = asyncio.run(budget.read_shards(reading, sharding, budget.Slots(fs.HostMemoryBudget(BUDGET))))
     np.testing.assert_array_equal(np.asarray(made), values)
 
 
@@ -155,20 +158,20 @@ def test_a_local_tier_step_restores_the_same_bits_read_in_slices(tmp_path, caplo
         for record in recs:
             writer(record)
     reads = []
-    original = local_store._Parts._bytes
+    original = packed.PartsFile._bytes
 
     def spied(self, offset, size):
         reads.append(size)
         return original(self, offset, size)
 
-    monkeypatch.setattr(local_store._Parts, "_bytes", spied)
+    monkeypatch.setattr(packed.PartsFile, "_bytes", spied)
     budget_of_rows = 2 * BUDGET  # a kernel's row is 8 KiB: slices of whole rows within a chunk of this budget
     reader = fs.CheckpointFileReader([local, persistent], host_memory_budget=budget_of_rows)
     with caplog.at_level("INFO", logger="flaxstate"):
         restored = reader.restore(fresh_state(MODEL))
     assert "from the local tier" in caplog.text
     assert_trees_equal(restored, recs[-1].state)
-    assert max(reads) <= budget.chunk_bytes(budget_of_rows) and len(reads) > len(jax.tree.leaves(restored))
+    assert max(reads) <= fs.HostMemoryBudget(budget_of_rows).chunk_bytes and len(reads) > len(jax.tree.leaves(restored))
 
 
 def test_arrays_on_the_devices_are_saved_under_a_budget_a_block_at_a_time_as_the_same_bytes(tmp_path, monkeypatch):
@@ -195,18 +198,20 @@ def test_arrays_on_the_devices_are_saved_under_a_budget_a_block_at_a_time_as_the
         with fs.CheckpointFileWriter(tmp_path / f"{name}-whole", per_process=per_process) as writer:
             writer(recs[-1])
     assert {name for name, _ in read} == {"device part", "orbax"}
-    assert max(size for _, size in read) <= budget.chunk_bytes(BUDGET)
+    assert max(size for _, size in read) <= fs.HostMemoryBudget(BUDGET).chunk_bytes
     with buckets.moto_s3() as server:  # an s3:// store's save reads the device the same way (an emulator on 127.0.0.1)
         server.create_bucket("runs")
         read.clear()
         with fs.CheckpointFileWriter("s3://runs/devices", host_memory_budget=BUDGET) as writer:
             writer(recs[-1])
-        assert read and max(size for _, size in read) <= budget.chunk_bytes(BUDGET)
+        assert read and max(size for _, size in read) <= fs.HostMemoryBudget(BUDGET).chunk_bytes
         in_s3 = fs.CheckpointFileReader("s3://runs/devices", host_memory_budget=BUDGET).restore(fresh_state(MODEL))
         assert_trees_equal(in_s3, recs[-1].state)
     local, whole = (tmp_path / name / "process-0" / "4" / "arrays.bin" for name in ("local", "local-whole"))
     assert local.read_bytes() == whole.read_bytes()
-    assert stored_chunk_bytes(tmp_path / "orbax" / "4", "target.Dense_0.kernel") <= budget.chunk_bytes(BUDGET)
+    assert (
+        stored_chunk_bytes(tmp_path / "orbax" / "4", "target.Dense_0.kernel") <= fs.HostMemoryBudget(BUDGET).chunk_bytes
+    )
     restored = fs.CheckpointFileReader(tmp_path / "orbax", host_memory_budget=BUDGET).restore(fresh_state(MODEL))
     assert_trees_equal(restored, recs[-1].state)
     # Plain orbax restores it without being told shardings: from the sharding file, as orbax's own save writes it.

@@ -14,7 +14,7 @@ import optax
 import flaxstate as fs
 from flaxstate import audit
 from flaxstate.checkpoint import ledger
-from flaxstate.checkpoint.stores.local import ARRAYS, stored_meta
+from flaxstate.checkpoint.stores.packed import ARRAYS, stored_meta
 from flaxstate_testing import toy
 
 

@@ -29,10 +29,7 @@ by the same process.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -44,44 +41,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxstate import background, tree_paths
-from flaxstate.checkpoint import budget, saving
 from flaxstate.checkpoint import meta as meta_format
+from flaxstate.checkpoint import saving
+from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
 from flaxstate.checkpoint.saving import Metrics, Tree
 from flaxstate.checkpoint.steps import VanishedStepError
-from flaxstate.checkpoint.stores.lifecycle import RenameIntoPlace, beyond_keep
-from flaxstate.checkpoint.stores.parts import DevicePart, Index, contains, host_parts, index_of, wanted
+from flaxstate.checkpoint.stores.packed import (
+    ARRAYS,
+    META_FILE,
+    STEPS,
+    Chunk,
+    PartsFile,
+    pack_step,
+    remove_step,
+    step_numbers,
+    write_packed,
+)
+from flaxstate.checkpoint.stores.parts import index_of, wanted
 from flaxstate.records import FORMAT_VERSION
 
 logger = logging.getLogger("flaxstate")
-
-ARRAYS, META_FILE = "arrays.bin", "meta.json"
-PARTIAL = ".partial-"
-"""What a save in progress (or one killed) holds in its directory's name: `<step>.partial-<pid>`."""
-
-STEPS = RenameIntoPlace(PARTIAL)
-"""A local step is complete once renamed into place."""
-
-ALIGN = 64
-"""The alignment of each part's bytes in `arrays.bin`."""
-Chunk = np.ndarray | DevicePart
-"""A run of `arrays.bin`'s bytes: a numpy view, or a part on a device (read a block at a time)."""
 
 
 def process_directory(local_dir: str | Path, process_index: int | None = None) -> Path:
     """The directory of one process's local steps: `local_dir/process-<index>` (this process's by default)."""
     index = jax.process_index() if process_index is None else process_index
     return Path(local_dir).absolute() / f"process-{index}"
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 class Handoff(Protocol):
@@ -134,13 +122,13 @@ class LocalStore(saving.SaveSlot):
         keep: int | None = None,
         read_only: bool = False,
         copies: Copies | None = None,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | None = None,
     ) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
         self._keep = keep
         self._copies = copies
-        self._block_bytes = None if host_memory_budget is None else budget.chunk_bytes(host_memory_budget)
+        self._block_bytes = None if host_memory_budget is None else host_memory_budget.chunk_bytes
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             background.track(self)
@@ -264,7 +252,7 @@ class LocalStore(saving.SaveSlot):
             raise CheckpointError(f"{self.directory / str(step)} holds no array at {', '.join(missing)}.")
         where = self.directory / str(step) / ARRAYS
         try:
-            with _Parts(where, meta["bytes"]) as parts:
+            with PartsFile(where, meta["bytes"]) as parts:
                 return {
                     path: np.array(parts.values(entry, [[0, size] for size in entry["shape"]]))
                     for path, entry in ((path, meta["arrays"][path]) for path in paths)
@@ -280,7 +268,7 @@ class LocalStore(saving.SaveSlot):
         with_optimizer: bool = True,
         rename: Rename = None,
         meta: Mapping[str, Any] | None = None,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | None = None,
     ) -> StoredCheckpoint:
         """Restores a step that `covers` the template: its state dict (the template's tree, on its shardings) and meta.
 
@@ -311,7 +299,7 @@ class LocalStore(saving.SaveSlot):
         stored: Mapping[str, Any] = meta["arrays"]
         flat: dict[str, Any] = {}
         try:
-            with _Parts(where, meta["bytes"]) as parts:  # only the parts the template needs are read
+            with PartsFile(where, meta["bytes"]) as parts:  # only the parts the template needs are read
                 for path, target in wanted(template, with_optimizer).items():
                     entry = stored[path]
                     shape = tuple(entry["shape"])
@@ -338,171 +326,3 @@ class LocalStore(saving.SaveSlot):
         except OSError as error:
             raise DamagedCheckpointError(f"{where} cannot be read ({error}): the step is damaged") from error
         return StoredCheckpoint(state_dict=state_dict_of(flat), meta=dict(meta))
-
-
-def pack_step(
-    flat: Mapping[str, Any], header: dict[str, Any], block_bytes: int | None = None
-) -> tuple[dict[str, Any], list[Chunk]]:
-    """A step's meta and `arrays.bin`'s bytes as chunks (no copy): this process's distinct parts, 64-byte aligned.
-
-    With `block_bytes` (a budget's), a part on a device stays there, a `DevicePart` read a block at a time.
-    """
-    arrays: dict[str, Any] = {}
-    chunks: list[Chunk] = []
-    offset = 0
-    for path, value in flat.items():
-        shape, dtype, parts = host_parts(value, block_bytes)
-        entries = []
-        for index, data in parts:
-            padding = -offset % ALIGN
-            chunks.append(np.zeros(padding, np.uint8))
-            offset += padding
-            if isinstance(data, np.ndarray):
-                data = np.ascontiguousarray(data)
-                chunks.append(data.reshape(-1).view(np.uint8))
-            else:
-                chunks.append(data)
-            entries.append({"index": index, "offset": offset})
-            offset += data.nbytes
-        arrays[path] = {"shape": list(shape), "dtype": dtype.name, "parts": entries}
-    return {**header, "arrays": arrays, "bytes": offset}, chunks
-
-
-def write_packed(directory: Path, step: int, meta: Mapping[str, Any], chunks: list[Chunk], keep: int | None) -> None:
-    """Writes a step into `<step>.partial-<pid>`, fsync'd, renames it into place, drops the oldest beyond `keep`.
-
-    A `DevicePart` is written a block at a time, as it is read from its device.
-    """
-    partial = open_partial(directory, step)
-    with open(partial / ARRAYS, "wb") as file:
-        for chunk in chunks:
-            if isinstance(chunk, DevicePart):
-                for begin in range(0, chunk.nbytes, chunk.block_bytes):
-                    file.write(chunk.read(begin, min(begin + chunk.block_bytes, chunk.nbytes)).data)
-                continue
-            file.write(chunk.data if chunk.size else b"")
-        file.flush()
-        os.fsync(file.fileno())
-    place_partial(directory, step, meta, keep)
-
-
-def open_partial(directory: Path, step: int) -> Path:
-    """A fresh `<step>.partial-<pid>` in `directory` (one this process left is removed), for `arrays.bin`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = _partial(directory, step)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
-
-
-def _partial(directory: Path, step: int) -> Path:
-    """Where this process writes `step` before naming it: `<step>.partial-<pid>`."""
-    return directory / f"{step}{PARTIAL}{os.getpid()}"
-
-
-def place_partial(directory: Path, step: int, meta: Mapping[str, Any], keep: int | None) -> None:
-    """Writes `meta.json` beside the `arrays.bin` of `open_partial`'s directory (written and fsync'd), renames it
-    into place, and drops the oldest steps beyond `keep`."""
-    partial = _partial(directory, step)
-    with open(partial / META_FILE, "w") as file:
-        json.dump(meta, file)
-        file.flush()
-        os.fsync(file.fileno())
-    _fsync_directory(partial)
-    os.rename(partial, directory / str(step))
-    _fsync_directory(directory)
-    if keep is not None:
-        for old in beyond_keep(step_numbers(directory), keep):
-            remove_step(directory, old)
-
-
-def stored_meta(step_dir: Path) -> dict[str, Any]:
-    """A step's `meta.json` as stored (not checked: `LocalStore.read_meta` checks it against the format)."""
-    meta: dict[str, Any] = json.loads((step_dir / META_FILE).read_text())
-    return meta
-
-
-def run_of(step_dir: Path) -> str | None:
-    """A step's run id (`None` where its meta does not read)."""
-    try:
-        return stored_meta(step_dir).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def remove_step(directory: Path, step: int) -> None:
-    """Removes a step: renamed out of the listing first, so that no reader meets it half deleted."""
-    STEPS.delete(directory / str(step))
-
-
-def step_numbers(directory: Path) -> list[int]:
-    """The complete steps of a directory of local steps (a process's, or its copies of a peer's), oldest first."""
-    return STEPS.complete(directory)
-
-
-class _Parts:
-    """A step's arrays file, read a stored part at a time (each once), as the template asks for them.
-
-    Read, not mapped: JAX's CPU client would alias a mapping's read-only
-    pages, which a step donates.
-    """
-
-    def __init__(self, path: Path, size: int) -> None:
-        self._path = path
-        self._size = size
-        self._file = open(path, "rb")  # noqa: SIM115  closed by __exit__
-        self._read: dict[int, np.ndarray] = {}
-
-    def __enter__(self) -> _Parts:
-        if os.fstat(self._file.fileno()).st_size != self._size:
-            self._file.close()
-            raise DamagedCheckpointError(f"{self._path} changed while it was read: the step is damaged")
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._file.close()
-
-    def sliced(self, entry: Mapping[str, Any], index: Index, host_memory_budget: int, device: Any) -> Any:
-        """The values at `index` of a stored array, read in slices of whole rows of its stored part (at most
-        `budget.chunk_bytes`, and one row) into a numpy array, or with a `device` into an array made there."""
-        dtype = np.dtype(jnp.dtype(entry["dtype"]))
-        outer = next(part for part in entry["parts"] if contains(part["index"], index))  # covers() checked
-        outer_shape = [stop - start for start, stop in outer["index"]]
-        shape = tuple(stop - start for start, stop in index)
-        out: Any = np.empty(shape, dtype) if device is None else jnp.zeros(shape, dtype, device=device)
-        if not shape:
-            piece = self._bytes(int(outer["offset"]), dtype.itemsize).view(dtype).reshape(())
-            return piece.copy() if device is None else budget.put(out, piece, ())
-        row_bytes = math.prod(outer_shape[1:]) * dtype.itemsize
-        rows = max(1, budget.chunk_bytes(host_memory_budget) // max(1, row_bytes))
-        (first, last), (outer_first, _) = index[0], outer["index"][0]
-        inner = tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index[1:], outer["index"][1:], strict=True))
-        for start in range(first, last, rows):
-            stop = min(start + rows, last)
-            at = int(outer["offset"]) + (start - outer_first) * row_bytes
-            data = self._bytes(at, (stop - start) * row_bytes).view(dtype).reshape(stop - start, *outer_shape[1:])
-            piece = data[(slice(None), *inner)]
-            if device is None:
-                out[start - first : stop - first] = piece
-            else:
-                out = budget.put(out, piece, (start - first,) + (0,) * len(inner))
-        return out
-
-    def _bytes(self, offset: int, size: int) -> np.ndarray:
-        """`size` bytes of the file from `offset`, read (not kept)."""
-        data = np.empty(size, dtype=np.uint8)
-        self._file.seek(offset)
-        if self._file.readinto(data.data) != size:
-            raise DamagedCheckpointError(f"{self._path} ends inside an array's part: the step is damaged")
-        return data
-
-    def values(self, entry: Mapping[str, Any], index: Index) -> np.ndarray:
-        """The values at `index` of a stored array, from a stored part that contains it (a view of that part)."""
-        dtype = jnp.dtype(entry["dtype"])
-        outer = next(part for part in entry["parts"] if contains(part["index"], index))  # covers() checked
-        shape = [stop - start for start, stop in outer["index"]]
-        begin = int(outer["offset"])
-        if begin not in self._read:
-            self._read[begin] = self._bytes(begin, math.prod(shape) * dtype.itemsize)
-        data = self._read[begin].view(dtype).reshape(shape)
-        return data[tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(index, outer["index"], strict=True))]

@@ -50,6 +50,7 @@ from flaxstate import background, locations, tree_paths
 from flaxstate.checkpoint import budget, saving, steps
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
+from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, renamed_against, state_dict_of, to_json
@@ -105,7 +106,7 @@ class ObjectStore(saving.SaveSlot):
         keep: int | None = None,
         best: BestPolicy | None = None,
         read_only: bool = False,
-        host_memory_budget: int | None = None,
+        host_memory_budget: HostMemoryBudget | None = None,
     ) -> None:
         super().__init__()
         self.directory = locations.as_path(directory)
@@ -154,7 +155,7 @@ class ObjectStore(saving.SaveSlot):
         if self._slots is None:
             asyncio.run(_write_arrays(shards, wholes))
         else:
-            asyncio.run(_write_bounded(shards, wholes, budget.chunk_bytes(self._slots.budget), self._slots))
+            asyncio.run(_write_bounded(shards, wholes, self._slots.budget.chunk_bytes, self._slots))
         (step_dir / f"{DONE}{jax.process_index()}").write_text("")
         if not primary:
             return

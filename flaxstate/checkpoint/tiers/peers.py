@@ -57,10 +57,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxstate import collectives
 from flaxstate.checkpoint import budget
-from flaxstate.checkpoint.stores.local import (
+from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.stores.local import LocalStore
+from flaxstate.checkpoint.stores.packed import (
     ARRAYS,
     Chunk,
-    LocalStore,
     open_partial,
     pack_step,
     place_partial,
@@ -413,7 +414,7 @@ class PeerCopies:
             step's bytes three to four times over (`host_memory.EXCHANGE`); the loop waits for the move.
     """
 
-    def __init__(self, plan: PeerPlan, host_memory_budget: int | None = None) -> None:
+    def __init__(self, plan: PeerPlan, host_memory_budget: HostMemoryBudget | None = None) -> None:
         self.plan = plan
         self.host_memory_budget = host_memory_budget
 
@@ -436,7 +437,7 @@ class PeerCopies:
         replicated = replicated_elsewhere([held for _, held in offers], self.plan.hosts, len(self.plan.rounds))
         if all(replicated):  # pure data parallelism over hosts: nothing moves
             return Exchanged(False, None, tuple((owner, None) for owner in self.plan.sources(me)))
-        block = None if self.host_memory_budget is None else budget.chunk_bytes(self.host_memory_budget)
+        block = None if self.host_memory_budget is None else self.host_memory_budget.chunk_bytes
         packed = pack_step(flat, header, block)
         outgoing = Outgoing([] if replicated[me] else list(framed(*packed)))
         received: list[tuple[int, jax.Array | Incoming | None]] = []
@@ -446,7 +447,7 @@ class PeerCopies:
                 received.append((owner, None if replicated[owner] else arrived))
                 continue
             incoming = None if replicated[owner] else Incoming(copies_directory(directory, owner), step)
-            stream(outgoing, holders, budget.chunk_bytes(self.host_memory_budget), incoming)
+            stream(outgoing, holders, self.host_memory_budget.chunk_bytes, incoming)
             received.append((owner, incoming))
         return Exchanged(False, packed, tuple(received))
 
@@ -467,7 +468,7 @@ def bring_back(
     step: int,
     transfers: tuple[tuple[int, bool, int], ...],
     meta: dict[str, Any] | None,
-    host_memory_budget: int | None = None,
+    host_memory_budget: HostMemoryBudget | None = None,
 ) -> dict[str, Any] | None:
     """Moves each lost process's parts of `step` from the process that keeps them (a collective).
 
@@ -510,7 +511,7 @@ def bring_back(
                 logger.info("process %d's parts of step %d come from process %d's %s.", owner, step, holder, held_as)
         receiving = any(owner == me for _, _, owner in batch)
         incoming = Incoming(process_dir, step) if receiving else None
-        slice_bytes = budget.LARGEST_CHUNK if host_memory_budget is None else budget.chunk_bytes(host_memory_budget)
+        slice_bytes = budget.LARGEST_CHUNK if host_memory_budget is None else host_memory_budget.chunk_bytes
         stream(outgoing, tuple(destination), slice_bytes, incoming)
         if incoming is not None:
             meta = {**(incoming.meta or {}), "process_index": me, "devices": [d.id for d in jax.local_devices()]}

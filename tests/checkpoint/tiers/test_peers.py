@@ -29,7 +29,7 @@ from flaxstate_testing.checkpoints import (
 
 import flaxstate as fs
 from flaxstate.checkpoint import budget
-from flaxstate.checkpoint.stores.local import step_numbers, write_packed
+from flaxstate.checkpoint.stores.packed import step_numbers, write_packed
 from flaxstate.checkpoint.tiers import peers
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
@@ -169,7 +169,7 @@ def test_under_a_budget_a_lost_host_s_parts_and_the_copies_after_it_move_in_slic
         (own_meta, own), (copy_meta, copy) = read_packed(own_dir / "100"), read_packed(copy_dir / "100")
         assert own.tobytes() == copy.tobytes() and own_meta == copy_meta
         sent = 8 + len(json.dumps(own_meta)) + own.size  # two slices or more of two processes' larger parts
-        assert sent > budget.chunk_bytes(budget.MINIMUM) or n == 4, sent
+        assert sent > fs.HostMemoryBudget(budget.MINIMUM).chunk_bytes or n == 4, sent
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 7, 64, 10**6])

@@ -1,0 +1,91 @@
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flaxstate_testing import toy
+from flaxstate_testing.checkpoints import assert_trees_equal, fresh_state, records
+
+import flaxstate as fs
+from flaxstate.checkpoint.stores.packed import step_numbers
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fs.LocalTier("gs://bucket/run"), "LocalTier got 'gs://bucket/run', a gs:// URL"),
+        (lambda: fs.LocalTier(None), "LocalTier directory must be a local path, got None"),
+        (lambda: fs.LocalTier("/dev/shm/run", peers=-1), "LocalTier peers must be an int of at least 0, got -1"),
+        (lambda: fs.LocalTier("/dev/shm/run", keep=0), "LocalTier keep must be a positive int, got 0"),
+        (lambda: fs.LocalTier("/dev/shm/run", keep="2"), "LocalTier keep must be a positive int, got '2'"),
+    ],
+)
+def test_a_bad_local_tier_is_refused_where_it_is_made(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+def test_a_local_tier_is_a_frozen_value_with_an_absolute_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tier = fs.LocalTier("local", peers=1, keep=2)
+    assert tier.directory == tmp_path / "local" and isinstance(tier.directory, Path)
+    assert tier == fs.LocalTier(tmp_path / "local", 1, 2) and hash(tier) == hash(fs.LocalTier(tmp_path / "local", 1, 2))
+
+
+def test_the_writer_and_the_reader_take_the_tier_as_they_take_its_keywords(tmp_path, caplog):
+    # The same records through a writer given the tier and one given per_process=True, keep=2: the same steps
+    # kept in each process's directory; the reader given the tier restores the newest from it.
+    recs = records(n_steps=6, every=2)
+    persistent = tmp_path / "run"
+    with fs.CheckpointFileWriter(persistent) as writer:
+        writer(recs[0])  # one step behind the local tiers
+    tier = fs.LocalTier(tmp_path / "by_object", keep=2)
+    with fs.CheckpointFileWriter(tier) as by_object:
+        assert by_object.per_process
+        for record in recs:
+            by_object(record)
+    with fs.CheckpointFileWriter(tmp_path / "by_keywords", keep=2, per_process=True) as by_keywords:
+        for record in recs:
+            by_keywords(record)
+    kept = [step_numbers(tmp_path / name / "process-0") for name in ("by_object", "by_keywords")]
+    assert kept[0] == kept[1] == [4, 6], kept
+    reader = fs.CheckpointFileReader([tier, persistent])
+    assert reader.local_dir == tier.directory
+    with caplog.at_level(logging.INFO, logger="flaxstate"):
+        restored = reader.restore(fresh_state())
+    assert "from the local tier" in caplog.text and int(restored.step) == 6
+    assert_trees_equal(restored, recs[-1].state)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"keep": 3}, r"got LocalTier\(.*keep=2\) and keep=3: the tier says 2"),
+        ({"peers": 1}, r"got LocalTier\(.*peers=0.*\) and peers=1: the tier says 0"),
+    ],
+)
+def test_a_writer_given_a_tier_and_keywords_that_say_otherwise_is_refused_before_the_directory_is_touched(
+    tmp_path, given, message
+):
+    with pytest.raises(ValueError, match=message):
+        fs.CheckpointFileWriter(fs.LocalTier(tmp_path / "local", keep=2), **given)
+    assert not (tmp_path / "local").exists()
+
+
+def test_the_plan_counts_the_tier_s_host_memory_as_its_keywords_say(tmp_path):
+    model = toy.ShardedMLP(width=64)  # logical axes: sharded over the plan's mesh, as a pod's model is
+    data = [(np.ones((8, 4), np.float32), np.zeros((8,), np.float32))] * 2
+    task = fs.TrainTask(
+        apply=model.apply, optimizer=optax.adam(1e-3), loss=lambda y, t: jnp.mean((y - t) ** 2), data=data
+    )
+    options = {"target": "cpu:4", "mesh_shape": {"fsdp": 4}, "axis_rules": [("batch", "fsdp"), ("hidden", "fsdp")]}
+    tier = fs.LocalTier("/dev/shm/run", keep=2)
+    by_object = fs.plan(model.init, task, local_dir=tier, **options)
+    by_keywords = fs.plan(model.init, task, local_dir="/dev/shm/run", local_keep=2, **options)
+    assert by_object.per_host == by_keywords.per_host
+    one_step = fs.plan(model.init, task, local_dir="/dev/shm/run", **options).per_host["local_tier"]
+    assert by_object.per_host["local_tier"] == 3 * one_step // 2  # keep + 1 steps: 3 against 2
+    with pytest.raises(ValueError, match="plan got LocalTier.* and local_keep=3: the tier says 2"):
+        fs.plan(model.init, task, local_dir=tier, local_keep=3, **options)
