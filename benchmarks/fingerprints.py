@@ -29,7 +29,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 
 
 def seconds(work, rounds: int) -> list[float]:

@@ -25,7 +25,7 @@ import jax
 from contenders import in_turn, make_loop
 
 import flaxstate as fs
-from flaxstate.checkpoint.ledger import Ledger
+from flaxstate.run_record.ledger import Ledger
 
 
 def runner(run_dir: Path, ledger: bool, every: int):

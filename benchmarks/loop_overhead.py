@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 import flaxstate as fs
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 
 
 class MLP(nn.Module):
@@ -87,7 +87,7 @@ def flaxstate_runner(
 
     def run(n_steps: int) -> None:
         assert n_steps == steps
-        fingerprints.ENABLED = fingerprinted  # the resume audit's fingerprints (`flaxstate.fingerprints`)
+        fingerprints.ENABLED = fingerprinted  # the resume audit's fingerprints (`flaxstate.run_record.fingerprints`)
         try:
             loop.next_checkpoint()
         finally:

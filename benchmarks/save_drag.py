@@ -47,8 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import checkpoint as bench  # noqa: E402  (the model and loop of benchmarks/checkpoint.py)
 
 import flaxstate as fs  # noqa: E402
-from flaxstate import goodput  # noqa: E402
-from flaxstate.checkpoint import ledger  # noqa: E402
+from flaxstate.run_record import goodput, ledger  # noqa: E402
 
 
 class Contender:

@@ -28,14 +28,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import audit, goodput, launch, plotting
-from flaxstate.checkpoint import ledger
+from flaxstate import launch, plotting
 from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.locations import is_url, run_directory
 from flaxstate.records import format_bytes
+from flaxstate.run_record import audit, goodput, ledger
 
 AUDIT_UNVERIFIED = 3
 """`flaxstate audit`'s exit status when no replay differs but one was not verified (records without fingerprints)."""

@@ -134,7 +134,7 @@ class Session:
         n_devices: the devices of the run (all processes').
         device_kind: the devices' kind, e.g. "NVIDIA H100 80GB HBM3" or "cpu".
         mesh: the loop's mesh, `{axis name: size}`.
-        restored_fingerprint: the restored state's fingerprint (`flaxstate.fingerprints`),
+        restored_fingerprint: the restored state's fingerprint (`flaxstate.run_record.fingerprints`),
             checked against the step's record of the session that saved it; `None` for a fresh start.
         n_microbatches: the microbatches a step of this session (`TrainLoop(max_device_batch=...)` sets
             them from the devices' batch on every start).
@@ -303,14 +303,14 @@ class Checkpoint:
             else `None`; an `EvalLoop` evaluates it instead of putting the
             host copy on the devices again. `None` for records made by hand.
         state_fingerprint: 16 hex digits of the state's bits, the same on any
-            mesh and process count (`flaxstate.fingerprints`); `None` for
+            mesh and process count (`flaxstate.run_record.fingerprints`); `None` for
             records made by hand.
         data_fingerprint: 16 hex digits of the batches trained since the
             previous record (all their global indices with
             `fs.global_batches`, else the first one's bytes, where a resume
             starts); `None` for records made by hand. The goodput
             ledger keeps both, and a resume's replay is checked against them
-            (`flaxstate.audit`).
+            (`flaxstate.run_record.audit`).
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,

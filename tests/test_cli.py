@@ -3,9 +3,9 @@ import sys
 
 from PIL import Image
 
-from flaxstate import cli, goodput
-from flaxstate.checkpoint import ledger
+from flaxstate import cli
 from flaxstate.records import format_bytes
+from flaxstate.run_record import goodput, ledger
 
 
 def flaxstate(*args):

@@ -11,8 +11,7 @@ from flaxstate_testing import processes, toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
-from flaxstate import audit
-from flaxstate.checkpoint import ledger
+from flaxstate.run_record import audit, ledger
 from flaxstate.training.data import DataStream
 
 X = np.arange(30, dtype=np.float32).reshape(15, 2)

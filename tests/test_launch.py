@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 from flaxstate_testing import processes
 
-from flaxstate import goodput
-from flaxstate.checkpoint import ledger
+from flaxstate.run_record import goodput, ledger
 
 
 class Launched(processes.Watched):

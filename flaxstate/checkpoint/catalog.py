@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flaxstate import environment, tree_paths
+from flaxstate import tree_paths
 from flaxstate.checkpoint import steps
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.errors import CheckpointError
@@ -21,6 +21,7 @@ from flaxstate.checkpoint.layout import is_empty_or_missing, is_step_entry
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store, open_store
 from flaxstate.locations import run_directory, tree_size
+from flaxstate.run_record import environment
 
 logger = logging.getLogger("flaxstate")
 

@@ -36,28 +36,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
 from flaxstate import settings
-
-
-@dataclasses.dataclass(frozen=True)
-class RunHistory:
-    """A run's failures and seconds of running before this session, from its goodput ledger.
-
-    Args:
-        failures: the sessions that ended without their final or preempted record.
-        seconds: the seconds that those earlier sessions ran.
-
-    Raises:
-        ValueError: a negative or non-integer `failures`, or `seconds` negative or not finite.
-    """
-
-    failures: int
-    seconds: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "failures", settings.count("RunHistory", "failures", self.failures, minimum=0))
-        if not settings.is_real(self.seconds) or not math.isfinite(self.seconds) or self.seconds < 0:
-            raise ValueError(f"RunHistory seconds must be a finite number of seconds, 0 or more, got {self.seconds!r}.")
-        object.__setattr__(self, "seconds", float(self.seconds))
+from flaxstate.run_record.cadence import RunHistory
 
 
 def _seconds(owner: str, name: str, value: Any, zero: bool) -> float:
@@ -115,7 +94,8 @@ class AutoInterval:
     """Saves as `Continuous`, at the interval that loses the least time by Young and Daly's rule,
     `sqrt(2 x cost x mtbf)`, from this writer's measured save cost (its call's blocking plus the drag of the save
     in the background on the steps) and the run's failures; bounded below by `min_seconds` and above by
-    `flaxstate.cadence.MAX_SECONDS`. Each change of interval is logged with its inputs and kept in the ledger.
+    `flaxstate.run_record.cadence.MAX_SECONDS`. Each change of interval is logged with its inputs and kept in
+    the ledger.
 
     Args:
         min_seconds: the least seconds between the starts of two saves (0 or more).

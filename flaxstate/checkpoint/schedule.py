@@ -4,7 +4,7 @@
 the last save's time (`EverySeconds`, `Continuous`), and for `AutoInterval`
 the step time of recent records, the windows of recent saves (`SaveWindow`)
 and the run's failures (`RunHistory`, handed over by the writer), from which
-it chooses the interval by Young and Daly's rule (`flaxstate.cadence`); each
+it chooses the interval by Young and Daly's rule (`flaxstate.run_record.cadence`); each
 change of interval is an `IntervalChange`, which the writer logs and keeps in
 its ledger.
 
@@ -21,9 +21,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from flaxstate import cadence
 from flaxstate.checkpoint.policies import AutoInterval, Continuous, EverySeconds, RunHistory, SavePolicy
 from flaxstate.records import Checkpoint
+from flaxstate.run_record import cadence
 
 RECENT_RECORDS = 64
 """The records whose step time the drag of recent saves is measured on."""

@@ -45,20 +45,21 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flaxstate import environment, settings
+from flaxstate import settings
 from flaxstate.checkpoint import budget, claims, policies, schedule, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
 from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
-from flaxstate.checkpoint.ledger import Ledger
 from flaxstate.checkpoint.policies import AutoInterval, RunHistory, SavePolicy
 from flaxstate.checkpoint.tiers import local_tier
 from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
+from flaxstate.run_record import environment
+from flaxstate.run_record.ledger import Ledger
 from flaxstate.sharding import logical_axes_by_path
 
 logger = logging.getLogger("flaxstate")
@@ -67,7 +68,8 @@ logger = logging.getLogger("flaxstate")
 def record_meta(
     checkpoint: Checkpoint, metadata: Any, best: BestPolicy | None, run_environment: Any = None
 ) -> dict[str, Any]:
-    """Returns what a record stores as JSON beside its arrays (`run_environment`: `flaxstate.environment.describe`)."""
+    """Returns what a record stores as JSON beside its arrays (`run_environment`:
+    `flaxstate.run_record.environment.describe`)."""
     return {
         "environment": run_environment,
         "step": int(checkpoint.step),
@@ -286,7 +288,7 @@ class _Writer:
         if change is not None and jax.process_index() == 0:
             logger.info("%s", change.line(self._description))
             if self._ledger is not None:
-                self._ledger.cadence(change)
+                self._ledger.cadence(change.event())
         if jax.process_count() > 1:
             due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
@@ -420,7 +422,7 @@ class CheckpointFileWriter(_Writer):
                 `every="auto"`'s interval are measured on (in seconds; a test
                 moves time by giving its own).
             ledger: keep the run's goodput ledger, `output_dir/goodput.jsonl`
-                (`flaxstate.checkpoint.ledger`; `flaxstate goodput DIR` reads
+                (`flaxstate.run_record.ledger`; `flaxstate goodput DIR` reads
                 it): a line each record and save, fsync'd. A per-process
                 writer keeps none (the persistent tier's writer does).
             per_process: a local tier (`flaxstate.checkpoint.stores.local`): each

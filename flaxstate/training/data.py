@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 
 logger = logging.getLogger("flaxstate")
 

@@ -75,8 +75,8 @@ def gather_waits(
     Args:
         data_time, idle_time, elapsed_time: this process's, for the record.
         requested: whether this process was asked for a checkpoint (SIGUSR1).
-        digest: this process's CRC-32 of its span's first batch (`flaxstate.fingerprints.BatchDigest`; `None`:
-            unknown).
+        digest: this process's CRC-32 of its span's first batch (`flaxstate.run_record.fingerprints.BatchDigest`;
+            `None`: unknown).
 
     Returns:
         `(data_time, idle_time, elapsed_time)` of each process in process

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax.core.scope import CollectionFilter
 
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 from flaxstate.training import step, throughput
 from flaxstate.training.placement import Placement
 from flaxstate.training.task import TrainTask

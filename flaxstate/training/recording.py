@@ -20,8 +20,8 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
-from flaxstate import fingerprints
 from flaxstate.records import Checkpoint, Session, Timing
+from flaxstate.run_record import fingerprints
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import copies, memory, multihost, startup, throughput
 from flaxstate.training.data import DataStream

@@ -63,7 +63,7 @@ class Trained:
 
     Attributes:
         grads: the last step's gradients (`None` after a preemption notice).
-        fingerprint: the last state's fingerprint (`flaxstate.fingerprints.of_state`), where the record's
+        fingerprint: the last state's fingerprint (`flaxstate.run_record.fingerprints.of_state`), where the record's
             dispatch computed it (K > 1); else `None`.
         loss: the last loss (`None` if no step ran).
         n_steps: the steps the segment trained.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax.core.scope import CollectionFilter
 from jax import lax
 
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 from flaxstate.training.batching import Batch
 from flaxstate.training.placement import Across
 
@@ -268,7 +268,7 @@ def update_program(
     through every scan, they cost a small MLP's step 2% here). Given a
     `fenced` train step (`make_train_step`), the two give the same state bit
     for bit, wherever records fall. With `fingerprinted` too, the record's
-    dispatch also returns its state's fingerprint (`flaxstate.fingerprints`),
+    dispatch also returns its state's fingerprint (`flaxstate.run_record.fingerprints`),
     computed after the scan (so nothing of it joins the steps' kernels): on
     this project's CPUs a separate call for it, made once a record with the
     host's caches cold from the steps, cost several times as much. A record

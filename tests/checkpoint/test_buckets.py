@@ -26,8 +26,7 @@ from flaxstate_testing import buckets, command_line, processes, toy
 from flaxstate_testing.checkpoints import assert_same, read_beside_a_rotating_writer
 
 import flaxstate as fs
-from flaxstate import goodput
-from flaxstate.checkpoint import ledger
+from flaxstate.run_record import goodput, ledger
 
 CONFIG = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep": 2}
 

@@ -5,7 +5,8 @@ import pytest
 from flaxstate_testing.checkpoints import records, saved_steps
 
 import flaxstate as fs
-from flaxstate.checkpoint import ledger, policies
+from flaxstate.checkpoint import policies
+from flaxstate.run_record import ledger
 
 
 class Clock:

@@ -8,8 +8,8 @@ import pytest
 from flaxstate_testing.checkpoints import patch_async_save, records, saved_steps
 
 import flaxstate as fs
-from flaxstate import cadence, goodput
-from flaxstate.checkpoint import ledger, schedule
+from flaxstate.checkpoint import schedule
+from flaxstate.run_record import cadence, goodput, ledger
 
 
 class Clock:

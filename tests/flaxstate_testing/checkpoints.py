@@ -12,9 +12,8 @@ import numpy as np
 import optax
 
 import flaxstate as fs
-from flaxstate import audit
-from flaxstate.checkpoint import ledger
 from flaxstate.checkpoint.stores.packed import ARRAYS, stored_meta
+from flaxstate.run_record import audit, ledger
 from flaxstate_testing import toy
 
 

@@ -8,9 +8,9 @@ import pytest
 from flaxstate_testing import loops, toy
 
 import flaxstate as fs
-from flaxstate import cli, goodput
-from flaxstate.checkpoint import ledger
+from flaxstate import cli
 from flaxstate.records import format_bytes
+from flaxstate.run_record import goodput, ledger
 from flaxstate.training import memory
 
 MIB = 2**20

@@ -6,7 +6,7 @@ import pytest
 from flaxstate_testing import programs
 from flaxstate_testing.programs import MODEL, X, Y
 
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 from flaxstate.training import batching
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals

@@ -36,7 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import jax
 
 from flaxstate import collectives
-from flaxstate.checkpoint import damage, ledger, steps, stores
+from flaxstate.checkpoint import damage, steps, stores
 from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
@@ -45,6 +45,7 @@ from flaxstate.checkpoint.stores import parts
 from flaxstate.checkpoint.stores.local import LocalStore, process_directory
 from flaxstate.checkpoint.tiers import agreement, peers
 from flaxstate.locations import is_url
+from flaxstate.run_record import ledger
 
 logger = logging.getLogger("flaxstate")
 

@@ -14,8 +14,8 @@ import pytest
 from flaxstate_testing import processes
 from flaxstate_testing.checkpoints import assert_same, local_steps, restored_local_step
 
-from flaxstate import goodput
-from flaxstate.checkpoint.ledger import read_events
+from flaxstate.run_record import goodput
+from flaxstate.run_record.ledger import read_events
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8, "n_steps": 100}
 PERSISTENT_STEP = 40

@@ -35,7 +35,8 @@ import redex  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
-from flaxstate import fingerprints, tree_paths  # noqa: E402
+from flaxstate import tree_paths  # noqa: E402
+from flaxstate.run_record import fingerprints  # noqa: E402
 from flaxstate_testing.lm import lm, train_loop  # noqa: E402
 
 shown = logging.getLogger("flaxstate")  # its info lines too: which tier restored

@@ -7,8 +7,8 @@ from flaxstate_testing import toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
-from flaxstate import cli, goodput
-from flaxstate.checkpoint import ledger
+from flaxstate import cli
+from flaxstate.run_record import goodput, ledger
 
 
 def train(run_dir, loop=None, **writer_options):

@@ -1,6 +1,6 @@
 """How often to save, from a run's own figures: Young and Daly's interval, the failure rate, and a save's drag.
 
-Pure functions of what the goodput ledger measures (`flaxstate.goodput` adds
+Pure functions of what the goodput ledger measures (`flaxstate.run_record.goodput` adds
 the drag up for a report; `flaxstate.checkpoint.schedule` chooses a writer's
 interval live from the same figures):
 
@@ -21,6 +21,31 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
+
+from flaxstate import settings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHistory:
+    """A run's failures and seconds of running before this session, from its goodput ledger.
+
+    Args:
+        failures: the sessions that ended without their final or preempted record.
+        seconds: the seconds that those earlier sessions ran.
+
+    Raises:
+        ValueError: a negative or non-integer `failures`, or `seconds` negative or not finite.
+    """
+
+    failures: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "failures", settings.count("RunHistory", "failures", self.failures, minimum=0))
+        if not settings.is_real(self.seconds) or not math.isfinite(self.seconds) or self.seconds < 0:
+            raise ValueError(f"RunHistory seconds must be a finite number of seconds, 0 or more, got {self.seconds!r}.")
+        object.__setattr__(self, "seconds", float(self.seconds))
+
 
 MAX_SECONDS = 3600.0
 """The longest interval `every="auto"` chooses (a run that never fails still saves once an hour)."""

@@ -7,9 +7,9 @@ from flaxstate_testing import toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
-from flaxstate import environment
 from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
 from flaxstate.cli import main
+from flaxstate.run_record import environment
 
 
 def stored_session(run_dir):

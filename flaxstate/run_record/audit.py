@@ -1,8 +1,8 @@
 """A resume that proves itself: each resume's replay checked against the fingerprints that earlier sessions logged.
 
 A session that resumes from step s of a run that had reached step e > s
-trains steps s+1..e again. The goodput ledger (`flaxstate.checkpoint.ledger`)
-keeps each record's fingerprints (`flaxstate.fingerprints`): of the state at
+trains steps s+1..e again. The goodput ledger (`flaxstate.run_record.ledger`)
+keeps each record's fingerprints (`flaxstate.run_record.fingerprints`): of the state at
 its step, and of the batches trained since the previous record. The audit of
 a resume compares, step by step, the records it replays with the newest
 earlier session's records of the same steps:
@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from flaxstate.goodput import SessionEvents, sessions_of
+from flaxstate.run_record.goodput import SessionEvents, sessions_of
 
 BIT_EXACT = "bit-exact"
 DATA_DIFFERS = "data differs"

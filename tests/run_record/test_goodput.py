@@ -13,8 +13,7 @@ import time
 import pytest
 from flaxstate_testing import command_line, processes
 
-from flaxstate import goodput
-from flaxstate.checkpoint import ledger
+from flaxstate.run_record import goodput, ledger
 
 CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2, "data_sleep": 0.02}
 

@@ -12,8 +12,8 @@ thread of its own within a second (the end of a session waits for it):
 - `record`: each record (its step and steps, seconds training, compiling,
   waiting for the data and for the host, and outside the loop before it,
   memory, and its fingerprints: `from`, the previous record's step,
-  `state_fp` and `data_fp`, see `flaxstate.fingerprints`);
-- `audit`: a resumed session's verdict on its replay (`flaxstate.audit`),
+  `state_fp` and `data_fp`, see `flaxstate.run_record.fingerprints`);
+- `audit`: a resumed session's verdict on its replay (`flaxstate.run_record.audit`),
   once it is known: at the first difference, at the end of the replay, or at
   the session's end;
 - `save`: each save (the seconds the writer's call blocked);
@@ -23,7 +23,7 @@ thread of its own within a second (the end of a session waits for it):
   inputs (`flaxstate.checkpoint.schedule`);
 - `end`: the final or preempted record, after its save is on disk.
 
-`flaxstate.goodput` adds the events up. A ledger holds one run: at its first
+`flaxstate.run_record.goodput` adds the events up. A ledger holds one run: at its first
 event a writer moves a ledger of another run aside (`goodput-<run id>.jsonl`,
 kept), so two runs never mix.
 
@@ -44,18 +44,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import jax
 
-from flaxstate import audit, settings
-from flaxstate.checkpoint.policies import RunHistory
-from flaxstate.checkpoint.schedule import IntervalChange
-from flaxstate.goodput import SessionEvents, sessions_of
+from flaxstate import settings
 from flaxstate.locations import as_path, is_url
 from flaxstate.records import MEMORY_FIELDS, Checkpoint
+from flaxstate.run_record import audit
+from flaxstate.run_record.cadence import RunHistory
+from flaxstate.run_record.goodput import SessionEvents, sessions_of
 
 FILENAME = "goodput.jsonl"
 SESSIONS = "goodput-sessions"
@@ -227,7 +227,7 @@ class Ledger:
         self._replay_end = audit.replay_end(self._earlier)
 
     def _audit(self, record: dict[str, Any], ending: bool = False) -> None:
-        """Logs and keeps the resume's verdict once it is known (see `flaxstate.audit`)."""
+        """Logs and keeps the resume's verdict once it is known (see `flaxstate.run_record.audit`)."""
         mine = self._mine
         if mine is None:
             return
@@ -253,10 +253,11 @@ class Ledger:
             self._append({"event": "save", "step": step, "blocking": blocking})
             self._completed(completed)
 
-    def cadence(self, change: IntervalChange) -> None:
-        """Logs a change of `AutoInterval`'s interval, with its inputs (`flaxstate.checkpoint.schedule`)."""
+    def cadence(self, change: Mapping[str, Any]) -> None:
+        """Logs a change of `AutoInterval`'s interval, with its inputs (`IntervalChange.event()` of
+        `flaxstate.checkpoint.schedule`)."""
         if self._primary and self._run_id is not None:
-            self._append({"event": "cadence", **change.event()})
+            self._append({"event": "cadence", **change})
 
     def end(self, checkpoint: Checkpoint, completed: tuple[int, float | None] | None = None) -> None:
         """Logs the end of a session: its final or preempted record is on disk."""

@@ -1,6 +1,6 @@
 """Each resume's verdict from a ledger's records: bit for bit, or the first step that differs and why."""
 
-from flaxstate import audit
+from flaxstate.run_record import audit
 
 
 def session(n, restored=None, restored_fp=None):

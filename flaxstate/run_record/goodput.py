@@ -1,7 +1,7 @@
 """Where a run's time went: the goodput ledger's events added up, per session and in total.
 
 A session is one process's part of a run, from the process's start to its
-last event in the ledger (`flaxstate.checkpoint.ledger`). Its wall time is
+last event in the ledger (`flaxstate.run_record.ledger`). Its wall time is
 split into productive step time and buckets of lost time:
 
 - `startup`: the process's start to the state created or restored (imports,
@@ -12,7 +12,7 @@ split into productive step time and buckets of lost time:
 - `checkpoint`: the writer's calls blocking on saves;
 - `save_drag`: the steps' time lost to saves running in the background: the
   records' step time while a save was in flight beyond their step time while
-  none was (`flaxstate.cadence.save_drag`), out of the productive time;
+  none was (`flaxstate.run_record.cadence.save_drag`), out of the productive time;
 - `lost_progress`: the productive time of steps that the next session
   trained again, because it resumed from an earlier step (a `kill -9`
   between checkpoints): `lost_steps` of them;
@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from flaxstate import cadence
+from flaxstate.run_record import cadence
 
 BUCKETS = (
     "startup",
@@ -121,7 +121,7 @@ def _productive(record: dict[str, Any]) -> float:
 
 
 def _audit(session: SessionEvents) -> dict[str, Any] | None:
-    """The resume audit's verdict that the session's writer logged (`flaxstate.audit`), or `None`."""
+    """The resume audit's verdict that the session's writer logged (`flaxstate.run_record.audit`), or `None`."""
     if not session.audits:
         return None
     logged = session.audits[-1]
@@ -130,8 +130,8 @@ def _audit(session: SessionEvents) -> dict[str, Any] | None:
 
 
 def _drags(session: SessionEvents) -> list[float]:
-    """Each record's seconds lost to saves in the background (`flaxstate.cadence.save_drag`), on the wall clock
-    of the ledger's events: a save runs from its call's start for the seconds its `completed` event gives."""
+    """Each record's seconds lost to saves in the background (`flaxstate.run_record.cadence.save_drag`), on the wall
+    clock of the ledger's events: a save runs from its call's start for the seconds its `completed` event gives."""
     durations = {int(event["step"]): float(event["seconds"]) for event in session.completed}
     windows = []
     for save in session.saves:
@@ -208,7 +208,7 @@ def report(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Adds a ledger's events up (see the module's docstring).
 
     Args:
-        events: the ledger's events, oldest first (`flaxstate.checkpoint.ledger.read_events`).
+        events: the ledger's events, oldest first (`flaxstate.run_record.ledger.read_events`).
 
     Returns:
         `{"sessions": [...], "total": {...}}`: each session (oldest first) and

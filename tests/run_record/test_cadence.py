@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flaxstate import cadence
+from flaxstate.run_record import cadence
 
 
 def test_young_daly_balances_a_save_s_cost_against_the_work_a_failure_loses():

@@ -10,7 +10,7 @@ import pytest
 from flaxstate_testing import toy
 
 import flaxstate as fs
-from flaxstate import fingerprints
+from flaxstate.run_record import fingerprints
 
 
 def state(**changed):

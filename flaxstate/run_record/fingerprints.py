@@ -2,7 +2,7 @@
 
 A record carries two (`Checkpoint.state_fingerprint`, `Checkpoint.data_fingerprint`),
 each 16 hex digits, and the goodput ledger keeps them with its step
-(`flaxstate.audit` compares those of a replay with the earlier sessions').
+(`flaxstate.run_record.audit` compares those of a replay with the earlier sessions').
 
 - The state's: every leaf's bits as 32-bit words, each mixed with its global
   place (the leaf's offset in the state plus its flat index; in the second
