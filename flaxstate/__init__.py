@@ -29,7 +29,7 @@ from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions, nnx_update
 from flaxstate.planning import Plan, plan
 from flaxstate.plotting import plot
-from flaxstate.records import Checkpoint, CheckpointFile, Session, Summary, Timing
+from flaxstate.records import Checkpoint, CheckpointFile, Fingerprints, Memory, Session, Summary, Timing
 from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings, sharded_like
 from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
@@ -53,15 +53,17 @@ __all__ = [
     "EvalTask",
     "EveryRecord",
     "EverySeconds",
+    "Fingerprints",
     "FlaxOptimTrainState",
     "GlobalBatches",
     "HighestCheckpointFileReader",
     "HighestCheckpointFileWriter",
     "HostMemoryBudget",
-    "LocalTier",
     "InferenceState",
+    "LocalTier",
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
+    "Memory",
     "Partitioning",
     "Plan",
     "RunHistory",

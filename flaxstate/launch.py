@@ -166,6 +166,27 @@ def exit_status(returncode: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Failure:
+    """How a round of processes ended when one failed: the first process to end with a non-zero status.
+
+    Attributes:
+        index: the failed process's index in its round.
+        returncode: its status (`Popen.returncode`: negative for a signal).
+    """
+
+    index: int
+    returncode: int
+
+    def __str__(self) -> str:
+        return f"process {self.index} {describe_status(self.returncode)}"
+
+    @property
+    def exit_status(self) -> int:
+        """The launcher's exit status for it (`exit_status`)."""
+        return exit_status(self.returncode)
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """What `flaxstate launch` runs.
 
@@ -260,38 +281,36 @@ class Launcher:
                 failed = self._run_once(restarts)
                 if failed is None:
                     return 0
-                index, returncode = failed
                 if self._preempted or self._interrupts:
                     why = "after the preemption" if self._preempted else "after Ctrl-C"
-                    self.say(f"process {index} {describe_status(returncode)} {why}; not restarting.")
-                    return exit_status(returncode)
+                    self.say(f"{failed} {why}; not restarting.")
+                    return failed.exit_status
                 if restarts >= self.config.max_restarts:
                     self.say(
-                        f"process {index} {describe_status(returncode)} after {restarts} restarts "
-                        f"(--max-restarts {self.config.max_restarts}); giving up."
+                        f"{failed} after {restarts} restarts (--max-restarts {self.config.max_restarts}); giving up."
                     )
-                    return exit_status(returncode)
+                    return failed.exit_status
                 restarts += 1
-                lost = self._lost(index)
+                lost = self._lost(failed.index)
                 if lost:
                     fewer = self._fewer(len(lost))
                     if fewer < (self.config.min_processes or self.config.n_processes):
                         self.say(
-                            f"process {index} {describe_status(returncode)}; {lost} lost: {fewer} processes could go "
+                            f"{failed}; {lost} lost: {fewer} processes could go "
                             f"on (the most that divide --processes {self.config.n_processes} within the "
                             f"{self.n_running - len(lost)} left), below --min-processes {self.config.min_processes}; "
                             "giving up."
                         )
-                        return exit_status(returncode)
+                        return failed.exit_status
                     self.say(
-                        f"process {index} {describe_status(returncode)}; {lost} lost: restart {restarts} of "
+                        f"{failed}; {lost} lost: restart {restarts} of "
                         f"{self.config.max_restarts} goes on with {fewer} processes (of {self.config.n_processes}; "
                         f"--min-processes {self.config.min_processes})."
                     )
                     self.n_running, self._failed_in_a_row = fewer, (-1, 0)
                     continue
                 self.say(
-                    f"process {index} {describe_status(returncode)}; restart {restarts} of "
+                    f"{failed}; restart {restarts} of "
                     f"{self.config.max_restarts}: starting all {self.n_running} processes again."
                 )
         finally:
@@ -380,8 +399,8 @@ class Launcher:
             env.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
         return env
 
-    def _run_once(self, restarts: int) -> tuple[int, int] | None:
-        """Starts every process and watches them: `None` when all exit 0, else the first failure (index, status).
+    def _run_once(self, restarts: int) -> Failure | None:
+        """Starts every process and watches them: `None` when all exit 0, else the first `Failure`.
 
         The first failure is the first process to end with a non-zero status, as a thread waiting on each saw it
         end: a failing process's peers fail within milliseconds (their collectives lose it), and a poll of all
@@ -407,7 +426,7 @@ class Launcher:
             self._readers.append(reader)
             if self._preempted:  # the notice came while this round started: it reaches this process too
                 self._signal_group(process, signal.SIGTERM)
-        failed: tuple[int, int] | None = None
+        failed: Failure | None = None
         n_ended = 0
         while failed is None and n_ended < len(self._processes):
             try:
@@ -416,7 +435,7 @@ class Launcher:
                 pass
             else:
                 n_ended += 1
-                failed = (index, code) if code != 0 else None
+                failed = Failure(index, code) if code != 0 else None
             if self._preempted_at is not None and time.monotonic() > self._preempted_at + self.config.grace:
                 self.say(f"processes still running {self.config.grace:g} s after the preemption: killed.")
                 self._signal_all(signal.SIGKILL)

@@ -71,7 +71,8 @@ def format_bytes(size: int) -> str:
 
 
 MEMORY_FIELDS = ("device_memory_peak", "host_memory", "host_memory_peak")
-"""A record's memory figures, in bytes (`None` where unknown)."""
+"""A record's memory figures by the names it reads them (`record.host_memory` is `record.memory.host`), in bytes
+(`None` where unknown)."""
 
 
 def memory_note(device_peak: int | None, host: int | None, host_peak: int | None) -> str:
@@ -215,22 +216,69 @@ TIMING_FIELDS = tuple(field.name for field in dataclasses.fields(Timing))
 """The names a record takes for its `timing`'s fields (they were the record's own before `timing` grouped them)."""
 
 
-def _timing_by_name(cls: type[_Record]) -> type[_Record]:
-    """Lets a record class take `timing`'s fields by name, as it did before they were grouped."""
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """What a record's process held: a `Checkpoint`'s `memory`, in bytes (`None` where unknown).
+
+    Attributes:
+        device_peak: the bytes in use at the devices' peak, summed over this
+            process's devices (`jax.Device.memory_stats()`), the highest since
+            the process started (JAX keeps no other); `None` where the backend
+            reports none (a CPU). See `flaxstate.training.memory`.
+        host: this process's resident host memory when the record was made
+            (`None` where the system says nothing).
+        host_peak: this process's peak resident host memory since it started.
+    """
+
+    device_peak: int | None = None
+    host: int | None = None
+    host_peak: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprints:
+    """A record's checksums, for the resume audit: a `Checkpoint`'s `fingerprints` (`None` for records made by hand).
+
+    Attributes:
+        state: 16 hex digits of the state's bits, the same on any mesh and
+            process count (`flaxstate.run_record.fingerprints`).
+        data: 16 hex digits of the batches trained since the previous record
+            (all their global indices with `fs.global_batches`, else the
+            first one's bytes, where a resume starts). The goodput ledger
+            keeps both, and a resume's replay is checked against them
+            (`flaxstate.run_record.audit`).
+    """
+
+    state: str | None = None
+    data: str | None = None
+
+
+_GROUPS: dict[str, tuple[type[Any], dict[str, str]]] = {
+    "timing": (Timing, {name: name for name in TIMING_FIELDS}),
+    "memory": (Memory, dict(zip(MEMORY_FIELDS, ("device_peak", "host", "host_peak"), strict=True))),
+    "fingerprints": (Fingerprints, {"state_fingerprint": "state", "data_fingerprint": "data"}),
+}
+"""A record's sub-records, each with the flat names it takes and reads its fields by (the record's own fields before
+they were grouped): `record.data_time` is `record.timing.data_time`, `record.host_memory` `record.memory.host`."""
+
+
+def _grouped_by_name(cls: type[_Record]) -> type[_Record]:
+    """Lets a record class take its sub-records' fields by their flat names, as it did before they were grouped."""
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        given = {name: kwargs.pop(name) for name in TIMING_FIELDS if name in kwargs}
-        if given:
-            kwargs["timing"] = dataclasses.replace(kwargs.get("timing") or Timing(), **given)
+        for group, (kind, names) in _GROUPS.items():
+            given = {field: kwargs.pop(flat) for flat, field in names.items() if flat in kwargs}
+            if given:
+                kwargs[group] = dataclasses.replace(kwargs.get(group) or kind(), **given)
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
 
 
-@_timing_by_name
+@_grouped_by_name
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """The training state at one step, as `TrainLoop` yields it.
@@ -280,13 +328,9 @@ class Checkpoint:
             (`Timing`); each of its fields reads as an attribute of the record
             too (`record.data_time` is `record.timing.data_time`), and
             `Checkpoint(...)` and `dataclasses.replace` take them by name.
-        device_memory_peak: the bytes in use at the devices' peak, summed over
-            this process's devices (`jax.Device.memory_stats()`), the highest
-            since the process started (JAX keeps no other); `None` where the
-            backend reports none (a CPU). See `flaxstate.training.memory`.
-        host_memory: this process's resident host memory in bytes when the
-            record was made (`None` where the system says nothing).
-        host_memory_peak: this process's peak resident host memory in bytes since it started.
+        memory: what this process held (`Memory`); read as
+            `record.device_memory_peak`, `record.host_memory` and
+            `record.host_memory_peak` too, and taken by those names.
         evaluation_cut_short: `{group: (batches evaluated, batches asked)}`
             of each evaluation that a preemption notice stopped early (an
             `EvalLoop` evaluates no batch of a preempted record, and stops
@@ -302,15 +346,9 @@ class Checkpoint:
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
             host copy on the devices again. `None` for records made by hand.
-        state_fingerprint: 16 hex digits of the state's bits, the same on any
-            mesh and process count (`flaxstate.run_record.fingerprints`); `None` for
-            records made by hand.
-        data_fingerprint: 16 hex digits of the batches trained since the
-            previous record (all their global indices with
-            `fs.global_batches`, else the first one's bytes, where a resume
-            starts); `None` for records made by hand. The goodput
-            ledger keeps both, and a resume's replay is checked against them
-            (`flaxstate.run_record.audit`).
+        fingerprints: the state's and the data's checksums for the resume
+            audit (`Fingerprints`); read as `record.state_fingerprint` and
+            `record.data_fingerprint` too, and taken by those names.
 
     Example:
         >>> record = Checkpoint(state=None, grads=None, loss=0.5, n_completed_steps=10,
@@ -335,14 +373,36 @@ class Checkpoint:
     session: Session | None = None
     requested: bool = False
     timing: Timing = dataclasses.field(default_factory=lambda: Timing())
-    device_memory_peak: int | None = None
-    host_memory: int | None = None
-    host_memory_peak: int | None = None
+    memory: Memory = dataclasses.field(default_factory=lambda: Memory())
     evaluation_cut_short: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     preemption_noticed: Callable[[], bool] | None = dataclasses.field(default=None, repr=False, compare=False)
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
-    state_fingerprint: str | None = None
-    data_fingerprint: str | None = None
+    fingerprints: Fingerprints = dataclasses.field(default_factory=lambda: Fingerprints())
+
+    @property
+    def device_memory_peak(self) -> int | None:
+        """`memory.device_peak`."""
+        return self.memory.device_peak
+
+    @property
+    def host_memory(self) -> int | None:
+        """`memory.host`."""
+        return self.memory.host
+
+    @property
+    def host_memory_peak(self) -> int | None:
+        """`memory.host_peak`."""
+        return self.memory.host_peak
+
+    @property
+    def state_fingerprint(self) -> str | None:
+        """`fingerprints.state`."""
+        return self.fingerprints.state
+
+    @property
+    def data_fingerprint(self) -> str | None:
+        """`fingerprints.data`."""
+        return self.fingerprints.data
 
     @property
     def data_time(self) -> float:
@@ -470,7 +530,7 @@ class Checkpoint:
         return Summary(**{**fields, "metrics": merged})
 
 
-@_timing_by_name
+@_grouped_by_name
 @dataclasses.dataclass(frozen=True)
 class Summary(Checkpoint):
     """A record that an evaluation added metrics to (the same fields as `Checkpoint`)."""

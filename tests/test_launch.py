@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flaxstate_testing import processes
 
+from flaxstate import launch
 from flaxstate.run_record import goodput, ledger
 
 
@@ -595,3 +596,10 @@ def test_chaos_kill_stop_and_kill_in_a_save_the_run_finishes_bit_for_bit(tmp_pat
     assert len(sessions) == 4, sessions
     assert [session["restored_step"] is None for session in sessions] == [True, False, False, False]
     assert all(session["lost_steps"] <= LOCAL_EVERY for session in sessions[:3]), sessions
+
+
+def test_a_round_s_failure_names_the_process_and_how_it_ended_and_gives_the_shell_s_status():
+    killed, exited = launch.Failure(2, -9), launch.Failure(0, 3)
+    assert str(killed) == "process 2 was killed by SIGKILL" and killed.exit_status == 128 + 9
+    assert str(exited) == "process 0 exited with status 3" and exited.exit_status == 3
+    assert str(launch.Failure(1, -200)) == "process 1 was killed by signal 200"

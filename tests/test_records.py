@@ -1,4 +1,4 @@
-"""The records a loop yields: their times grouped as `timing`, read and made by the names they had before."""
+"""The records a loop yields: times, memory and fingerprints as sub-records, made and read by their old names."""
 
 import dataclasses
 
@@ -44,3 +44,29 @@ def test_code_written_before_the_grouping_still_makes_and_replaces_records_by_th
         record(data_tme=1.0)  # a misspelt name is refused, not dropped
     with pytest.raises(dataclasses.FrozenInstanceError):
         replaced.timing.data_time = 3.0  # type: ignore[misc]
+
+
+FLAT = {
+    "memory": (fs.Memory, {"device_memory_peak": 2**33, "host_memory": 3 * 2**30, "host_memory_peak": 4 * 2**30}),
+    "fingerprints": (fs.Fingerprints, {"state_fingerprint": "00ff" * 4, "data_fingerprint": "abcd" * 4}),
+}
+
+
+@pytest.mark.parametrize("group", sorted(FLAT))
+def test_a_record_s_memory_and_fingerprints_are_sub_records_made_and_read_by_their_flat_names(group):
+    kind, flat = FLAT[group]
+    by_flat_name = fs.Checkpoint(
+        state=None, grads=None, loss=0.5, n_completed_steps=10, elapsed_time=2.0, step=10, **flat
+    )
+    grouped = record(**{group: kind(*flat.values())})
+    assert by_flat_name == grouped and getattr(grouped, group) == kind(*flat.values())
+    assert {name: getattr(grouped, name) for name in flat} == flat
+    assert not set(flat) & {field.name for field in dataclasses.fields(fs.Checkpoint)}
+    first, *rest = flat
+    replaced = dataclasses.replace(grouped, **{first: None})
+    assert getattr(replaced, first) is None and all(getattr(replaced, name) == flat[name] for name in rest)
+    summary = replaced.with_metrics({"eval": {"acc": 0.9}})
+    assert getattr(summary, group) == getattr(replaced, group)
+    assert record() == record(**{group: kind()}) and all(getattr(record(), name) is None for name in flat)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(getattr(grouped, group), dataclasses.fields(kind)[0].name, None)

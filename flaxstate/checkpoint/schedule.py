@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from flaxstate.checkpoint.policies import AutoInterval, Continuous, EverySeconds, RunHistory, SavePolicy
+from flaxstate.checkpoint.policies import AutoInterval, Continuous, EveryRecord, EverySeconds, RunHistory, SavePolicy
 from flaxstate.records import Checkpoint
 from flaxstate.run_record import cadence
 
@@ -103,7 +103,8 @@ class SaveSchedule:
         self.auto = isinstance(policy, AutoInterval)
         self.continuous = isinstance(policy, Continuous | AutoInterval)
         """Whether a record is passed over while a save is in flight."""
-        self.every_record = not self.continuous and not isinstance(policy, EverySeconds)
+        self.every_record = isinstance(policy, EveryRecord)
+        """Whether every record is saved: nothing to decide."""
         self._clock = clock
         self._history = history
         self._created = clock()

@@ -93,7 +93,7 @@ class _Writer:
     def __init__(
         self,
         *,
-        output_dir: Path,
+        output_dir: Path | LocalTier,
         subdir: str | None,
         keep: int,
         metadata: Any,
@@ -103,18 +103,18 @@ class _Writer:
         policy: SavePolicy = policies.EVERY_RECORD,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = False,
-        per_process: bool = False,
-        peers: int = 0,
-        host_memory_budget: HostMemoryBudget | int | None = None,
+        host_memory_budget: HostMemoryBudget | None = None,
     ) -> None:
+        """`output_dir`: the run's directory, or a local tier (whose `keep` stands for `keep`)."""
         owner = description.split("(", 1)[0]
-        host_memory_budget = budget.of(host_memory_budget, owner)
-        keep = settings.count(owner, "keep", keep)
+        tier = output_dir if isinstance(output_dir, LocalTier) else None
+        keep = settings.count(owner, "keep", keep) if tier is None else tier.keep
         overwrite = settings.flag(owner, "overwrite", overwrite)
         ledger = settings.flag(owner, "ledger", ledger)
-        per_process = settings.flag(owner, "per_process", per_process)
         if not callable(clock):
             raise ValueError(f"{owner} clock must be a function returning seconds, got {clock!r}.")
+        per_process = tier is not None
+        output_dir = Path(output_dir.directory) if isinstance(output_dir, LocalTier) else output_dir
         self.output_dir = output_dir
         """The run's directory."""
         directory = stores.store_directory(output_dir, per_process=per_process, subdir=subdir)
@@ -136,17 +136,9 @@ class _Writer:
         self.busy = False
         """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
         self._replaced_by: str | None = None
-        if not settings.is_integer(peers) or peers < 0:
-            raise ValueError(f"{description}: peers must be a count of copies (0, 1, ...), got {peers!r}.")
-        peers = int(peers)
-        if peers and not per_process:
-            raise ValueError(
-                f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
-                "per_process=True (a persistent directory is every process's already)."
-            )
         copies = None
-        if peers:
-            copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(peers, description), host_memory_budget)
+        if tier is not None and tier.peers:
+            copies = peer_copies.PeerCopies(peer_copies.plan_for_this_run(tier.peers, description), host_memory_budget)
         self._store: stores.Store = stores.open_store(
             directory,
             per_process=per_process,
@@ -482,12 +474,14 @@ class CheckpointFileWriter(_Writer):
                 `peers` not below the process count, or without `per_process`,
                 or `host_memory_budget` below 32 KiB.
         """
-        budget.of(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
+        limit = budget.of(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
+        tier: LocalTier | None = None
         if isinstance(output_dir, LocalTier):
             keep, peers = local_tier.settings_of(
                 output_dir, "CheckpointFileWriter", keep=keep, peers=peers, names=("keep", "peers")
             )
-            output_dir, per_process = Path(output_dir.directory), True
+            tier, output_dir, per_process = output_dir, Path(output_dir.directory), True
+        per_process = settings.flag("CheckpointFileWriter", "per_process", per_process)
         policy = policies.from_keywords("CheckpointFileWriter", every, every_seconds, min_seconds, mtbf)
         when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)
@@ -495,12 +489,10 @@ class CheckpointFileWriter(_Writer):
         local = ", per_process=True" if per_process else ""
         local += f", peers={peers}" if peers else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{given}{local})"
+        if tier is None:
+            tier = _tier_of_keywords(output_dir, keep, per_process, peers, description)
         super().__init__(
-            output_dir=(
-                local_path(output_dir, "CheckpointFileWriter's local tier (per_process=True)")
-                if per_process
-                else run_directory(output_dir, "CheckpointFileWriter")
-            ),
+            output_dir=tier if tier is not None else run_directory(output_dir, "CheckpointFileWriter"),
             subdir=None,
             keep=keep,
             metadata=metadata,
@@ -510,10 +502,26 @@ class CheckpointFileWriter(_Writer):
             policy=policy,
             clock=clock,
             ledger=ledger,
-            per_process=per_process,
-            peers=peers,
-            host_memory_budget=host_memory_budget,
+            host_memory_budget=limit,
         )
+
+
+def _tier_of_keywords(
+    output_dir: str | Path, keep: int, per_process: bool, peers: int, description: str
+) -> LocalTier | None:
+    """The local tier that the writer's old keywords name (`per_process=True`, `peers=N`, `keep=K`), checked with
+    the writer's own messages; `None` for a persistent directory."""
+    if not settings.is_integer(peers) or peers < 0:
+        raise ValueError(f"{description}: peers must be a count of copies (0, 1, ...), got {peers!r}.")
+    if peers and not per_process:
+        raise ValueError(
+            f"{description}: peers={peers} keeps copies of each process's local tier; it needs "
+            "per_process=True (a persistent directory is every process's already)."
+        )
+    if not per_process:
+        return None
+    directory = local_path(output_dir, "CheckpointFileWriter's local tier (per_process=True)")
+    return LocalTier(directory, peers=int(peers), keep=settings.count("CheckpointFileWriter", "keep", keep))
 
 
 class _BestWriter(_Writer):

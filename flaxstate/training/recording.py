@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.tree_util import PyTreeDef
 
-from flaxstate.records import Checkpoint, Session, Timing
+from flaxstate.records import Checkpoint, Fingerprints, Memory, Session, Timing
 from flaxstate.run_record import fingerprints
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import copies, memory, multihost, startup, throughput
@@ -205,13 +205,14 @@ class Recorder:
                 n_devices=self.n_devices,
                 peak_flops=self.peak_flops,
             ),
-            device_memory_peak=memory.device_peak(self.local_devices),
-            host_memory=memory.host_resident(),
-            host_memory_peak=memory.host_peak(),
+            memory=Memory(memory.device_peak(self.local_devices), memory.host_resident(), memory.host_peak()),
             preemption_noticed=self.preemption_noticed,
             device_state=functools.partial(self.views.lookup, host_state),
-            state_fingerprint=None if state_lanes is None else fingerprints.text(state_lanes),
-            data_fingerprint=data_fingerprint if state_lanes is not None else None,
+            fingerprints=(
+                Fingerprints()
+                if state_lanes is None
+                else Fingerprints(fingerprints.text(state_lanes), data_fingerprint)
+            ),
         )
         self.progress.record(record)
         return record
