@@ -45,6 +45,7 @@ from flaxstate.records import format_bytes
 
 if TYPE_CHECKING:
     from flaxstate.checkpoint.budget import HostMemoryBudget
+    from flaxstate.checkpoint.tiers.local_tier import LocalTier
 
 SAVE = 0.8
 """A save's peak host bytes beyond the record it saves, as a fraction of the state's: orbax's writer with its
@@ -112,10 +113,8 @@ def per_host(
     param_bytes: int,
     *,
     record_memory: str,
-    peers: int,
     replicated: bool,
-    local_dir: str | os.PathLike[str] | None,
-    local_keep: int,
+    tier: LocalTier | None,
     devices: int | None,
     budget: HostMemoryBudget | None = None,
 ) -> dict[str, int]:
@@ -124,14 +123,13 @@ def per_host(
     Args:
         state_bytes, param_bytes: `process_bytes`.
         record_memory: `"host"` or `"device"`, as `TrainLoop` takes it.
-        peers: the local tier's peer copies.
         replicated: whether other processes' data-parallel replicas hold every part of this process's.
-        local_dir: the local tier's directory, or `None` (no local tier).
-        local_keep: the local tier's `keep`.
+        tier: the local tier (its directory, peer copies and keep), or `None` (none).
         devices: on a CPU target, the process's devices' bytes (its devices' memory is host memory); else `None`.
         budget: the writer's and reader's `host_memory_budget`: a save, a peer exchange and a restore's reads
             hold at most it and `BUDGET_ALLOWANCE`.
     """
+    peers = tier.peers if tier is not None else 0
     sizes = {
         "records": 2 * (state_bytes + param_bytes) if record_memory == "host" else 0,
         "save": _within(int(SAVE * state_bytes), budget),
@@ -139,8 +137,8 @@ def per_host(
         "restore": _within(int(RESTORE_READS * state_bytes), budget) + (state_bytes if devices is not None else 0),
         "local_tier": 0,
     }
-    if local_dir is not None and memory_backed(local_dir):
-        sizes["local_tier"] = (local_keep + 1) * (1 + peers) * state_bytes
+    if tier is not None and memory_backed(tier.directory):
+        sizes["local_tier"] = (tier.keep + 1) * (1 + peers) * state_bytes
     training = (devices or 0) + sizes["records"] + sizes["save"] + sizes["peers"]
     sizes["total"] = sizes["local_tier"] + max(training, sizes["restore"])
     return sizes

@@ -156,6 +156,25 @@ class Plan:
         return "\n".join(lines)
 
 
+def _local_tier(local_dir: str | os.PathLike[str] | LocalTier | None, local_keep: int, peers: int) -> LocalTier | None:
+    """The local tier that `plan` counts: the `LocalTier` given, or the one its old keywords name (`local_dir`,
+    `local_keep`, `peers`), refused where the writer would refuse it; `None` without one."""
+    if isinstance(local_dir, LocalTier):
+        local_tier.settings_of(local_dir, "plan", keep=local_keep, peers=peers, names=("local_keep", "peers"))
+        return local_dir
+    peers = settings.count("plan", "peers", peers, minimum=0)
+    local_keep = settings.count("plan", "local_keep", local_keep)
+    if local_dir is None:
+        if peers:
+            raise ValueError(
+                f"plan got peers={peers} without a local tier: peer copies are kept of each process's local tier "
+                "(CheckpointFileWriter(..., per_process=True, peers=N) refuses them without one). Give "
+                "local_dir=fs.LocalTier(directory, peers=N)."
+            )
+        return None
+    return LocalTier(local_dir, peers=peers, keep=local_keep)
+
+
 def plan(
     init: Callable[..., Any],
     task: TrainTask,
@@ -192,7 +211,7 @@ def plan(
         input_sample: the model's inputs for `init` (the batch's by default).
         device_memory: a device's memory in bytes (by default a known kind's).
         record_memory: where the loop's records hold their copy, as `TrainLoop` takes it.
-        peers: the local tier's peer copies, as `CheckpointFileWriter` takes them.
+        peers: the local tier's peer copies, as `CheckpointFileWriter` takes them (with `local_dir`).
         local_dir: the local tier's directory (its host memory counts where it is
             memory-backed, as `/dev/shm` is), or `None` for no local tier; or
             the `fs.LocalTier` the writer takes (its peers and keep with it).
@@ -216,18 +235,13 @@ def plan(
             device count; axis rules without a mesh shape, or naming no mesh
             axis; a global batch that does not divide over the batch's parts
             and the microbatches; an unknown target or TPU topology (listing
-            some known ones); `jax[tpu]` not installed (naming the extra).
+            some known ones); `jax[tpu]` not installed (naming the extra);
+            `peers` without a local tier (as the writer refuses them).
     """
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
     record_memory = check_record_memory(record_memory, "plan")
-    if isinstance(local_dir, LocalTier):
-        local_keep, peers = local_tier.settings_of(
-            local_dir, "plan", keep=local_keep, peers=peers, names=("local_keep", "peers")
-        )
-        local_dir = local_dir.directory
-    peers = settings.count("plan", "peers", peers, minimum=0)
-    local_keep = settings.count("plan", "local_keep", local_keep)
+    tier = _local_tier(local_dir, local_keep, peers)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
     devices = target_devices(target)
@@ -277,10 +291,8 @@ def plan(
         state_bytes,
         param_bytes,
         record_memory=record_memory,
-        peers=peers,
         replicated=replicated,
-        local_dir=local_dir,
-        local_keep=local_keep,
+        tier=tier,
         budget=host_memory_budget,
         devices=per_device["total"] * process_devices if on_cpu else None,
     )

@@ -71,7 +71,7 @@ def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_
     # A state of 1 GiB, on a TPU's host (its devices' memory is not the host's): the budget bounds a save, a peer
     # exchange and a restore's reads to itself and the allowance.
     state = 2**30
-    options = {"record_memory": "host", "peers": 1, "replicated": False, "local_dir": None, "local_keep": 1}
+    options = {"record_memory": "host", "replicated": False, "tier": fs.LocalTier("/dev/shm/run", peers=1)}
     free = host_memory.per_host(state, state // 4, devices=None, **options)
     bounded = host_memory.per_host(state, state // 4, devices=None, budget=smallest, **options)
     most = smallest.bytes + host_memory.BUDGET_ALLOWANCE
@@ -83,6 +83,18 @@ def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_
     ]:  # one check: a budget the plan takes, the writer takes, and one that either refuses, both refuse
         with pytest.raises(ValueError, match=f"{owner} host_memory_budget must be an int of at least 32768, got 32767"):
             door(smallest.bytes - 1)
+
+
+def test_peer_copies_without_a_local_tier_are_refused_by_the_plan_as_by_the_writer(tmp_path):
+    with pytest.raises(ValueError, match=r"plan got peers=1 without a local tier.*local_dir=fs.LocalTier"):
+        plan(peers=1)
+    with pytest.raises(ValueError, match=r"peers=1 keeps copies of each process's local tier; it needs per_process"):
+        fs.CheckpointFileWriter(tmp_path / "persistent", peers=1)
+    keywords, tier = (
+        plan(local_dir="/dev/shm/run", local_keep=2, peers=1),
+        plan(local_dir=fs.LocalTier("/dev/shm/run", 1, 2)),
+    )
+    assert keywords.per_host == tier.per_host
 
 
 def test_a_host_too_small_does_not_fit_and_is_told_what_to_change():
