@@ -34,7 +34,7 @@ from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_sha
 from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
-from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, TrainLoop, TrainTask
+from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, Rollback, TrainLoop, TrainTask
 
 __all__ = [
     "AutoInterval",
@@ -66,6 +66,7 @@ __all__ = [
     "Memory",
     "Partitioning",
     "Plan",
+    "Rollback",
     "RunHistory",
     "SavePolicy",
     "Session",

@@ -198,6 +198,8 @@ class Timing:
             elapsed_time)` for this record, in process order (one entry in a
             one-process run): a slow host shows data wait where the others
             show idle time (`slow_process_note`).
+        rolled_back_time: seconds of training since the previous record
+            that rollbacks threw away (`fs.Rollback`), not in `elapsed_time`.
     """
 
     data_time: float = 0.0
@@ -210,6 +212,7 @@ class Timing:
     batch_size: int | None = None
     n_devices: int | None = None
     peak_flops: float | None = None
+    rolled_back_time: float = 0.0
 
 
 TIMING_FIELDS = tuple(field.name for field in dataclasses.fields(Timing))
@@ -346,6 +349,11 @@ class Checkpoint:
             while it is valid (until the loop's next dispatch donates it),
             else `None`; an `EvalLoop` evaluates it instead of putting the
             host copy on the devices again. `None` for records made by hand.
+        rollbacks: the run's rollbacks so far (`TrainLoop(rollback=fs.Rollback())`),
+            oldest first, each `{"at_step": int, "to_step": int, "reason":
+            "nonfinite" | "spike", "skipped_steps": [int, ...]}`: the bad
+            step, the step gone back to, and the steps whose batches were
+            skipped. Saved in `data_position`, so a resume skips the same.
         fingerprints: the state's and the data's checksums for the resume
             audit (`Fingerprints`); read as `record.state_fingerprint` and
             `record.data_fingerprint` too, and taken by those names.
@@ -378,6 +386,7 @@ class Checkpoint:
     preemption_noticed: Callable[[], bool] | None = dataclasses.field(default=None, repr=False, compare=False)
     device_state: Callable[[], PyTree | None] | None = dataclasses.field(default=None, repr=False, compare=False)
     fingerprints: Fingerprints = dataclasses.field(default_factory=lambda: Fingerprints())
+    rollbacks: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def device_memory_peak(self) -> int | None:

@@ -16,6 +16,8 @@ split into productive step time and buckets of lost time:
 - `lost_progress`: the productive time of steps that the next session
   trained again, because it resumed from an earlier step (a `kill -9`
   between checkpoints): `lost_steps` of them;
+- `rolled_back`: the training that rollbacks threw away (`fs.Rollback`: the
+  steps from the last good record to a bad loss);
 - `outside_loop`: the rest, between records: evaluation, other writers and
   the caller's code (and what the ledger cannot see, such as the steps a
   killed session trained after its last record);
@@ -45,6 +47,7 @@ BUCKETS = (
     "checkpoint",
     "save_drag",
     "lost_progress",
+    "rolled_back",
     "down_time",
 )
 """The buckets of lost time, in the order `flaxstate goodput` prints them."""
@@ -174,6 +177,7 @@ def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -
         "checkpoint": sum(float(save["blocking"]) for save in session.saves),
         "save_drag": drag,
         "lost_progress": lost_seconds,
+        "rolled_back": sum(float(record.get("rolled_back", 0.0)) for record in session.records),
     }
     kept = productive - lost_seconds - drag
     # A ledger cut short (a kill right after the session line) knows less wall time than its events account for.

@@ -210,10 +210,14 @@ class Ledger:
             "idle": checkpoint.idle_time,
             "outside": checkpoint.outside_time,
             "preempted": checkpoint.preempted,
+            "rolled_back": checkpoint.timing.rolled_back_time,
             "state_fp": checkpoint.state_fingerprint,
             "data_fp": checkpoint.data_fingerprint,
             **{name: getattr(checkpoint, name) for name in MEMORY_FIELDS},
         }
+        for rolled in checkpoint.rollbacks:  # those made in this record's steps: they went back to its start
+            if int(rolled["to_step"]) == record["from"]:
+                self._append({"event": "rollback", **rolled})
         self._append(record)
         self._audit(record)
 

@@ -180,6 +180,41 @@ class DataStream:
         self._redraw.extendleft(reversed(self._in_flight))
         self._in_flight.clear()
 
+    def roll_back(self, position: Mapping[str, Any], n_skip: int) -> int:
+        """Moves the stream back to `position` (a `position()` of before) and past `n_skip` batches more (a
+        rollback's bad span); returns the batches skipped.
+
+        Data that can go back (global batches, an iterator with a state, a
+        re-iterable) skips just those. A one-shot iterator cannot: every
+        batch trained since `position` is skipped, and those drawn ahead of
+        use come again.
+        """
+        start = int(position["n_batches"])
+        self._digest.take()  # the span's first batch is the one after the skip
+        if self._one_shot and not self._stateful:
+            self.rewind()
+            n_skip = self._n_committed - start
+            logger.warning(
+                "%s.data is a one-shot iterator, which cannot go back: the rollback skips the %d batches trained "
+                "since step %d's record, not only the bad span's. Give a re-iterable (a list, a grain dataset, "
+                "flaxstate.global_batches) to skip only those.",
+                self._task_name,
+                n_skip,
+                start,
+            )
+        else:
+            self._in_flight.clear()
+            if self._stateful:
+                self._redraw.clear()
+                self._iterator.set_state(position["iterator_state"])
+                self._n_drawn = start
+                for _ in range(n_skip):
+                    self._draw()
+            else:
+                self._recreate(start + n_skip)
+        self._n_committed = self._fingerprinted = start + n_skip
+        return n_skip
+
     def _draw(self) -> Any:
         try:
             batch = next(self._iterator)

@@ -29,11 +29,13 @@ from flaxstate.records import Checkpoint
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, startup
+from flaxstate.training import rollback as rolling
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.options import Schedule, check_flops_per_step, check_peak_flops, check_record_memory
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.recording import Recorder
+from flaxstate.training.rollback import Rollback
 from flaxstate.training.segment import SegmentRunner, Trained
 from flaxstate.training.startup import CheckpointSource
 from flaxstate.training.task import TrainTask
@@ -93,6 +95,7 @@ class TrainLoop:
         flops_per_step: float | str | Callable[[Any], float] | None = None,
         handle_preemption: bool = True,
         hang_timeout: HangTimeout = "auto",
+        rollback: Rollback | None = None,
         stdout: bool = True,
     ) -> None:
         """Creates (or restores) the state and prepares the compiled update.
@@ -145,6 +148,10 @@ class TrainLoop:
             hang_timeout: seconds without progress after which the watchdog writes
                 every thread's stack and ends the process with status 75 (`"auto"`,
                 or `None` for none; see `flaxstate.training.watchdog`).
+            rollback: on a non-finite loss (or a spike), go back to the newest
+                record's state, skip the bad span's batches and train on
+                (`fs.Rollback`; `flaxstate.training.rollback`); `None`: a
+                non-finite loss raises `FloatingPointError`.
             stdout: print the model's size and live progress.
 
         Raises:
@@ -164,6 +171,7 @@ class TrainLoop:
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         try:
             record_memory = check_record_memory(record_memory)
+            rollback = rolling.check(rollback)
             peak_flops_per_device = check_peak_flops(peak_flops_per_device)
             flops_per_step = check_flops_per_step(flops_per_step)
             init_names, apply_names = startup.rng_names(collections)
@@ -193,6 +201,9 @@ class TrainLoop:
                     init_names=init_names,
                     progress=self._progress,
                 )
+            if rollback is not None and rollback.lr_scale is not None:
+                rolling.learning_rate_holder(begun.state)  # before any compile
+            restored_position = None if begun.restored is None else begun.restored.data_position
             self._run_id = begun.run_id
             self._restored_step = begun.restored_step
             self._check_ema_decays = task.check_ema_decays
@@ -233,7 +244,13 @@ class TrainLoop:
                 watchdog=self._watchdog,
                 global_batch=look.global_batch,
                 loss_scaling=task.loss_scale is not None,
+                rollback=rollback,
+                rollbacks=rolling.made(restored_position),
+                loss_window=(restored_position or {}).get("loss_window"),
             )
+            if rollback is not None:  # the point the first record's steps go back to
+                self._runner.hold(self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0])
+            self._rollback_scale = None if rollback is None else rollback.lr_scale
             self._made: Checkpoint | None = None
             """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
             self._outside: float | None = None
@@ -360,17 +377,37 @@ class TrainLoop:
                 self._ema_checked = self.n_steps
             with self._signals.installed(interrupts=True), self._watchdog.watching():
                 self._recorder.views.clear()  # the newest record's device view ends where the state is donated
-                sizes = self._schedule.dispatch_sizes(self.step, target)
-                record = self._made = self._record(self._runner.train(sizes, self.n_steps), self._outside)
+                record = self._made = self._record(*self._train_rolling_back(target), self._outside)
             self._outside = None
         self._made = None
         self._returned_at = time.perf_counter()
         return record
 
-    def _record(self, trained: Trained, outside: float) -> Checkpoint:
+    def _train_rolling_back(self, target: int) -> tuple[Trained, float]:
+        """Trains up to `target`, going back and on again after each bad step (`fs.Rollback`); returns what the
+        training gives the record and the seconds that rollbacks threw away."""
+        thrown = 0.0
+        trained = self._runner.train(self._schedule.dispatch_sizes(self.step, target), self.n_steps)
+        while trained.bad is not None:
+            thrown += trained.elapsed
+            entry = self._runner.roll_back(trained.bad)
+            logger.warning(
+                "TrainLoop: the training loss was %s at step %d: rolled back to step %d (rollback %d), skipping the "
+                "batches of %d steps%s.",
+                "non-finite" if trained.bad.reason == "nonfinite" else "a spike",
+                entry["at_step"],
+                entry["to_step"],
+                len(self._runner.rollbacks),
+                len(entry["skipped_steps"]),
+                "" if self._rollback_scale is None else f"; the learning rate scaled by {self._rollback_scale:g}",
+            )
+            trained = self._runner.train(self._schedule.dispatch_sizes(self.step, target), self.n_steps)
+        return trained, thrown
+
+    def _record(self, trained: Trained, rolled_back: float, outside: float) -> Checkpoint:
         preempted = self._signals.take_preemption()
         self._watchdog.enter(Phase.AGREEING_ON_RECORD)
-        return self._recorder.make(
+        record = self._recorder.make(
             trained,
             leaves=self._runner.leaves,
             treedef=self._runner.treedef,
@@ -380,4 +417,9 @@ class TrainLoop:
             requested=self._signals.take_request(),
             flops=self._runner.flops_per_step,
             outside=outside,
+            rollbacks=self._runner.rollbacks,
+            rolled_back=rolled_back,
+            loss_window=self._runner.loss_window(),
         )
+        self._runner.hold(record.state)
+        return record

@@ -7,11 +7,18 @@ reads those few indices once, when it needs the loss for a record anyway.
 Checking inside the update instead cost every step an extra donated input
 and output, and reading every loss back cost more than a small step
 (`benchmarks/loop_overhead.py`, tiny MLP; benchmarks/RESULTS.md).
+
+With a spike factor (`fs.Rollback(spike=f)`) the same check also finds the
+first finite loss above `f` times the median of the `window` losses before
+it, carrying the last `window` losses from check to check (and from record to
+record) on the devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +26,16 @@ import numpy as np
 from jax import lax
 
 from flaxstate.training import scaling
+
+Reason = Literal["nonfinite", "spike"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BadStep:
+    """The first bad step a watch found: its loss non-finite (beyond loss scaling's patience), or a spike."""
+
+    step: int
+    reason: Reason
 
 
 def patience(loss_scaling: bool) -> int:
@@ -75,6 +92,30 @@ def _first_long_run(
     return jnp.where(jnp.any(over), jnp.argmax(over).astype(jnp.int32), -1), end
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _first_spike(
+    losses: tuple[jax.Array, ...], history: jax.Array, n_valid: int, window: int, factor: float
+) -> tuple[jax.Array, jax.Array]:
+    """The index of the first loss above `factor` times the median of the `window` losses before it (or -1), and
+    the last `window` losses (the history the next check continues).
+
+    `history` holds the `window` losses before these, nan where there were none (before the window fills: no loss
+    is judged whose window holds a nan, or a non-finite loss that loss scaling passed).
+    """
+    values = jnp.concatenate([jnp.ravel(loss).astype(jnp.float32) for loss in losses])[:n_valid]
+    values = jnp.where(jnp.isfinite(values), values, jnp.nan)
+    laid = jnp.concatenate([history, values])
+    windows = laid[jnp.arange(n_valid)[:, None] + jnp.arange(window)[None, :]]
+    judged = jnp.all(jnp.isfinite(windows), axis=1)
+    spikes = judged & (values > factor * jnp.median(jnp.where(judged[:, None], windows, 0.0), axis=1))
+    return jnp.where(jnp.any(spikes), jnp.argmax(spikes).astype(jnp.int32), -1), laid[n_valid:]
+
+
+def empty_history(window: int) -> jax.Array:
+    """A spike watch's history before any loss: `window` nans."""
+    return jnp.full((window,), jnp.nan, jnp.float32)
+
+
 class LossWatch:
     """The losses of consecutive dispatches, checked for nan and inf on the devices.
 
@@ -88,12 +129,26 @@ class LossWatch:
             is reported. 0: the first is.
         run: the run of non-finite losses that the previous watch ended with
             (its `run`), which this one continues.
+        spike: `(factor, history)`: also report the first loss above
+            `factor` times the median of the losses before it, the `window`
+            of them in `history` continued (`empty_history(window)` at the
+            start); `None`: non-finite losses only.
     """
 
-    def __init__(self, step: int, patience: int = 0, run: jax.Array | None = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        patience: int = 0,
+        run: jax.Array | None = None,
+        spike: tuple[float, jax.Array] | None = None,
+    ) -> None:
         self._patience = patience
         self.run = run
         """The length of the run of non-finite losses at the end of those checked (a device array, or None)."""
+        self._factor = None if spike is None else spike[0]
+        self.history = None if spike is None else spike[1]
+        """The last `window` losses of those checked (a device array; `None` without a spike factor)."""
+        self._spikes: list[tuple[int, jax.Array]] = []
         self._next_step = step
         self._pending: list[jax.Array] = []
         self._pending_steps = 0
@@ -119,6 +174,10 @@ class LossWatch:
             index, self.run = _first_long_run(padded, self.run, self._patience, n_valid)
         else:
             index = _first_bad_index(padded)
+        if self._factor is not None and self.history is not None:
+            n_valid = len(self._pending) * self._pending_steps
+            spike, self.history = _first_spike(padded, self.history, n_valid, self.history.shape[0], self._factor)
+            self._spikes.append((self._next_step, spike))
         self._checks.append((self._next_step, index))
         self._next_step += len(self._pending) * self._pending_steps
         self._last = self._pending[-1]
@@ -128,14 +187,28 @@ class LossWatch:
         """Waits for the devices; returns the first step reported (or `None`) and the last loss (`None` if none).
 
         A step is reported when its loss is non-finite and more than
-        `patience` in a row are.
+        `patience` in a row are, or (with a spike factor) it spikes.
         """
+        bad, last = self.first_bad()
+        return None if bad is None else bad.step, last
+
+    def first_bad(self) -> tuple[BadStep | None, float | None]:
+        """Waits for the devices; returns the first bad step (`None`: none) and the last loss (`None` if none)."""
         if self._pending:
             self._check()
         if self._last is None:
             return None, None
-        indices, last = jax.device_get(([index for _, index in self._checks], self._last))
-        for (step, _), index in zip(self._checks, indices, strict=True):
-            if index >= 0:
-                return step + int(index) + 1, float(np.ravel(last)[-1])
-        return None, float(np.ravel(last)[-1])
+        checks, spikes = [index for _, index in self._checks], [index for _, index in self._spikes]
+        indices, spike_indices, last = jax.device_get((checks, spikes, self._last))
+        last_loss = float(np.ravel(last)[-1])
+        found = [
+            BadStep(step + int(index) + 1, "nonfinite")
+            for (step, _), index in zip(self._checks, indices, strict=True)
+            if index >= 0
+        ]
+        found += [
+            BadStep(step + int(index) + 1, "spike")
+            for (step, _), index in zip(self._spikes, spike_indices, strict=True)
+            if index >= 0
+        ]
+        return min(found, key=lambda bad: bad.step, default=None), last_loss

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -152,6 +152,9 @@ class Recorder:
         requested: bool,
         flops: tuple[float | None, float | None],
         outside: float,
+        rollbacks: Sequence[Mapping[str, Any]] = (),
+        rolled_back: float = 0.0,
+        loss_window: Sequence[float | None] | None = None,
     ) -> Checkpoint:
         """The record of a segment, the loop's live state at `step` (a collective in multi-process runs).
 
@@ -163,9 +166,16 @@ class Recorder:
             requested: whether this process was asked for a checkpoint (SIGUSR1); any process's request counts.
             flops: the model's and XLA's counts of a step's FLOPs (either `None` where unknown).
             outside: seconds between the previous record's return and this segment's training.
+            rollbacks: the run's rollbacks so far (`Checkpoint.rollbacks`; saved in the data position).
+            rolled_back: seconds of training since the previous record that rollbacks threw away.
+            loss_window: a spike watch's last losses, kept in the data position for a resume.
         """
         self.last_loss = self.last_loss if trained.loss is None else trained.loss
         position = multihost.gather_position(self.data.position(), self.batch_size)
+        if rollbacks:
+            position["rollbacks"] = [dict(entry) for entry in rollbacks]
+        if loss_window is not None:
+            position["loss_window"] = list(loss_window)
         state_lanes = None
         if fingerprints.ENABLED:  # the record's dispatch's, else dispatched before the copy: both read the state
             state_lanes = trained.fingerprint if trained.fingerprint is not None else fingerprints.of_state(leaves)
@@ -204,9 +214,11 @@ class Recorder:
                 batch_size=self.batch_size,
                 n_devices=self.n_devices,
                 peak_flops=self.peak_flops,
+                rolled_back_time=rolled_back,
             ),
             memory=Memory(memory.device_peak(self.local_devices), memory.host_resident(), memory.host_peak()),
             preemption_noticed=self.preemption_noticed,
+            rollbacks=tuple(dict(entry) for entry in rollbacks),
             device_state=functools.partial(self.views.lookup, host_state),
             fingerprints=(
                 Fingerprints()

@@ -27,12 +27,13 @@ import numpy as np
 
 from flaxstate import private_apis
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import batching, compiling, nonfinite
+from flaxstate.training import batching, compiling, nonfinite, rollback
 from flaxstate.training.data import DataStream
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.placement import Placement
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
+from flaxstate.training.rollback import Rollback
 from flaxstate.training.waiting import DeviceWaitClock, WaitTimes
 from flaxstate.training.watchdog import Phase, Watchdog
 
@@ -58,6 +59,18 @@ class _Segment:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Point:
+    """The state that a rollback goes back to: the newest record's (or the run's start), held as the record holds
+    it, with the data's position, the loss history and the run of non-finite losses there."""
+
+    state: PyTree
+    step: int
+    position: dict[str, Any]
+    history: jax.Array | None
+    run: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Trained:
     """What a segment's training gives its record.
 
@@ -70,6 +83,8 @@ class Trained:
         elapsed: seconds training, up to the devices finishing the last step.
         compile: seconds of `elapsed` spent compiling.
         waits: seconds of `elapsed` the devices waited for the host, and for the data.
+        bad: with a `Rollback`, the first bad step that every process agreed on (the segment's state is then
+            to be rolled back, `SegmentRunner.roll_back`); `None`: none.
     """
 
     grads: PyTree
@@ -79,6 +94,7 @@ class Trained:
     elapsed: float
     compile: float
     waits: WaitTimes
+    bad: nonfinite.BadStep | None = None
 
 
 class SegmentRunner:
@@ -97,6 +113,10 @@ class SegmentRunner:
         global_batch: the one-step update's global batch (`jax.ShapeDtypeStruct`s), whose
             FLOPs the first segment counts (`flops_per_step`) before its first dispatch.
         loss_scaling: whether the state has loss scaling (which tolerates some non-finite losses).
+        rollback: what to do on a bad loss (`flaxstate.training.rollback`); `None`: raise.
+        rollbacks: the run's rollbacks made before this start (from the restored data position).
+        loss_window: with a spike factor, the losses of the `window` steps before this start (from the restored
+            data position, `None` for a loss not known), so that a resume judges its first steps as the run did.
     """
 
     def __init__(
@@ -113,6 +133,9 @@ class SegmentRunner:
         watchdog: Watchdog,
         global_batch: PyTree,
         loss_scaling: bool,
+        rollback: Rollback | None = None,
+        rollbacks: Sequence[dict[str, Any]] = (),
+        loss_window: Sequence[float | None] | None = None,
     ) -> None:
         self._program = program
         self._placement = placement
@@ -135,6 +158,16 @@ class SegmentRunner:
         self._nonfinite_run: jax.Array | None = None
         """The run of non-finite losses that the last segment ended with (loss scaling tolerates some)."""
         self._segment: _Segment | None = None
+        self._rollback = rollback
+        self.rollbacks: list[dict[str, Any]] = list(rollbacks)
+        """The run's rollbacks so far (`Checkpoint.rollbacks`)."""
+        spike = rollback is not None and rollback.spike is not None
+        self._history = nonfinite.empty_history(rollback.window) if spike and rollback else None
+        if self._history is not None and loss_window is not None and len(loss_window) == len(self._history):
+            known = [np.nan if loss is None else float(loss) for loss in loss_window]
+            self._history = jax.numpy.asarray(known, jax.numpy.float32)
+        """With a spike factor: the last `window` losses, on the devices (nan before the window fills)."""
+        self._point: _Point | None = None
         self._clock = DeviceWaitClock()
         self._checked_shapes: set[tuple[Any, ...]] = set()
         self._check_every_shape = placement.n_local_parts * n_microbatches > 1
@@ -163,9 +196,10 @@ class SegmentRunner:
         self._data.rewind()  # the batches that an interrupted call drew come again
         segment = self._segment
         if segment is None:
-            segment = self._segment = _Segment(
-                self.step, nonfinite.LossWatch(self.step, self._patience, self._nonfinite_run)
-            )
+            spike = self._rollback.spike if self._rollback is not None else None
+            watched = None if spike is None or self._history is None else (spike, self._history)
+            watch = nonfinite.LossWatch(self.step, self._patience, self._nonfinite_run, watched)
+            segment = self._segment = _Segment(self.step, watch)
         resumed_at = time.perf_counter()
         compiled_before = compiling.seconds()
         overlapped = 0.0
@@ -181,17 +215,57 @@ class SegmentRunner:
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads, fingerprint = self._dispatch_until(sizes, total, segment)
             self._watchdog.enter(Phase.WAITING_FOR_DEVICES, f" step {self.step}")
-            first_nonfinite, loss = segment.watch.result()  # waits for the devices: their time is the record's
+            bad, loss = segment.watch.first_bad()  # waits for the devices: their time is the record's
+            if self._rollback is not None:
+                bad = rollback.agree(bad)  # every process goes back, or none does
         finally:
             segment.elapsed += time.perf_counter() - resumed_at
             segment.compile += compiling.seconds() - compiled_before - overlapped
         self._segment = None
-        if first_nonfinite is not None:
-            raise nonfinite.error(first_nonfinite, self._patience)
-        self._nonfinite_run = segment.watch.run
+        if bad is not None and self._rollback is None:
+            raise nonfinite.error(bad.step, self._patience)
+        if bad is None:
+            self._nonfinite_run, self._history = segment.watch.run, segment.watch.history
         n_steps = self.step - segment.start_step
         compiled = min(segment.compile, segment.elapsed)
-        return Trained(grads, fingerprint, loss, n_steps, segment.elapsed, compiled, segment.waits)
+        return Trained(grads, fingerprint, loss, n_steps, segment.elapsed, compiled, segment.waits, bad)
+
+    def loss_window(self) -> list[float | None] | None:
+        """With a spike factor, the losses of the last `window` steps (`None` where unknown), for the data position;
+        else `None`. Read once a record, after its losses were."""
+        if self._history is None:
+            return None
+        return [float(loss) if np.isfinite(loss) else None for loss in np.asarray(jax.device_get(self._history))]
+
+    def hold(self, state: PyTree) -> None:
+        """Holds `state` (a record's copy of the live state at this step) as the point a rollback goes back to."""
+        if self._rollback is not None:
+            self._point = _Point(state, self.step, self._data.position(), self._history, self._nonfinite_run)
+
+    def roll_back(self, bad: nonfinite.BadStep) -> dict[str, Any]:
+        """Goes back to the held point: its state (the learning rate scaled), step and losses; the data past the
+        bad span. Returns the rollback's entry (also in `rollbacks`).
+
+        Raises:
+            FloatingPointError: past `max_rollbacks`, naming the rollbacks made.
+        """
+        policy, point = self._rollback, self._point
+        assert policy is not None and point is not None, "roll_back without a Rollback, or before hold()"
+        if len(self.rollbacks) >= policy.max_rollbacks:
+            raise rollback.error(bad, self.rollbacks, policy)
+        n_skipped = self._data.roll_back(point.position, bad.step - point.step)
+        entry = rollback.entry(bad, point.step, range(point.step + 1, point.step + 1 + n_skipped))
+        self.rollbacks.append(entry)
+        state = point.state
+        if policy.lr_scale is not None:
+            state = rollback.scaled(state, policy.lr_scale)
+            self._point = dataclasses.replace(point, state=state)  # a second rollback here scales it again
+        placed = jax.device_put(state, self._program.shardings, may_alias=False)  # the loop's own: donated next
+        self.leaves = self.treedef.flatten_up_to(placed)  # type: ignore[attr-defined]
+        self.step = point.step
+        self._nonfinite_run, self._history = point.run, point.history
+        self._segment = None
+        return entry
 
     @property
     def _checking(self) -> bool:

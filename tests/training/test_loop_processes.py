@@ -1,14 +1,17 @@
 """Two devices as two processes (one CPU device each, gloo): see tests/processes.py."""
 
+import json
+
 import numpy as np
 import pytest
 from flaxstate_testing import processes
 
 
-def train(tmp_path, name, model, n_processes, n_steps, global_batch=16, counts=False):
+def train(tmp_path, name, model, n_processes, n_steps, global_batch=16, counts=False, **options):
     out = tmp_path / name
     out.mkdir()
     config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out), "counts": counts}
+    config.update(options)
     processes.run("train.py", config, n_processes=n_processes, timeout=240)
     return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
 
@@ -46,3 +49,18 @@ def test_dropout_masks_differ_per_device(tmp_path):
     # (c_0 m_0 + c_1 m_1) / 2 takes two distinct magnitudes if the masks are equal, more if not.
     magnitudes = np.unique(np.round(np.abs(grads), 4))
     assert len(magnitudes) >= 3, magnitudes
+
+
+def test_a_batch_poisoned_in_one_process_s_part_rolls_both_back_at_one_step_as_a_run_without_the_span(tmp_path):
+    # Process 0's part of the batch of step 6 holds inf: both processes go back to step 4, skip steps 5 and 6,
+    # and end as two processes that never had those batches, bit for bit.
+    options = {"n_batches": 16, "n_steps_per_checkpoint": 4, "optimizer": "adam"}
+    rolled = train(tmp_path, "rolled", "mlp", 2, 12, poison={"process": 0, "batch": 5}, rollback=True, **options)
+    without = train(tmp_path, "without", "mlp", 2, 12, without=[4, 5], **options)
+    made = [{"at_step": 6, "to_step": 4, "reason": "nonfinite", "skipped_steps": [5, 6]}]
+    for process, reference in zip(rolled, without, strict=True):
+        assert json.loads(str(process["rollbacks"])) == made
+        assert json.loads(str(reference["rollbacks"])) == []
+        for key, value in reference.items():
+            if key.startswith("params/"):
+                np.testing.assert_array_equal(process[key], value, err_msg=key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from flaxstate_testing.workers.common import setup
@@ -16,7 +17,12 @@ import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
 
 model = toy.MODELS[config["model"]]()
-data = toy.shard(toy.batches(config["n_steps"], config["global_batch"]), jax.process_index(), jax.process_count())
+batches = toy.batches(config.get("n_batches", config["n_steps"]), config["global_batch"])
+batches = [batch for index, batch in enumerate(batches) if index not in config.get("without", [])]
+data = toy.shard(batches, jax.process_index(), jax.process_count())
+if config.get("poison", {}).get("process") == jax.process_index():  # inf inputs in this process's part only
+    x, y = data[config["poison"]["batch"]]
+    data[config["poison"]["batch"]] = (np.full_like(x, np.inf), y)
 if config.get("optimizer") == "adam":
     optimizer = optax.adam(config.get("learning_rate", 1e-2))
 else:
@@ -29,6 +35,7 @@ loop = fs.TrainLoop(
     n_steps=config["n_steps"],
     n_steps_per_checkpoint=config.get("n_steps_per_checkpoint", config["n_steps"]),
     n_microbatches=config.get("n_microbatches", 1),
+    rollback=fs.Rollback() if config.get("rollback") else None,
     stdout=False,
 )
 records = list(loop)
@@ -54,6 +61,7 @@ flat = {f"params/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.sta
 flat.update({f"mutables/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.flax_mutables).items()})
 flat.update({f"grads/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.grads).items()})
 flat["loss"] = np.asarray(final.loss)
+flat["rollbacks"] = np.asarray(json.dumps(list(records[-1].rollbacks)))
 flat["eval_loss"] = np.asarray(final.metrics["eval"]["loss"])
 for name in counts:  # a count is per device: compared within a run, not across device counts
     flat[f"counts/{name}"] = np.asarray(final.metrics["eval"][name])
