@@ -500,6 +500,8 @@ def chaos_config(tmp_path, name: str, n_processes: int) -> dict:
         "save_steps": [100, 200],
         "hang_timeout": 5,
         "data_sleep": 0.01,
+        "poison": {"process": 1, "batches": [14]},  # process 1's part of step 15's batch: all four roll back
+        "rollback": True,
     }
 
 
@@ -555,6 +557,7 @@ def test_chaos_kill_stop_and_kill_in_a_save_the_run_finishes_bit_for_bit(tmp_pat
     n_processes = 4
     straight = launch_worker(tmp_path, chaos_config(tmp_path, "straight", n_processes), n_processes)
     assert straight.finish(timeout=300) == 0, straight.output[-4000:]
+    assert straight.output.count("rolled back to step") == 1, straight.output[-4000:]  # once: process 0 logs
     expected = dict(np.load(tmp_path / "straight" / "final.npz"))
 
     seed = int(time.time())
@@ -596,6 +599,10 @@ def test_chaos_kill_stop_and_kill_in_a_save_the_run_finishes_bit_for_bit(tmp_pat
     assert len(sessions) == 4, sessions
     assert [session["restored_step"] is None for session in sessions] == [True, False, False, False]
     assert all(session["lost_steps"] <= LOCAL_EVERY for session in sessions[:3]), sessions
+    # The rollback happened once, in the first session, and every later session restored it with the data's position
+    # from either tier: none rolled back again (the bad batch stays skipped).
+    events = ledger.run_events(tmp_path / "chaos" / "persistent")
+    assert [event["at_step"] for event in events if event["event"] == "rollback"] == [15], events
 
 
 def test_a_round_s_failure_names_the_process_and_how_it_ended_and_gives_the_shell_s_status():

@@ -389,20 +389,25 @@ class TrainLoop:
         thrown = 0.0
         trained = self._runner.train(self._schedule.dispatch_sizes(self.step, target), self.n_steps)
         while trained.bad is not None:
-            thrown += trained.elapsed
+            began = time.perf_counter()
             entry = self._runner.roll_back(trained.bad)
-            logger.warning(
-                "TrainLoop: the training loss was %s at step %d: rolled back to step %d (rollback %d), skipping the "
-                "batches of %d steps%s.",
-                "non-finite" if trained.bad.reason == "nonfinite" else "a spike",
-                entry["at_step"],
-                entry["to_step"],
-                len(self._runner.rollbacks),
-                len(entry["skipped_steps"]),
-                "" if self._rollback_scale is None else f"; the learning rate scaled by {self._rollback_scale:g}",
-            )
+            thrown += trained.elapsed + time.perf_counter() - began  # the steps thrown away, and going back
+            if jax.process_index() == 0:  # every process rolled back: one line says so
+                self._log_rollback(trained.bad.reason, entry)
             trained = self._runner.train(self._schedule.dispatch_sizes(self.step, target), self.n_steps)
         return trained, thrown
+
+    def _log_rollback(self, reason: str, entry: Mapping[str, Any]) -> None:
+        logger.warning(
+            "TrainLoop: the training loss was %s at step %d: rolled back to step %d (rollback %d), skipping the "
+            "batches of %d steps%s.",
+            "non-finite" if reason == "nonfinite" else "a spike",
+            entry["at_step"],
+            entry["to_step"],
+            len(self._runner.rollbacks),
+            len(entry["skipped_steps"]),
+            "" if self._rollback_scale is None else f"; the learning rate scaled by {self._rollback_scale:g}",
+        )
 
     def _record(self, trained: Trained, rolled_back: float, outside: float) -> Checkpoint:
         preempted = self._signals.take_preemption()

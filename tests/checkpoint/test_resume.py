@@ -122,6 +122,20 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted,
         assert resume["verdict"] in ("bit-exact", "nothing replayed"), resume
 
 
+def test_kill_9_after_a_rollback_then_resume_skips_the_same_batches_and_ends_bit_for_bit(tmp_path):
+    # The batch of step 8 is poisoned: the run goes back to step 5 and skips steps 6 to 8's batches; killed after
+    # its record of step 15, it resumes from its newest checkpoint and ends as the run that was never killed.
+    config = {"data": "list", "n_steps": 40, "every": 5, "width": 16, "keep": 2, "poison": {"batches": [7]}}
+    reference, output = run(tmp_path, "reference", resume=False, rollback=True, **config)
+    assert "rollbacks 1 at 10" in output and "rollbacks 1 at 5" not in output, output
+    run_and_kill(tmp_path, "killed", after_record=15, delay=0.05, rollback=True, **config)
+    resumed, output = run(tmp_path, "killed", rollback=True, **config)
+    assert 10 <= int(output.split("start ")[1].split()[0]) < 40, output
+    assert_same(resumed, reference)
+    status, (resume,) = audit(tmp_path / "killed")
+    assert status == 0 and resume["verdict"] in ("bit-exact", "nothing replayed"), resume
+
+
 def test_an_nnx_module_killed_mid_save_resumes_bit_for_bit_with_its_streams_and_own_variables(tmp_path):
     # The module itself (TrainLoop(init=module), CheckpointFileReader(dir, target=module)): its parameters, the
     # counts of its own dropout stream and a Variable of the user's own are saved and restored.

@@ -114,3 +114,17 @@ def test_a_few_non_finite_losses_are_skipped_but_too_many_in_a_row_raise():
         FloatingPointError, match=rf"non-finite .* for {patience + 1} steps in a row, up to step {4 + patience + 1}"
     ):
         list(loop)
+
+
+def test_with_a_rollback_loss_scaling_skips_its_overflows_first_and_a_longer_run_rolls_back():
+    patience = scaling.MAX_NONFINITE_LOSSES
+    skipped = list(
+        make_loop(data=nan_batches(4, patience, 12), n_steps=4 + patience + 6, every=2, rollback=fs.Rollback())
+    )
+    assert skipped[-1].rollbacks == () and skipped[-1].metrics["train"]["skipped_steps"] >= patience
+    # One more bad loss than the scale tolerates: the run goes back to the last record before it (step 4) and
+    # skips through the step that went past the patience.
+    at = 4 + patience + 1
+    rolled = list(make_loop(data=nan_batches(4, patience + 1, 30), n_steps=at + 6, every=2, rollback=fs.Rollback()))
+    assert [(entry["at_step"], entry["to_step"]) for entry in rolled[-1].rollbacks] == [(at, (at - 1) // 2 * 2)]
+    assert np.isfinite(rolled[-1].loss)

@@ -3,6 +3,7 @@ batches and trains on, as a run that never saw them."""
 
 import dataclasses
 
+import grain
 import jax
 import numpy as np
 import optax
@@ -70,6 +71,31 @@ def test_a_poisoned_batch_rolls_back_to_the_last_record_and_trains_as_a_run_with
     assert_same_bits(records[-1].state, reference[-1].state)
     again = list(loop_of(kind, data, n_steps=20, rollback=fs.Rollback(), **options))
     assert_same_bits(again[-1].state, records[-1].state)  # a deterministic rerun: the same bits
+
+
+def arrays_without(rows_of_batches, x, y):
+    keep = np.ones(len(x), bool)
+    for index in rows_of_batches:
+        keep[index * 8 : (index + 1) * 8] = False
+    return x[keep], y[keep]
+
+
+DATA = {
+    "global_batches": lambda x, y: fs.global_batches((x, y), batch_size=8, shuffle=False),
+    "grain": lambda x, y: grain.MapDataset.source(list(zip(x, y, strict=True))).batch(8),
+}
+
+
+@pytest.mark.parametrize("source", sorted(DATA))
+def test_data_addressed_by_step_or_with_an_iterator_state_skips_exactly_the_bad_span(source):
+    x = np.concatenate([batch[0] for batch in toy.batches(40, 8)])
+    y = np.concatenate([batch[1] for batch in toy.batches(40, 8)])
+    poisoned_x = x.copy()
+    poisoned_x[7 * 8 : 8 * 8] = np.inf  # the batch of step 8
+    records = list(loop_of("linen", DATA[source](poisoned_x, y), n_steps=20, rollback=fs.Rollback()))
+    assert records[-1].rollbacks == ({"at_step": 8, "to_step": 5, "reason": "nonfinite", "skipped_steps": [6, 7, 8]},)
+    reference = list(loop_of("linen", DATA[source](*arrays_without([5, 6, 7], x, y)), n_steps=20))
+    assert_same_bits(records[-1].state, reference[-1].state)
 
 
 def test_without_a_rollback_the_bad_step_still_ends_the_run():

@@ -52,6 +52,10 @@ if config["data"] == "grain":
     data = grain.MapDataset.source(examples).shuffle(seed=3).repeat().batch(per_host)
 else:
     data = toy.shard(global_batches * 100, jax.process_index(), jax.process_count())
+    poison = config.get("poison", {})  # inf inputs in these batches' parts of one process (or of every process)
+    if poison.get("process", jax.process_index()) == jax.process_index():
+        for index in poison.get("batches", []):
+            data[index] = (np.full_like(data[index][0], np.inf), data[index][1])
 
 
 class Positioned:
@@ -162,6 +166,7 @@ loop = fs.TrainLoop(
     hang_timeout=config.get("hang_timeout", "auto"),
     mesh=mesh,
     axis_rules=toy.SHARDED_RULES if mesh is not None else None,
+    rollback=fs.Rollback() if config.get("rollback") else None,
 )
 print("start", loop.step, flush=True)
 now = [0.0]
@@ -214,6 +219,8 @@ for checkpoint in loop:
     if config.get("wait_saved") and save_steps and checkpoint.step in save_steps:
         writer.wait()  # the persistent step is committed before a kill can land
     requested = ["requested"] if checkpoint.requested else []
+    if checkpoint.rollbacks:
+        print("rollbacks", len(checkpoint.rollbacks), "at", checkpoint.step, flush=True)
     print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", *requested, flush=True)
     if checkpoint.step == config.get("sigterm_after_save"):
         os.kill(os.getpid(), signal.SIGTERM)  # the save runs in the background now
