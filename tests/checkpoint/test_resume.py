@@ -123,17 +123,19 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted,
 
 
 def test_kill_9_after_a_rollback_then_resume_skips_the_same_batches_and_ends_bit_for_bit(tmp_path):
-    # The batch of step 8 is poisoned: the run goes back to step 5 and skips steps 6 to 8's batches; killed after
-    # its record of step 15, it resumes from its newest checkpoint and ends as the run that was never killed.
+    # The batch of step 8 is poisoned: the run goes back to step 5 and skips steps 6 to 8's batches. Saved at step 5
+    # only, killed after its record of step 15, it resumes from step 5, rolls back again at step 8 as the killed
+    # session did, and ends as the run that was never killed; the audit finds the replay bit-exact.
     config = {"data": "list", "n_steps": 40, "every": 5, "width": 16, "keep": 2, "poison": {"batches": [7]}}
-    reference, output = run(tmp_path, "reference", resume=False, rollback=True, **config)
+    config.update(save_steps=[5], wait_saved=True, rollback=True, data_sleep=0.05)  # the kill lands mid-run
+    reference, output = run(tmp_path, "reference", resume=False, **config)
     assert "rollbacks 1 at 10" in output and "rollbacks 1 at 5" not in output, output
-    run_and_kill(tmp_path, "killed", after_record=15, delay=0.05, rollback=True, **config)
-    resumed, output = run(tmp_path, "killed", rollback=True, **config)
-    assert 10 <= int(output.split("start ")[1].split()[0]) < 40, output
+    run_and_kill(tmp_path, "killed", after_record=15, delay=0.05, **config)
+    resumed, output = run(tmp_path, "killed", **config)
+    assert int(output.split("start ")[1].split()[0]) == 5, output
     assert_same(resumed, reference)
     status, (resume,) = audit(tmp_path / "killed")
-    assert status == 0 and resume["verdict"] in ("bit-exact", "nothing replayed"), resume
+    assert status == 0 and resume["verdict"] == "bit-exact" and resume["replayed"][0] == 6, resume
 
 
 def test_an_nnx_module_killed_mid_save_resumes_bit_for_bit_with_its_streams_and_own_variables(tmp_path):
