@@ -166,6 +166,8 @@ class SegmentRunner:
         if self._history is not None and loss_window is not None and len(loss_window) == len(self._history):
             known = [np.nan if loss is None else float(loss) for loss in loss_window]
             self._history = jax.numpy.asarray(known, jax.numpy.float32)
+        if self._history is not None:  # placed as the losses are, so the first check compiles as the later ones
+            self._history = jax.device_put(self._history, batching.replicated(placement.mesh))
         """With a spike factor: the last `window` losses, on the devices (nan before the window fills)."""
         self._point: _Point | None = None
         self._clock = DeviceWaitClock()

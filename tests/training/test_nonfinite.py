@@ -2,6 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxstate.training import nonfinite
 from flaxstate.training.nonfinite import CHUNK, LossWatch
 
 
@@ -37,3 +38,27 @@ def test_several_steps_a_dispatch_then_single_steps():
 
 def test_no_losses_give_no_step_and_no_loss():
     assert LossWatch(5).result() == (None, None)
+
+
+def test_a_window_s_median_by_counting_is_numpy_s_for_any_window_and_ties():
+    rows = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    rows[3, :5] = 1.0  # ties
+    rows[4] = 2.0
+    for width in (1, 2, 5, 16):
+        part = jnp.asarray(rows[:, :width])
+        lower, upper = nonfinite._order_statistics(part, ((width - 1) // 2, width // 2))
+        np.testing.assert_allclose((np.asarray(lower) + np.asarray(upper)) / 2, np.median(rows[:, :width], axis=1))
+
+
+def test_a_spike_is_a_loss_above_the_factor_times_the_window_s_median_once_the_window_is_full():
+    history = nonfinite.empty_history(4)
+    losses = [1.0, 1.1, 0.9, 1.0, 3.5, 1.0, 1.2, 5.0]  # 3.5 is below 4 x 1.0; 5.0 is above 4 x 1.1
+    watch = LossWatch(10, spike=(4.0, history))
+    for loss in losses:
+        watch.add(jnp.asarray(loss, jnp.float32), 1)
+    bad, last = watch.first_bad()
+    assert bad == nonfinite.BadStep(18, "spike") and last == 5.0
+    early = LossWatch(0, spike=(4.0, nonfinite.empty_history(4)))
+    for loss in [1.0, 100.0, 1.0, 1.0]:  # within the first window: not judged
+        early.add(jnp.asarray(loss, jnp.float32), 1)
+    assert early.first_bad() == (None, 1.0)
