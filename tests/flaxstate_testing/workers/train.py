@@ -61,9 +61,9 @@ flat = {f"params/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.sta
 flat.update({f"mutables/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.state.flax_mutables).items()})
 flat.update({f"grads/{k}": np.asarray(v) for k, v in fs.tree_paths.flatten(final.grads).items()})
 flat["loss"] = np.asarray(final.loss)
-flat["rollbacks"] = np.asarray(json.dumps(list(records[-1].rollbacks)))
 flat["eval_loss"] = np.asarray(final.metrics["eval"]["loss"])
 for name in counts:  # a count is per device: compared within a run, not across device counts
     flat[f"counts/{name}"] = np.asarray(final.metrics["eval"][name])
 np.savez(Path(config["out"]) / f"process_{jax.process_index()}.npz", **flat)
+(Path(config["out"]) / f"rollbacks_{jax.process_index()}.json").write_text(json.dumps(list(records[-1].rollbacks)))
 print("done", jax.process_index(), final.step, final.loss)
