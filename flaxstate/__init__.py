@@ -35,6 +35,7 @@ from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, Rollback, TrainLoop, TrainTask
+from flaxstate.weights import export_safetensors
 
 __all__ = [
     "AutoInterval",
@@ -83,6 +84,7 @@ __all__ = [
     "logical_shardings",
     "nnx_functions",
     "nnx_update",
+    "export_safetensors",
     "plan",
     "plot",
     "sharded_like",

@@ -10,6 +10,8 @@ flaxstate audit DIR [--json]      each resume's verdict: replayed bit for bit, o
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
+flaxstate export DIR OUT [--step N] [--dtype bfloat16] [--ema]
+                                  the params as safetensors files (`model.safetensors`, or shards and their index)
 flaxstate launch [--processes N] [--max-restarts R] [--grace S] [--min-processes K] -- CMD ...
                                   N processes of CMD on this machine, all started again after a failure
                                   (`flaxstate.launch`)
@@ -28,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import launch, plotting
+from flaxstate import launch, plotting, weights
 from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
@@ -241,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     audited.add_argument("dir", type=_run_dir)
     audited.add_argument("--json", action="store_true", help='one JSON object: {"resumes": [...]}')
     audited.set_defaults(run=command_audit)
+    export = commands.add_parser(
+        "export", help="the params of a checkpoint as safetensors files (an HF-style folder vLLM and transformers load)"
+    )
+    export.add_argument("dir", type=_run_dir)
+    export.add_argument("out", help="the folder to write")
+    export.add_argument("--step", type=int, default=None, help="default: the newest intact step")
+    export.add_argument("--dtype", default=None, help="the dtype to store, e.g. bfloat16 (default: the params')")
+    export.add_argument("--ema", action="store_true", help="the EMA of the params (TrainTask(ema_decay=...))")
+    export.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, help="the most bytes a file (default 5 GiB)")
+    export.set_defaults(run=command_export)
     starter = commands.add_parser(
         "launch", help="N processes of a command on this machine, all started again after a failure"
     )
@@ -264,6 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     starter.set_defaults(run=command_launch)
     return parser
+
+
+def command_export(args: argparse.Namespace) -> None:
+    try:
+        out = weights.export_safetensors(
+            args.dir, args.out, dtype=args.dtype, use_ema=args.ema, max_shard_bytes=args.max_shard_bytes, step=args.step
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    files = sorted(entry.name for entry in out.iterdir() if entry.name.startswith("model"))
+    print(f"exported {args.dir} to {out}: {', '.join(files)}")
 
 
 def command_launch(args: argparse.Namespace) -> int:

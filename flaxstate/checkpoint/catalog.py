@@ -7,9 +7,11 @@ state is shown, passed over for the newest intact one), never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +122,34 @@ def describe_state(run_dir: str | Path, step: int | None = None) -> tuple[int, l
     Raises:
         CheckpointError: no such directory, not a run, or no such step.
     """
+    with stored_step(run_dir, step) as (_, chosen, leaves, meta):
+        return chosen, leaves, meta
+
+
+@contextlib.contextmanager
+def stored_step(
+    run_dir: str | Path, step: int | None = None
+) -> Iterator[tuple[Store, int, list[LeafInfo], dict[str, Any]]]:
+    """Opens a run's step for reading some of its arrays (`store.read_paths(step, paths)`) and no others.
+
+    Yields:
+        the open store, the step (the newest intact one by default: a
+        damaged one is passed over with a warning), its arrays as
+        `describe_state` gives them, and its meta.
+
+    Raises:
+        CheckpointError: no such directory, not a run, or no such step.
+    """
     with _open(_newest_writer(run_dir)) as store:
-        return steps.read_first(
-            store.directory,
-            lambda: _pick(store, step),
-            lambda chosen: _describe(store, chosen),
-            {},
-            warning="passed over",
+        yield (
+            store,
+            *steps.read_first(
+                store.directory,
+                lambda: _pick(store, step),
+                lambda chosen: _describe(store, chosen),
+                {},
+                warning="passed over",
+            ),
         )
 
 

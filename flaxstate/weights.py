@@ -1,0 +1,326 @@
+"""A run's parameters out to the safetensors ecosystem: an HF-style folder that vLLM and transformers load.
+
+`export_safetensors` writes the params (or their EMA) of a run directory's
+step, of a `Checkpoint` record or of a train state as `model.safetensors`,
+or as shards `model-00001-of-0000N.safetensors` of at most
+`max_shard_bytes` each with their `model.safetensors.index.json`, as
+transformers writes them. Names are the params' '/'-joined tree paths
+(`Dense_0/kernel`), or what `rename`'s `(regex, replacement)` pairs make of
+them, applied in order as `re.sub`; `transpose` names the 2-D kernels to
+store as `(out, in)` (HF's layout, against flax's `(in, out)`).
+
+From a run directory only the params' arrays are read from storage, a
+shard's at a time: never the optimizer's state, and never more than one
+shard's arrays in host memory. The files are written into a folder of
+their own beside the export and moved in when all are whole: a failure
+leaves an earlier export in `out_dir` as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import serialization
+
+from flaxstate import tree_paths
+from flaxstate.checkpoint import catalog
+from flaxstate.checkpoint.errors import CheckpointError
+
+SINGLE = "model.safetensors"
+"""The file of an export that fits one shard."""
+INDEX = "model.safetensors.index.json"
+"""The index of a sharded export: `metadata.total_size` and `weight_map` (name -> file), as transformers reads it."""
+PARAMS = "target/"
+"""Where a stored step keeps the params (its state dict's `target`)."""
+EMA = "state/ema/"
+"""Where a stored step keeps the EMA of the params (`TrainTask(ema_decay=...)`)."""
+_EXPORTED = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+Rename = Sequence[tuple[str, str]] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor of an export: its tree path, its name in the files, and its shape and dtype as written."""
+
+    path: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    transposed: bool
+
+    @property
+    def bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def export_safetensors(
+    source: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    rename: Rename = None,
+    transpose: str | None = None,
+    dtype: Any = None,
+    use_ema: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    step: int | None = None,
+) -> Path:
+    """Writes a run's params as safetensors files, as transformers' `save_pretrained` lays them out.
+
+    Args:
+        source: a run directory (local, `gs://`, `s3://`: its newest intact
+            step, or `step`), a `Checkpoint` record, or a train state
+            (`loop.state`, an `InferenceState`).
+        out_dir: the folder to write (made if missing; an earlier export in
+            it is replaced only once this one is whole).
+        rename: `(regex, replacement)` pairs applied in order (`re.sub`) to
+            each '/'-joined tree path, giving the tensor's name in the files
+            (without: the tree path itself).
+        transpose: a regex (`re.search`) of the tree paths whose 2-D arrays
+            are stored transposed, `(out, in)`.
+        dtype: the dtype to store (e.g. `"bfloat16"`, the usual serving
+            dtype); `None` keeps each array's.
+        use_ema: the EMA of the params (`TrainTask(ema_decay=...)`) instead.
+        max_shard_bytes: the most bytes of one file; a larger tensor goes
+            alone into a shard of its own.
+        step: with a run directory, this step instead of the newest.
+
+    Returns:
+        `out_dir`, as a `Path`.
+
+    Raises:
+        CheckpointError: a run directory without checkpoints or without the
+            step; `use_ema` where the state holds no EMA.
+        ValueError: two paths renamed to one name, `transpose` naming an
+            array that is not 2-D, `max_shard_bytes` not positive, or an
+            unknown dtype (naming the paths and shapes); nothing is written.
+        TypeError: a source of another kind.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy
+        >>> from flaxstate.train_state import InferenceState
+        >>> state = InferenceState.create({"params": {"Dense_0": {"kernel": np.ones((2, 3), np.float32)}}})
+        >>> out = export_safetensors(state, tempfile.mkdtemp(), transpose=r"kernel$")
+        >>> safetensors.numpy.load_file(out / "model.safetensors")["Dense_0/kernel"].shape
+        (3, 2)
+    """
+    import safetensors.numpy  # the extra `flaxstate[safetensors]`
+
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
+        raise ValueError(
+            f"export_safetensors max_shard_bytes must be a positive number of bytes; got {max_shard_bytes!r}."
+        )
+    stored = _stored_dtype(dtype)
+    rules = _rename_rules(rename)
+    transposed = re.compile(transpose) if transpose is not None else None
+    with _reading(source, use_ema, step) as (shapes, read, metadata):
+        tensors = _tensors(shapes, rules, transposed, stored)
+        shards = _shards(tensors, max_shard_bytes)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+        try:
+            names = _file_names(len(shards))
+            for shard, name in zip(shards, names, strict=True):
+                arrays = read([tensor.path for tensor in shard])
+                safetensors.numpy.save_file(
+                    {tensor.name: _as_stored(arrays.pop(tensor.path), tensor) for tensor in shard},
+                    str(staging / name),
+                    metadata=metadata,
+                )
+            if len(shards) > 1:
+                index = {
+                    "metadata": {"total_size": sum(tensor.bytes for tensor in tensors)},
+                    "weight_map": {
+                        tensor.name: name for shard, name in zip(shards, names, strict=True) for tensor in shard
+                    },
+                }
+                (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            _move_in(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+class _reading:
+    """The params of a source: their shapes, a reader of some of them (numpy, by tree path), and the metadata."""
+
+    def __init__(self, source: Any, use_ema: bool, step: int | None) -> None:
+        self._source, self._use_ema, self._step = source, use_ema, step
+        self._context: Any = None
+
+    def __enter__(self) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], Callable[[list[str]], dict], dict]:
+        source = self._source
+        if isinstance(source, str | os.PathLike):
+            self._context = catalog.stored_step(os.fspath(source), self._step)
+            store, step, leaves, meta = self._context.__enter__()
+            prefix = EMA if self._use_ema else PARAMS
+            shapes = {
+                leaf.path.removeprefix(prefix): (leaf.shape, np.dtype(leaf.dtype))
+                for leaf in leaves
+                if leaf.path.startswith(prefix)
+            }
+            if not shapes:
+                self._missing_ema(step, store.directory)
+
+            def read(paths: list[str]) -> dict[str, np.ndarray]:
+                arrays = store.read_paths(step, [prefix + path for path in paths])
+                return {path.removeprefix(prefix): value for path, value in arrays.items()}
+
+            return shapes, read, _metadata(step, meta.get("metadata"))
+        if self._step is not None:
+            raise TypeError("export_safetensors(step=...) takes a run directory; a record or a state is its own step.")
+        state = getattr(source, "state", None) if not hasattr(source, "params") else source
+        if state is None or not hasattr(state, "params"):
+            raise TypeError(
+                "export_safetensors takes a run directory, a Checkpoint record or a train state; got "
+                f"{type(source).__name__}."
+            )
+        params = state.params
+        if self._use_ema:
+            params = getattr(state, "ema", None)
+            if params is None:
+                self._missing_ema(int(np.asarray(state.step)), None)
+        flat = tree_paths.flatten(serialization.to_state_dict(nn.meta.unbox(params)))
+        for path, value in flat.items():
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                raise ValueError(
+                    f"export_safetensors: {path} is sharded across processes; export the run directory that its "
+                    "writer saved (each tensor is then read from storage), not the live state."
+                )
+        shapes = {path: tree_paths.shape_and_dtype(value) for path, value in flat.items()}
+        metadata = _metadata(int(np.asarray(state.step)), getattr(source, "metadata", None))
+        return shapes, lambda paths: {path: np.asarray(flat[path]) for path in paths}, metadata
+
+    def _missing_ema(self, step: int, directory: Path | None) -> None:
+        where = f" in {directory}" if directory is not None else ""
+        raise CheckpointError(
+            f"export_safetensors(use_ema=True): the state of step {step}{where} holds no EMA of the parameters; "
+            "train with TrainTask(ema_decay=...), or export without use_ema."
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+
+def _metadata(step: int, config: Any) -> dict[str, str]:
+    """The files' `__metadata__` (strings only): transformers' `format` (`pt`: the layout it loads), the step,
+    flaxstate's version and the run's config as JSON."""
+    from flaxstate import __version__
+
+    metadata = {"format": "pt", "flaxstate_step": str(step), "flaxstate_version": __version__}
+    if config is not None:
+        metadata["flaxstate_config"] = json.dumps(config, sort_keys=True, default=str)
+    return metadata
+
+
+def _stored_dtype(dtype: Any) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        return np.dtype(jax.numpy.dtype(dtype))
+    except TypeError:
+        raise ValueError(
+            f"export_safetensors dtype={dtype!r} is not a dtype; give one such as 'bfloat16', 'float16' or 'float32'."
+        ) from None
+
+
+def _rename_rules(rename: Rename) -> list[tuple[re.Pattern[str], str]]:
+    if rename is None:
+        return []
+    if isinstance(rename, Mapping) or isinstance(rename, str):
+        raise ValueError(
+            "export_safetensors rename is a list of (regex, replacement) pairs, applied in order; got "
+            f"{type(rename).__name__} {rename!r}."
+        )
+    rules = []
+    for rule in rename:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and all(isinstance(part, str) for part in rule)):
+            raise ValueError(f"export_safetensors rename: each rule is a (regex, replacement) pair; got {rule!r}.")
+        rules.append((re.compile(rule[0]), rule[1]))
+    return rules
+
+
+def _tensors(
+    shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    rules: list[tuple[re.Pattern[str], str]],
+    transposed: re.Pattern[str] | None,
+    dtype: np.dtype | None,
+) -> list[_Tensor]:
+    """Each tensor's name, shape and dtype as written, every problem named before a byte is written.
+
+    Raises:
+        ValueError: two paths with one name, or `transpose` naming an array that is not 2-D.
+    """
+    tensors: list[_Tensor] = []
+    by_name: dict[str, str] = {}
+    not_2d: list[str] = []
+    for path, (shape, stored) in shapes.items():
+        name = path
+        for pattern, replacement in rules:
+            name = pattern.sub(replacement, name)
+        flip = transposed is not None and bool(transposed.search(path))
+        if flip and len(shape) != 2:
+            not_2d.append(f"{path} {list(shape)}")
+        if name in by_name:
+            raise ValueError(
+                f"export_safetensors rename gives {by_name[name]} and {path} the one name {name!r}; each tensor "
+                "needs a name of its own."
+            )
+        by_name[name] = path
+        shape = tuple(shape[::-1]) if flip and len(shape) == 2 else tuple(shape)
+        tensors.append(_Tensor(path, name, shape, dtype if dtype is not None else stored, flip))
+    if not_2d:
+        raise ValueError(
+            f"export_safetensors transpose matches arrays that are not 2-D: {', '.join(not_2d)}; narrow its regex "
+            "to the kernels stored (out, in)."
+        )
+    return tensors
+
+
+def _shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """The tensors in order, cut into files of at most `max_shard_bytes` (a larger tensor alone in its own)."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.bytes
+    return shards
+
+
+def _file_names(n_shards: int) -> list[str]:
+    if n_shards == 1:
+        return [SINGLE]
+    return [f"model-{i:05d}-of-{n_shards:05d}.safetensors" for i in range(1, n_shards + 1)]
+
+
+def _as_stored(value: np.ndarray, tensor: _Tensor) -> np.ndarray:
+    value = np.asarray(value)
+    if tensor.transposed:
+        value = value.T
+    return np.ascontiguousarray(value.astype(tensor.dtype, copy=False))
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    """Replaces an earlier export in `out` by the whole one in `staging` (its other files left alone)."""
+    new = {entry.name for entry in staging.iterdir()}
+    for entry in staging.iterdir():
+        os.replace(entry, out / entry.name)
+    for entry in out.iterdir():  # an earlier export's shards that this one does not have
+        if entry.is_file() and _EXPORTED.match(entry.name) and entry.name not in new:
+            entry.unlink()

@@ -1,0 +1,180 @@
+"""Export to safetensors: what the `safetensors` package's own API reads back from a run, a record or a state."""
+
+import json
+
+import flax.linen as nn
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+from flax import nnx
+from flaxstate_testing import toy
+from flaxstate_testing.command_line import run_here
+from safetensors import safe_open
+
+import flaxstate as fs
+from flaxstate import tree_paths
+from flaxstate.checkpoint.stores import orbax_manager
+
+
+class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(32, name="up")(x))
+        x = nn.LayerNorm(name="norm")(x)
+        return nn.Dense(1, name="down")(x)[:, 0]
+
+
+class NNXWide(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(4, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.down = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.norm(nnx.tanh(self.up(x))))[:, 0]
+
+
+def trained(tmp_path, model, ema_decay=None, n_steps=6):
+    """A run of `model` (linen or NNX) written to `tmp_path / "run"`: its records."""
+    linen = isinstance(model, nn.Module)
+    task = fs.TrainTask(
+        apply=model.apply if linen else model,
+        optimizer=optax.adam(1e-2),
+        loss=toy.mse,
+        data=toy.batches(n_steps, 8),
+        ema_decay=ema_decay,
+    )
+    loop = fs.TrainLoop(
+        model.init if linen else model, task, jax.random.key(0), n_steps=n_steps, n_steps_per_checkpoint=3, stdout=False
+    )
+    with fs.CheckpointFileWriter(tmp_path / "run", keep=2, metadata={"model": type(model).__name__}) as writer:
+        records = [writer(record) or record for record in loop]
+    return records
+
+
+def params_of(tree):
+    return {path: np.asarray(value) for path, value in tree_paths.flatten(tree).items()}
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_run_s_params_export_bit_for_bit_and_nothing_of_the_optimizer_is_read(tmp_path, api, monkeypatch):
+    model = Wide() if api == "linen" else NNXWide(nnx.Rngs(0))
+    records = trained(tmp_path, model)
+    expected = params_of(records[-1].state.params)
+    read = []
+    original = orbax_manager.CheckpointStore.read_paths
+
+    def spy(self, step, paths):
+        read.extend(paths)
+        return original(self, step, paths)
+
+    monkeypatch.setattr(orbax_manager.CheckpointStore, "read_paths", spy)
+    out = fs.export_safetensors(tmp_path / "run", tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    loaded = safetensors.numpy.load_file(out / "model.safetensors")
+    assert sorted(loaded) == sorted(expected)
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+    assert read and all(path.startswith("target/") for path in read)  # never state/... nor flax_mutables/...
+    with safe_open(out / "model.safetensors", framework="numpy") as f:
+        metadata = f.metadata()
+    assert metadata["format"] == "pt" and metadata["flaxstate_step"] == "6"
+    assert json.loads(metadata["flaxstate_config"]) == {"model": type(model).__name__}
+    # a record and a live state export the same tensors as the run directory
+    for source in (records[-1], records[-1].state):
+        again = safetensors.numpy.load_file(fs.export_safetensors(source, tmp_path / "again") / "model.safetensors")
+        assert sorted(again) == sorted(loaded)
+        for name in loaded:
+            np.testing.assert_array_equal(again[name], loaded[name])
+
+
+def test_hf_names_transposed_kernels_bfloat16_and_shards_with_their_index(tmp_path):
+    records = trained(tmp_path, Wide())
+    params = params_of(records[-1].state.params)
+    rename = [(r"^up/", "model.layers.0.mlp.up_proj."), (r"^down/", "model.layers.0.mlp.down_proj."),
+              (r"^norm/", "model.norm."), (r"\.kernel$", ".weight")]  # fmt: skip
+    out = fs.export_safetensors(
+        tmp_path / "run", tmp_path / "hf", rename=rename, transpose=r"kernel$", dtype="bfloat16", max_shard_bytes=200
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == shards
+    loaded = {}
+    for shard in shards:
+        in_shard = safetensors.numpy.load_file(out / shard)
+        assert not set(in_shard) & set(loaded)  # each tensor once
+        assert set(in_shard) == {name for name, file in index["weight_map"].items() if file == shard}
+        big = sum(v.nbytes for v in in_shard.values())
+        assert big <= 200 or len(in_shard) == 1  # a tensor larger than a shard goes alone
+        loaded.update(in_shard)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in loaded.values())
+    up = loaded["model.layers.0.mlp.up_proj.weight"]
+    assert up.shape == (32, 4) and up.dtype == ml_dtypes.bfloat16  # HF's (out, in)
+    np.testing.assert_array_equal(up, params["up/kernel"].T.astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(loaded["model.norm.scale"], params["norm/scale"].astype(ml_dtypes.bfloat16))
+    assert sorted(loaded) == sorted(
+        ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.bias", "model.norm.scale",
+         "model.norm.bias", "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.bias"]
+    )  # fmt: skip
+    # exported again into one file: the earlier export's shards and index go, nothing else of the folder
+    (out / "README.md").write_text("mine")
+    fs.export_safetensors(tmp_path / "run", out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]
+
+
+def test_the_ema_exports_where_trained_with_one_and_an_error_names_its_absence(tmp_path):
+    records = trained(tmp_path, Wide(), ema_decay=0.9)
+    loaded = safetensors.numpy.load_file(
+        fs.export_safetensors(tmp_path / "run", tmp_path / "ema", use_ema=True) / "model.safetensors"
+    )
+    ema = params_of(records[-1].state.ema)
+    assert sorted(loaded) == sorted(ema)
+    for name, value in ema.items():
+        np.testing.assert_array_equal(loaded[name], value)
+    assert not np.array_equal(loaded["up/kernel"], np.asarray(records[-1].state.params["up"]["kernel"]))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    without = trained(plain, Wide())
+    with pytest.raises(fs.CheckpointError, match="step 6 in .* holds no EMA.*ema_decay"):
+        fs.export_safetensors(plain / "run", tmp_path / "none", use_ema=True)
+    with pytest.raises(fs.CheckpointError, match="step 6 holds no EMA"):
+        fs.export_safetensors(without[-1], tmp_path / "none", use_ema=True)
+    assert not (tmp_path / "none").exists()
+
+
+def test_bad_input_is_named_before_a_byte_is_written_and_an_earlier_export_stays(tmp_path):
+    trained(tmp_path, Wide())
+    out = fs.export_safetensors(tmp_path / "run", tmp_path / "hf")
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"not 2-D: norm/bias \[32\], norm/scale \[32\]"):
+        fs.export_safetensors(tmp_path / "run", out, transpose="norm")
+    with pytest.raises(ValueError, match="down/bias and down/kernel the one name 'down'"):
+        fs.export_safetensors(tmp_path / "run", out, rename=[(r"/.*", "")])
+    with pytest.raises(ValueError, match="list of \\(regex, replacement\\) pairs"):
+        fs.export_safetensors(tmp_path / "run", out, rename={"up": "down"})
+    with pytest.raises(ValueError, match="'int7' is not a dtype"):
+        fs.export_safetensors(tmp_path / "run", out, dtype="int7")
+    with pytest.raises(fs.CheckpointError, match="no checkpoint at step 5; it has steps \\[3, 6\\]"):
+        fs.export_safetensors(tmp_path / "run", out, step=5)
+    with pytest.raises(TypeError, match="got int"):
+        fs.export_safetensors(3, out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_flaxstate_export_writes_a_step_in_bfloat16(tmp_path):
+    records = trained(tmp_path, Wide())
+    done = run_here("export", tmp_path / "run", tmp_path / "hf", "--step", "3", "--dtype", "bfloat16")
+    assert done.returncode == 0, done.stderr
+    assert "model.safetensors" in done.stdout
+    loaded = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+    expected = params_of(records[0].state.params)  # step 3's
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded[name], value.astype(ml_dtypes.bfloat16))
+    bad = run_here("export", tmp_path / "run", tmp_path / "hf", "--dtype", "int7")
+    assert bad.returncode == 2 and "'int7' is not a dtype" in bad.stderr
