@@ -35,7 +35,7 @@ from flaxstate.summaries import SummaryLogger, SummaryWriter
 from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, Rollback, TrainLoop, TrainTask
-from flaxstate.weights import export_safetensors
+from flaxstate.weights import SafetensorsReader, export_safetensors
 
 __all__ = [
     "AutoInterval",
@@ -85,6 +85,7 @@ __all__ = [
     "nnx_functions",
     "nnx_update",
     "export_safetensors",
+    "SafetensorsReader",
     "plan",
     "plot",
     "sharded_like",

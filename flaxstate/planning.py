@@ -198,7 +198,8 @@ def plan(
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
     Args:
-        init: the model's init, `init(rngs, *inputs) -> variables` (as `TrainLoop` takes it).
+        init: the model's init, `init(rngs, *inputs) -> variables` (as `TrainLoop` takes it), the `nnx.Module`, or
+            a `fs.SafetensorsReader` (its target's state, which the files' params must fit).
         task: the task (its step, loss and optimizer; its data gives the default batch).
         target: a TPU topology name ("v5e:2x2"), "cpu:N", or "local".
         mesh_shape: axis sizes, e.g. `{"data": 2, "fsdp": 8}`, multiplying to the
@@ -261,7 +262,8 @@ def plan(
     init_names, apply_names = startup.rng_names(None)
     inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
     sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)), list(inputs))
-    state = _abstract_state(*startup.fresh(init, task, init_names, rng, sample), where)
+    model_init = init.target if isinstance(init, startup.ParamsSource) else init  # its files fit the target's shapes
+    state = _abstract_state(*startup.fresh(model_init, task, init_names, rng, sample), where)
     program = Program.build(
         placement=where,
         task=task,

@@ -18,8 +18,10 @@ leaves an earlier export in `out_dir` as it was.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,6 +38,9 @@ from flax import serialization
 from flaxstate import tree_paths
 from flaxstate.checkpoint import catalog
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.train_state import StateMismatchError
+
+logger = logging.getLogger("flaxstate")
 
 SINGLE = "model.safetensors"
 """The file of an export that fits one shard."""
@@ -48,6 +53,16 @@ EMA = "state/ema/"
 _EXPORTED = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 
 Rename = Sequence[tuple[str, str]] | None
+
+_DTYPES = {
+    name: np.dtype(kind)
+    for name, kind in {
+        "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jax.numpy.bfloat16,
+        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+        "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    }.items()
+}  # fmt: skip
+"""The safetensors dtype names that numpy holds, as numpy dtypes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,3 +339,175 @@ def _move_in(staging: Path, out: Path) -> None:
     for entry in out.iterdir():  # an earlier export's shards that this one does not have
         if entry.is_file() and _EXPORTED.match(entry.name) and entry.name not in new:
             entry.unlink()
+
+
+class SafetensorsReader:
+    """Starts a run from safetensors files: the params from the files, a fresh optimizer state and step 0.
+
+    An `init` for `TrainLoop` (`TrainLoop(init=fs.SafetensorsReader(path,
+    model.init), ...)`, or the `nnx.Module` itself as `target`): the loop
+    makes its state as from `target` (its other collections, batch
+    statistics, come from there), and the params from the files, each
+    device's part read from its byte range of the file
+    (`safe_open(...).get_slice`) and placed with the state's sharding, so a
+    process reads only what its devices hold, never a whole file.
+
+    Names: a tensor's name in the files, through `rename`'s `(regex,
+    replacement)` pairs applied in order (`re.sub`), is a '/'-joined tree
+    path of the params (`Dense_0/kernel`); `transpose` (a regex, `re.search`,
+    of those tree paths) names the 2-D tensors stored `(out, in)`. A dtype
+    that differs from the params' is cast, and said once.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy
+        >>> path = tempfile.mkdtemp() + "/model.safetensors"
+        >>> safetensors.numpy.save_file({"w": np.ones((3, 2), np.float32)}, path)
+        >>> reader = SafetensorsReader(path, target=None, transpose="w")
+        >>> reader.params({"w": np.zeros((2, 3), np.float32)})["w"].shape
+        (2, 3)
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], target: Any, *, rename: Rename = None, transpose: str | None = None
+    ) -> None:
+        """Points the reader at the files (their headers are read when the params are).
+
+        Args:
+            path: a `.safetensors` file, or a folder holding one
+                (`model.safetensors`) or shards with their
+                `model.safetensors.index.json`.
+            target: the model's `init` (linen) or the `nnx.Module`: what the
+                loop makes the rest of the state from.
+            rename: `(regex, replacement)` pairs from the files' names to tree paths.
+            transpose: a regex of the tree paths whose 2-D tensors the files hold transposed.
+
+        Raises:
+            ValueError: a path that is neither a `.safetensors` file nor a
+                folder holding them, or a malformed `rename`.
+        """
+        self.path = Path(path)
+        self.target = target
+        self._rules = _rename_rules(rename)
+        self._transpose = re.compile(transpose) if transpose is not None else None
+        self._files = _safetensors_files(self.path)
+        self.bytes_read = 0
+        """The bytes of tensor data read from the files so far (each device's part counts once it is read)."""
+
+    def __repr__(self) -> str:
+        return f"SafetensorsReader({str(self.path)!r})"
+
+    def params(self, template: Any, shardings: Any = None) -> Any:
+        """The files' tensors as `template`'s tree (its leaves' shapes and dtypes), placed with `shardings`.
+
+        Args:
+            template: the params' tree: arrays or `jax.ShapeDtypeStruct`s.
+            shardings: a sharding for every leaf, or one tree of them;
+                `None`: numpy arrays on the host.
+
+        Returns:
+            the tree, each leaf a `jax.Array` with its sharding (each
+            device's part read alone), or a numpy array without shardings.
+
+        Raises:
+            StateMismatchError: a tensor the template lacks, a template path
+                no file holds, or a shape that differs (after `transpose`),
+                naming every path and both shapes; nothing is placed.
+        """
+        from safetensors import safe_open
+
+        flat = tree_paths.flatten(template)
+        with contextlib.ExitStack() as opened:
+            handles = {file: opened.enter_context(safe_open(str(file), framework="numpy")) for file in self._files}
+            stored = {}  # tree path -> (file handle, name, shape in the file, dtype in the file)
+            unexpected = []
+            for handle in handles.values():
+                for name in handle.keys():
+                    path = name
+                    for pattern, replacement in self._rules:
+                        path = pattern.sub(replacement, path)
+                    if path not in flat:
+                        unexpected.append(f"{name} (as {path})" if path != name else name)
+                        continue
+                    piece = handle.get_slice(name)
+                    stored[path] = (handle, name, tuple(piece.get_shape()), piece.get_dtype())
+            missing = [f"{path} {list(np.shape(leaf))}" for path, leaf in flat.items() if path not in stored]
+            differ = []
+            for path, (_, name, shape, _) in stored.items():
+                flipped = self._flipped(path, shape)
+                if flipped != tuple(np.shape(flat[path])):
+                    transposed = " (transposed)" if flipped != shape else ""
+                    differ.append(
+                        f"{path} (expected {list(np.shape(flat[path]))}, found {name} {list(shape)}{transposed})"
+                    )
+            if unexpected or missing or differ:
+                parts = (
+                    f"unexpected (in the files, not the params): {', '.join(unexpected)}" if unexpected else "",
+                    f"missing (the params', in no file): {', '.join(missing)}" if missing else "",
+                    f"differ: {', '.join(differ)}" if differ else "",
+                )
+                raise StateMismatchError(
+                    f"SafetensorsReader({str(self.path)!r}) does not fit the params: "
+                    + "; ".join(part for part in parts if part)
+                    + ". Map the files' names with rename=[(regex, replacement), ...] and name (out, in) kernels "
+                    "with transpose=."
+                )
+            cast = sorted({f"{kind} -> {np.dtype(flat[path].dtype)}" for path, (_, _, _, kind) in stored.items()
+                           if _DTYPES.get(kind) != np.dtype(flat[path].dtype)})  # fmt: skip
+            if cast:
+                logger.warning("SafetensorsReader(%r) casts %s, as the params are.", str(self.path), ", ".join(cast))
+            leaf_shardings: dict[str, Any] = {}
+            if isinstance(shardings, jax.sharding.Sharding):
+                leaf_shardings = dict.fromkeys(flat, shardings)
+            elif shardings is not None:
+                leaf_shardings = tree_paths.flatten(jax.tree.map(lambda _, sharding: sharding, template, shardings))
+            placed = {}
+            for path, leaf in flat.items():
+                handle, name, shape, _ = stored[path]
+                sharding = leaf_shardings.get(path)
+                flip = self._flips(path, shape)
+                placed[path] = self._read(handle, name, flip, tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
+        return jax.tree.unflatten(jax.tree.structure(template), [placed[path] for path in flat])
+
+    def _flips(self, path: str, shape: tuple[int, ...]) -> bool:
+        return self._transpose is not None and bool(self._transpose.search(path)) and len(shape) == 2
+
+    def _flipped(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape[::-1] if self._flips(path, shape) else shape
+
+    def _read(self, handle: Any, name: str, flip: bool, shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+        """One tensor as the params hold it: each device's part read alone (its byte range), or whole on the host."""
+
+        def part(index: tuple[slice, ...] | None = None) -> np.ndarray:
+            if not shape:
+                value = np.asarray(handle.get_tensor(name))
+            else:
+                index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+                value = handle.get_slice(name)[index[::-1] if flip else index]
+                value = value.T if flip else value
+            self.bytes_read += np.asarray(value).nbytes
+            return np.ascontiguousarray(np.asarray(value).astype(dtype, copy=False))
+
+        if sharding is None:
+            return part()
+        return jax.make_array_from_callback(shape, sharding, part)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The files of a `.safetensors` file or folder (a folder's index lists its shards).
+
+    Raises:
+        ValueError: neither a `.safetensors` file nor a folder holding them.
+    """
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
+    if path.is_dir():
+        if (path / INDEX).is_file():
+            weight_map = json.loads((path / INDEX).read_text()).get("weight_map") or {}
+            return [path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            return files
+    raise ValueError(
+        f"SafetensorsReader: {path} is neither a .safetensors file nor a folder holding model.safetensors (or shards "
+        f"with their {INDEX}); give the file or the exported folder."
+    )

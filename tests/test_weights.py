@@ -10,7 +10,7 @@ import optax
 import pytest
 import safetensors.numpy
 from flax import nnx
-from flaxstate_testing import toy
+from flaxstate_testing import processes, toy
 from flaxstate_testing.command_line import run_here
 from safetensors import safe_open
 
@@ -178,3 +178,139 @@ def test_flaxstate_export_writes_a_step_in_bfloat16(tmp_path):
         np.testing.assert_array_equal(loaded[name], value.astype(ml_dtypes.bfloat16))
     bad = run_here("export", tmp_path / "run", tmp_path / "hf", "--dtype", "int7")
     assert bad.returncode == 2 and "'int7' is not a dtype" in bad.stderr
+
+
+class Square(nn.Module):
+    """A model whose first kernel is square: a transposed one has the same shape, and must still be transposed."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(4, name="gate")(x))
+        return nn.Dense(1, name="down")(x)[:, 0]
+
+
+class NNXSquare(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, use_bias=False, use_scale=False, rngs=rngs)  # statistics, no params
+        self.down = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.norm(nnx.tanh(self.gate(x))))[:, 0]
+
+
+HF_NAMES = [(r"^model\.layers\.0\.mlp\.gate_proj\.", "gate/"), (r"^model\.layers\.0\.mlp\.down_proj\.", "down/"),
+            (r"/weight$", "/kernel")]  # fmt: skip
+
+
+def hf_file(path, dtype=np.float32):
+    """A file as transformers writes one: HF's names, (out, in) weights."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.layers.0.mlp.gate_proj.weight": rng.normal(size=(4, 4)).astype(dtype),
+        "model.layers.0.mlp.gate_proj.bias": rng.normal(size=(4,)).astype(dtype),
+        "model.layers.0.mlp.down_proj.weight": rng.normal(size=(1, 4)).astype(dtype),
+        "model.layers.0.mlp.down_proj.bias": rng.normal(size=(1,)).astype(dtype),
+    }
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    return tensors
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_hf_style_files_start_a_run_renamed_and_transposed_with_a_fresh_optimizer_state(tmp_path, api):
+    tensors = hf_file(tmp_path / "model.safetensors")
+    model = Square() if api == "linen" else NNXSquare(nnx.Rngs(0))
+    reader = fs.SafetensorsReader(
+        tmp_path, model.init if api == "linen" else model, rename=HF_NAMES, transpose="kernel$"
+    )
+    task = fs.TrainTask(
+        apply=model.apply if api == "linen" else model,
+        optimizer=optax.adam(1e-2),
+        loss=toy.mse,
+        data=toy.batches(4, 8),
+        ema_decay=0.5,
+    )
+    loop = fs.TrainLoop(reader, task, jax.random.key(0), n_steps=2, n_steps_per_checkpoint=2, stdout=False)
+    state = loop.state
+    assert int(state.step) == 0
+    np.testing.assert_array_equal(state.params["gate"]["kernel"], tensors["model.layers.0.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(state.params["down"]["kernel"], tensors["model.layers.0.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(state.params["gate"]["bias"], tensors["model.layers.0.mlp.gate_proj.bias"])
+    np.testing.assert_array_equal(state.ema["gate"]["kernel"], state.params["gate"]["kernel"])  # the EMA starts there
+    adam = state.param_states[0]
+    assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(adam.mu))  # a fresh optimizer state
+    assert reader.bytes_read == sum(t.nbytes for t in tensors.values())  # each tensor read once
+    if api == "nnx":
+        np.testing.assert_array_equal(state.flax_mutables["batch_stats"]["norm"]["var"], np.ones(4))  # the module's
+    records = list(loop)
+    assert records[-1].step == 2 and np.isfinite(records[-1].loss)
+
+
+def test_an_export_read_back_is_bit_for_bit_and_a_bfloat16_file_is_cast_and_said_once(tmp_path, caplog):
+    records = trained(tmp_path, Wide())
+    params = records[-1].state.params
+    out = fs.export_safetensors(
+        tmp_path / "run", tmp_path / "hf", rename=[(r"/", ".")], transpose="kernel$", max_shard_bytes=300
+    )
+    assert (out / "model.safetensors.index.json").is_file()
+    reader = fs.SafetensorsReader(out, Wide().init, rename=[(r"\.", "/")], transpose="kernel$")
+    back = reader.params(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    for path, value in params_of(params).items():
+        np.testing.assert_array_equal(tree_paths.flatten(back)[path], value, err_msg=path)
+    fs.export_safetensors(tmp_path / "run", tmp_path / "bf16", dtype="bfloat16")
+    with caplog.at_level("WARNING", logger="flaxstate"):
+        cast = fs.SafetensorsReader(tmp_path / "bf16" / "model.safetensors", None).params(
+            jax.tree.map(np.asarray, params)
+        )
+    assert [r.getMessage() for r in caplog.records if "casts" in r.getMessage()] == [
+        f"SafetensorsReader({str(tmp_path / 'bf16' / 'model.safetensors')!r}) casts BF16 -> float32, as the params are."
+    ]
+    up = np.asarray(params["up"]["kernel"])
+    np.testing.assert_array_equal(cast["up"]["kernel"], up.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_files_that_do_not_fit_are_one_error_naming_every_path_and_both_shapes(tmp_path):
+    hf_file(tmp_path / "model.safetensors")
+    template = {"gate": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)}, "down": {"kernel": np.zeros((4, 2))},
+                "head": {"kernel": np.zeros((2, 2))}}  # fmt: skip
+    reader = fs.SafetensorsReader(tmp_path / "model.safetensors", None, rename=HF_NAMES, transpose="kernel$")
+    with pytest.raises(fs.StateMismatchError) as raised:
+        reader.params(template)
+    message = str(raised.value)
+    assert "unexpected (in the files, not the params): model.layers.0.mlp.down_proj.bias (as down/bias)" in message
+    assert "missing (the params', in no file): head/kernel [2, 2]" in message
+    assert (
+        "differ: down/kernel (expected [4, 2], found model.layers.0.mlp.down_proj.weight [1, 4] (transposed))"
+        in message
+    )
+    assert reader.bytes_read == 0  # nothing read, nothing placed
+    with pytest.raises(ValueError, match="neither a .safetensors file nor a folder"):
+        fs.SafetensorsReader(tmp_path / "nothing", None)
+
+
+def test_a_plan_of_a_reader_is_the_plan_of_its_target(tmp_path):
+    hf_file(tmp_path / "model.safetensors")
+    model = Square()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(2, 8))
+    reader = fs.SafetensorsReader(tmp_path, model.init, rename=HF_NAMES, transpose="kernel$")
+    planned, direct = fs.plan(reader, task, target="cpu:2"), fs.plan(model.init, task, target="cpu:2")
+    assert planned.per_device == direct.per_device and planned.per_device["params"] > 0 and reader.bytes_read == 0
+
+
+def test_an_fsdp_start_from_a_file_reads_only_each_process_s_parts_and_trains_as_one_process(tmp_path):
+    rng = np.random.default_rng(1)
+    tensors = {"linear.weight": rng.normal(size=(64, 4)).astype(np.float32),
+               "out.weight": rng.normal(size=(1, 64)).astype(np.float32)}  # fmt: skip
+    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    whole = sum(t.nbytes for t in tensors.values())
+    results = {}
+    for n_processes in (2, 1):
+        outputs = processes.run("safetensors_import", {"path": str(tmp_path / "model.safetensors")}, n_processes, 240)
+        results[n_processes] = [
+            json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
+            for out in outputs
+        ]
+    for process in results[2]:  # each reads its half of each kernel, by byte range, and holds exactly that
+        assert process["read"] == whole // 2 and process["shards_match"] and process["spec"] == ["None", "fsdp"]
+        np.testing.assert_allclose(process["loss"], results[1][0]["loss"], rtol=1e-5)
+    assert results[1][0]["read"] == whole and results[1][0]["shards_match"]

@@ -37,7 +37,7 @@ from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.recording import Recorder
 from flaxstate.training.rollback import Rollback
 from flaxstate.training.segment import SegmentRunner, Trained
-from flaxstate.training.startup import CheckpointSource
+from flaxstate.training.startup import CheckpointSource, ParamsSource
 from flaxstate.training.task import TrainTask
 from flaxstate.training.watchdog import HangTimeout, Phase, Watchdog, check_timeout
 
@@ -74,7 +74,7 @@ class TrainLoop:
 
     def __init__(
         self,
-        init: Callable[..., Any] | CheckpointSource,
+        init: Callable[..., Any] | CheckpointSource | ParamsSource,
         task: TrainTask,
         rng: jax.Array | int,
         *,
@@ -102,7 +102,9 @@ class TrainLoop:
 
         Args:
             init: a linen module's `init`, or a checkpoint reader (e.g.
-                `CheckpointFileReader(dir, target=model.init)`) to resume from.
+                `CheckpointFileReader(dir, target=model.init)`) to resume from,
+                or `fs.SafetensorsReader(path, target=model.init)` to start
+                from the params of safetensors files.
             task: what to train.
             rng: the run's random key (or an int seed): model init and per-step,
                 per-device rngs. On resume the checkpoint's key is used.

@@ -51,6 +51,21 @@ class CheckpointSource(Protocol):
     def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
 
 
+@runtime_checkable
+class ParamsSource(Protocol):
+    """What `TrainLoop(init=...)` needs of a source of params alone (`fs.SafetensorsReader`).
+
+    The loop makes a fresh state from `target` (a linen `init`, or the
+    `nnx.Module`) at step 0, with `params(template, shardings)` (the params'
+    tree of `jax.ShapeDtypeStruct`s, and their shardings) as its params and
+    the optimizer's state made from those.
+    """
+
+    target: Any
+
+    def params(self, template: Any, shardings: Any = None) -> Any: ...
+
+
 def as_key(rng: jax.Array | int, owner: str = "TrainLoop") -> jax.Array:
     """A typed key from a key, raw key data (uint32), or an int seed (`owner` names the setting's owner in errors).
 
@@ -221,7 +236,7 @@ class Start:
 
 def start(
     *,
-    init: Callable[..., Any] | CheckpointSource,
+    init: Callable[..., Any] | CheckpointSource | ParamsSource,
     task: TrainTask,
     rng: jax.Array | int,
     placement: Placement,
@@ -336,6 +351,9 @@ def _state(
     init_names: tuple[str, ...],
     progress: ProgressDisplay,
 ) -> tuple[FlaxOptimTrainState, CheckpointFile | None, float]:
+    if isinstance(init, ParamsSource) and not isinstance(init, CheckpointSource):
+        began = time.perf_counter()
+        return _from_params(init, task, rng, placement, inputs, init_names), None, time.perf_counter() - began
     reader = init if isinstance(init, CheckpointSource) else None
     model_init = reader.target if reader is not None else init
     began = time.perf_counter()
@@ -358,6 +376,30 @@ def _state(
         progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
         return made(*arguments), None, read_seconds
     return restored.state, restored, read_seconds
+
+
+def _from_params(
+    source: ParamsSource,
+    task: TrainTask,
+    rng: jax.Array,
+    placement: Placement,
+    inputs: tuple[Any, ...],
+    init_names: tuple[str, ...],
+) -> FlaxOptimTrainState:
+    """A fresh state of `source.target` whose params are the source's, placed where the state's go, and the
+    optimizer's state (and EMA) made from them: the target's own params are never made on the devices."""
+    per_device = jax.tree.map(lambda x: np.asarray(x)[: max(1, len(x) // placement.n_local_devices)], list(inputs))
+    create, arguments = fresh(source.target, task, init_names, rng, per_device)
+    abstract = jax.eval_shape(create, *arguments)
+    shardings = placement.state_shardings(abstract)
+    params = source.params(abstract.params, getattr(shardings, "params", shardings))
+
+    def start(params: Any, *arguments: Any) -> FlaxOptimTrainState:
+        made = create(*arguments)  # its params and their optimizer state are dropped by XLA: only the rest is kept
+        ema = None if made.ema is None else jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return made.replace(params=params, param_states=made.tx.init(params), ema=ema)
+
+    return jax.jit(start, out_shardings=shardings, donate_argnums=0)(params, *arguments)
 
 
 def _from_state_dict(task: TrainTask, placement: Placement, state_dict: Mapping[str, Any]) -> FlaxOptimTrainState:
