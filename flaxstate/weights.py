@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ def export_safetensors(
             f"export_safetensors max_shard_bytes must be a positive number of bytes; got {max_shard_bytes!r}."
         )
     stored = _stored_dtype(dtype)
-    rules = _rename_rules(rename)
+    rules = _renamer(rename, "export_safetensors")
     transposed = re.compile(transpose) if transpose is not None else None
     with _reading(source, use_ema, step) as (shapes, read, metadata):
         tensors = _tensors(shapes, rules, transposed, stored)
@@ -168,66 +168,63 @@ def export_safetensors(
     return out
 
 
-class _reading:
-    """The params of a source: their shapes, a reader of some of them (numpy, by tree path), and the metadata."""
+@contextlib.contextmanager
+def _reading(
+    source: Any, use_ema: bool, step: int | None
+) -> Iterator[tuple[dict[str, tuple[tuple[int, ...], np.dtype]], Callable[[list[str]], dict], dict[str, str]]]:
+    """The params of a source: their shapes, a reader of some of them (numpy, by tree path), and the metadata.
 
-    def __init__(self, source: Any, use_ema: bool, step: int | None) -> None:
-        self._source, self._use_ema, self._step = source, use_ema, step
-        self._context: Any = None
-
-    def __enter__(self) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], Callable[[list[str]], dict], dict]:
-        source = self._source
-        if isinstance(source, str | os.PathLike):
-            self._context = catalog.stored_step(os.fspath(source), self._step)
-            store, step, leaves, meta = self._context.__enter__()
-            prefix = EMA if self._use_ema else PARAMS
+    Raises:
+        CheckpointError: `use_ema` where the source holds no EMA.
+        TypeError: a source of another kind, or `step` with a record or a state.
+        ValueError: a live state sharded across processes.
+    """
+    if isinstance(source, str | os.PathLike):
+        with catalog.stored_step(os.fspath(source), step) as (store, chosen, leaves, meta):
+            prefix = EMA if use_ema else PARAMS
             shapes = {
                 leaf.path.removeprefix(prefix): (leaf.shape, np.dtype(leaf.dtype))
                 for leaf in leaves
                 if leaf.path.startswith(prefix)
             }
             if not shapes:
-                self._missing_ema(step, store.directory)
+                raise _missing_ema(chosen, store.directory)
 
             def read(paths: list[str]) -> dict[str, np.ndarray]:
-                arrays = store.read_paths(step, [prefix + path for path in paths])
+                arrays = store.read_paths(chosen, [prefix + path for path in paths])
                 return {path.removeprefix(prefix): value for path, value in arrays.items()}
 
-            return shapes, read, _metadata(step, meta.get("metadata"))
-        if self._step is not None:
-            raise TypeError("export_safetensors(step=...) takes a run directory; a record or a state is its own step.")
-        state = getattr(source, "state", None) if not hasattr(source, "params") else source
-        if state is None or not hasattr(state, "params"):
-            raise TypeError(
-                "export_safetensors takes a run directory, a Checkpoint record or a train state; got "
-                f"{type(source).__name__}."
-            )
-        params = state.params
-        if self._use_ema:
-            params = getattr(state, "ema", None)
-            if params is None:
-                self._missing_ema(int(np.asarray(state.step)), None)
-        flat = tree_paths.flatten(serialization.to_state_dict(nn.meta.unbox(params)))
-        for path, value in flat.items():
-            if isinstance(value, jax.Array) and not value.is_fully_addressable:
-                raise ValueError(
-                    f"export_safetensors: {path} is sharded across processes; export the run directory that its "
-                    "writer saved (each tensor is then read from storage), not the live state."
-                )
-        shapes = {path: tree_paths.shape_and_dtype(value) for path, value in flat.items()}
-        metadata = _metadata(int(np.asarray(state.step)), getattr(source, "metadata", None))
-        return shapes, lambda paths: {path: np.asarray(flat[path]) for path in paths}, metadata
-
-    def _missing_ema(self, step: int, directory: Path | None) -> None:
-        where = f" in {directory}" if directory is not None else ""
-        raise CheckpointError(
-            f"export_safetensors(use_ema=True): the state of step {step}{where} holds no EMA of the parameters; "
-            "train with TrainTask(ema_decay=...), or export without use_ema."
+            yield shapes, read, _metadata(chosen, meta.get("metadata"))
+        return
+    if step is not None:
+        raise TypeError("export_safetensors(step=...) takes a run directory; a record or a state is its own step.")
+    state = getattr(source, "state", None) if not hasattr(source, "params") else source
+    if state is None or not hasattr(state, "params"):
+        raise TypeError(
+            "export_safetensors takes a run directory, a Checkpoint record or a train state; got "
+            f"{type(source).__name__}."
         )
+    params = getattr(state, "ema", None) if use_ema else state.params
+    if params is None:
+        raise _missing_ema(int(np.asarray(state.step)), None)
+    flat = tree_paths.flatten(serialization.to_state_dict(nn.meta.unbox(params)))
+    for path, value in flat.items():
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            raise ValueError(
+                f"export_safetensors: {path} is sharded across processes; export the run directory that its "
+                "writer saved (each tensor is then read from storage), not the live state."
+            )
+    shapes = {path: tree_paths.shape_and_dtype(value) for path, value in flat.items()}
+    metadata = _metadata(int(np.asarray(state.step)), getattr(source, "metadata", None))
+    yield shapes, lambda paths: {path: np.asarray(flat[path]) for path in paths}, metadata
 
-    def __exit__(self, *exc: Any) -> None:
-        if self._context is not None:
-            self._context.__exit__(*exc)
+
+def _missing_ema(step: int, directory: Path | None) -> CheckpointError:
+    where = f" in {directory}" if directory is not None else ""
+    return CheckpointError(
+        f"export_safetensors(use_ema=True): the state of step {step}{where} holds no EMA of the parameters; "
+        "train with TrainTask(ema_decay=...), or export without use_ema."
+    )
 
 
 def _metadata(step: int, config: Any) -> dict[str, str]:
@@ -252,49 +249,51 @@ def _stored_dtype(dtype: Any) -> np.dtype | None:
         ) from None
 
 
-def _rename_rules(rename: Rename) -> list[tuple[re.Pattern[str], str]]:
+def _renamer(rename: Rename, owner: str) -> Callable[[str], str] | None:
+    """`rename`'s pairs as one function of a path (for `tree_paths.rename`), or `None` without any.
+
+    Raises:
+        ValueError: `rename` is not a list of `(regex, replacement)` pairs.
+    """
     if rename is None:
-        return []
+        return None
     if isinstance(rename, Mapping) or isinstance(rename, str):
         raise ValueError(
-            "export_safetensors rename is a list of (regex, replacement) pairs, applied in order; got "
+            f"{owner} rename is a list of (regex, replacement) pairs, applied in order; got "
             f"{type(rename).__name__} {rename!r}."
         )
     rules = []
     for rule in rename:
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and all(isinstance(part, str) for part in rule)):
-            raise ValueError(f"export_safetensors rename: each rule is a (regex, replacement) pair; got {rule!r}.")
+            raise ValueError(f"{owner} rename: each rule is a (regex, replacement) pair; got {rule!r}.")
         rules.append((re.compile(rule[0]), rule[1]))
-    return rules
+
+    def renamed(path: str) -> str:
+        for pattern, replacement in rules:
+            path = pattern.sub(replacement, path)
+        return path
+
+    return renamed
 
 
 def _tensors(
     shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-    rules: list[tuple[re.Pattern[str], str]],
+    rename: Callable[[str], str] | None,
     transposed: re.Pattern[str] | None,
     dtype: np.dtype | None,
 ) -> list[_Tensor]:
     """Each tensor's name, shape and dtype as written, every problem named before a byte is written.
 
     Raises:
-        ValueError: two paths with one name, or `transpose` naming an array that is not 2-D.
+        ValueError: two paths with one name (`tree_paths.rename`), or `transpose` naming an array that is not 2-D.
     """
     tensors: list[_Tensor] = []
-    by_name: dict[str, str] = {}
     not_2d: list[str] = []
-    for path, (shape, stored) in shapes.items():
-        name = path
-        for pattern, replacement in rules:
-            name = pattern.sub(replacement, name)
+    for name, path in tree_paths.rename({path: path for path in shapes}, rename).items():
+        shape, stored = shapes[path]
         flip = transposed is not None and bool(transposed.search(path))
         if flip and len(shape) != 2:
             not_2d.append(f"{path} {list(shape)}")
-        if name in by_name:
-            raise ValueError(
-                f"export_safetensors rename gives {by_name[name]} and {path} the one name {name!r}; each tensor "
-                "needs a name of its own."
-            )
-        by_name[name] = path
         shape = tuple(shape[::-1]) if flip and len(shape) == 2 else tuple(shape)
         tensors.append(_Tensor(path, name, shape, dtype if dtype is not None else stored, flip))
     if not_2d:
@@ -387,7 +386,7 @@ class SafetensorsReader:
         """
         self.path = Path(path)
         self.target = target
-        self._rules = _rename_rules(rename)
+        self._rename = _renamer(rename, "SafetensorsReader")
         self._transpose = re.compile(transpose) if transpose is not None else None
         self._files = _safetensors_files(self.path)
         self.bytes_read = 0
@@ -421,10 +420,7 @@ class SafetensorsReader:
             stored = {}  # tree path -> (file handle, name, shape in the file, dtype in the file)
             unexpected = []
             for handle in handles.values():
-                for name in handle.keys():
-                    path = name
-                    for pattern, replacement in self._rules:
-                        path = pattern.sub(replacement, path)
+                for path, name in tree_paths.rename({name: name for name in handle.keys()}, self._rename).items():
                     if path not in flat:
                         unexpected.append(f"{name} (as {path})" if path != name else name)
                         continue

@@ -153,7 +153,7 @@ def test_bad_input_is_named_before_a_byte_is_written_and_an_earlier_export_stays
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match=r"not 2-D: norm/bias \[32\], norm/scale \[32\]"):
         fs.export_safetensors(tmp_path / "run", out, transpose="norm")
-    with pytest.raises(ValueError, match="down/bias and down/kernel the one name 'down'"):
+    with pytest.raises(ValueError, match="rename maps both 'down/bias' and 'down/kernel' to 'down'"):
         fs.export_safetensors(tmp_path / "run", out, rename=[(r"/.*", "")])
     with pytest.raises(ValueError, match="list of \\(regex, replacement\\) pairs"):
         fs.export_safetensors(tmp_path / "run", out, rename={"up": "down"})

@@ -351,11 +351,9 @@ def _state(
     init_names: tuple[str, ...],
     progress: ProgressDisplay,
 ) -> tuple[FlaxOptimTrainState, CheckpointFile | None, float]:
-    if isinstance(init, ParamsSource) and not isinstance(init, CheckpointSource):
-        began = time.perf_counter()
-        return _from_params(init, task, rng, placement, inputs, init_names), None, time.perf_counter() - began
     reader = init if isinstance(init, CheckpointSource) else None
-    model_init = reader.target if reader is not None else init
+    params_source = init if isinstance(init, ParamsSource) else None
+    model_init = reader.target if reader is not None else params_source.target if params_source is not None else init
     began = time.perf_counter()
     if model_init is None:
         restored = reader.read(None) if reader is not None else None
@@ -364,7 +362,10 @@ def _state(
         return _from_state_dict(task, placement, restored.state), restored, time.perf_counter() - began
     per_device = jax.tree.map(lambda x: np.asarray(x)[: max(1, len(x) // placement.n_local_devices)], list(inputs))
     create, arguments = fresh(model_init, task, init_names, rng, per_device)
-    shardings = placement.state_shardings(jax.eval_shape(create, *arguments))
+    abstract = jax.eval_shape(create, *arguments)
+    shardings = placement.state_shardings(abstract)
+    if params_source is not None:
+        return _from_params(params_source, create, arguments, abstract, shardings), None, time.perf_counter() - began
     made = jax.jit(create, out_shardings=shardings)
     if reader is None:
         return made(*arguments), None, 0.0
@@ -380,18 +381,14 @@ def _state(
 
 def _from_params(
     source: ParamsSource,
-    task: TrainTask,
-    rng: jax.Array,
-    placement: Placement,
-    inputs: tuple[Any, ...],
-    init_names: tuple[str, ...],
+    create: Callable[..., FlaxOptimTrainState],
+    arguments: tuple[Any, ...],
+    abstract: Any,
+    shardings: Any,
 ) -> FlaxOptimTrainState:
-    """A fresh state of `source.target` whose params are the source's, placed where the state's go, and the
-    optimizer's state (and EMA) made from them: the target's own params are never made on the devices."""
-    per_device = jax.tree.map(lambda x: np.asarray(x)[: max(1, len(x) // placement.n_local_devices)], list(inputs))
-    create, arguments = fresh(source.target, task, init_names, rng, per_device)
-    abstract = jax.eval_shape(create, *arguments)
-    shardings = placement.state_shardings(abstract)
+    """The fresh state `create(*arguments)` makes (`abstract`, placed by `shardings`), with the source's params
+    placed where the state's go and the optimizer's state (and EMA) made from them: the target's own params are
+    never made on the devices."""
     params = source.params(abstract.params, getattr(shardings, "params", shardings))
 
     def start(params: Any, *arguments: Any) -> FlaxOptimTrainState:
