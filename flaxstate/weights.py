@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import tree_paths
+from flaxstate import settings, tree_paths
 from flaxstate.checkpoint import catalog
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.train_state import StateMismatchError
@@ -132,10 +132,7 @@ def export_safetensors(
     """
     import safetensors.numpy  # the extra `flaxstate[safetensors]`
 
-    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
-        raise ValueError(
-            f"export_safetensors max_shard_bytes must be a positive number of bytes; got {max_shard_bytes!r}."
-        )
+    max_shard_bytes = settings.count("export_safetensors", "max_shard_bytes", max_shard_bytes)
     stored = _stored_dtype(dtype)
     rules = _renamer(rename, "export_safetensors")
     transposed = re.compile(transpose) if transpose is not None else None

@@ -159,6 +159,8 @@ def test_bad_input_is_named_before_a_byte_is_written_and_an_earlier_export_stays
         fs.export_safetensors(tmp_path / "run", out, rename={"up": "down"})
     with pytest.raises(ValueError, match="'int7' is not a dtype"):
         fs.export_safetensors(tmp_path / "run", out, dtype="int7")
+    with pytest.raises(ValueError, match="max_shard_bytes must be a positive int, got 0"):
+        fs.export_safetensors(tmp_path / "run", out, max_shard_bytes=0)
     with pytest.raises(fs.CheckpointError, match="no checkpoint at step 5; it has steps \\[3, 6\\]"):
         fs.export_safetensors(tmp_path / "run", out, step=5)
     with pytest.raises(TypeError, match="got int"):
