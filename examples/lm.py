@@ -12,6 +12,13 @@ logs land in --output-dir, with the settings as the checkpoint's metadata.
 
     python examples/lm.py --steps 300 --output-dir runs/lm
 
+Its params leave as an HF-style safetensors folder (names from `HF`), and a
+fine-tune starts from one (`--init-from`), resuming its own checkpoints:
+
+    python -c "import flaxstate as fs, lm; fs.export_safetensors('runs/lm', 'export/lm', \
+        rename=lm.hf_names(), transpose=lm.HF_TRANSPOSE)"   # from examples/
+    python examples/lm.py --init-from export/lm --output-dir runs/tuned
+
 Two processes on one machine, FSDP (each feeds half of the batch) or
 tensor-parallel (each feeds the whole batch):
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -102,6 +110,9 @@ class Config:
     """Held-out batches evaluated at every record."""
     seed: int = 0
     """The run's seed: initialization and the data's order."""
+    init_from: str | None = None
+    """A safetensors export (a file, or a folder) with the names `HF` gives, to fine-tune from: the params from
+    there and a fresh optimizer state, where --output-dir holds no checkpoint yet (one it holds is resumed)."""
     coordinator_address: str | None = os.environ.get("JAX_COORDINATOR_ADDRESS")
     """host:port of process 0, for several processes (or JAX_COORDINATOR_ADDRESS)."""
     num_processes: int = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
@@ -112,6 +123,39 @@ class Config:
 
 VOCAB = 256
 """Bytes."""
+
+HF = {
+    "Embed_0/embedding": "model.embed_tokens.weight",
+    "position": "model.embed_positions.weight",
+    "Block_{}/RMSNorm_0/scale": "model.layers.{}.input_layernorm.weight",
+    "Block_{}/DenseGeneral_0/kernel": "model.layers.{}.self_attn.q_proj.weight",
+    "Block_{}/DenseGeneral_1/kernel": "model.layers.{}.self_attn.k_proj.weight",
+    "Block_{}/DenseGeneral_2/kernel": "model.layers.{}.self_attn.v_proj.weight",
+    "Block_{}/DenseGeneral_3/kernel": "model.layers.{}.self_attn.o_proj.weight",
+    "Block_{}/RMSNorm_1/scale": "model.layers.{}.post_attention_layernorm.weight",
+    "Block_{}/Dense_0/kernel": "model.layers.{}.mlp.up_proj.weight",
+    "Block_{}/Dense_0/bias": "model.layers.{}.mlp.up_proj.bias",
+    "Block_{}/Dense_1/kernel": "model.layers.{}.mlp.down_proj.weight",
+    "Block_{}/Dense_1/bias": "model.layers.{}.mlp.down_proj.bias",
+    "RMSNorm_0/scale": "model.norm.weight",
+    "Dense_0/kernel": "lm_head.weight",
+}
+"""The params' tree paths and their names in an HF-style export (`{}`: a block's index): transformers' Llama
+names, for the layers' own layout (without `--scan-layers`). The attention projections keep flax's
+`(embed, heads, head_dim)` layout; the 2-D kernels are stored `(out, in)` (`HF_TRANSPOSE`)."""
+
+HF_TRANSPOSE = r"Dense_\d+/kernel$"
+"""The tree paths of the 2-D kernels, which HF stores `(out, in)`."""
+
+
+def hf_names(to_hf: bool = True) -> list[tuple[str, str]]:
+    """`HF` as the `rename` rules of `fs.export_safetensors` (`to_hf`), or of `fs.SafetensorsReader` (back)."""
+    rules = []
+    for path, name in HF.items():
+        source, target = (path, name) if to_hf else (name, path)
+        rules.append(("^" + re.escape(source).replace(r"\{\}", r"(\d+)") + "$", target.replace("{}", r"\1")))
+    return rules
+
 
 HELD_OUT = 0.05
 """The share of the text, at its end, kept for evaluation."""
@@ -272,8 +316,11 @@ def main(config: Config) -> None:
     model = Transformer(config)
     train_tokens, held_out = split(text())
     held_out_batches = batches(held_out, config, mesh)
+    start = model.init
+    if config.init_from is not None:
+        start = fs.SafetensorsReader(config.init_from, model.init, rename=hf_names(False), transpose=HF_TRANSPOSE)
     loop = fs.TrainLoop(
-        init=fs.CheckpointFileReader(config.output_dir, target=model.init),  # resume, or init fresh
+        init=fs.CheckpointFileReader(config.output_dir, target=start),  # resume, or start from init or the files
         task=fs.TrainTask(
             apply=model.apply,
             optimizer=optimizer(config),

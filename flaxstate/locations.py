@@ -247,6 +247,24 @@ def tree_listing(path: Path) -> dict[str, int]:
     return {name.removeprefix(root): int(info["size"]) for name, info in found.items() if info["type"] == "file"}
 
 
+def read_range(path: Path, start: int, end: int) -> bytes:
+    """Bytes `[start, end)` of one file: a seek and a read on a disk, one ranged request to a bucket."""
+    if not is_url(path):
+        with open(path, "rb") as file:
+            file.seek(start)
+            return file.read(end - start)
+    import fsspec.core  # with the bucket extras, as every URL here
+
+    return bytes(_filesystem(path).cat_file(fsspec.core.strip_protocol(str(path)), start=start, end=end))
+
+
+def upload(source: Path, target: Path) -> None:
+    """Copies the local file `source` to the bucket URL `target`: one object, seen once whole."""
+    import fsspec.core
+
+    _filesystem(target).put_file(str(source), fsspec.core.strip_protocol(str(target)))
+
+
 def move_tree(source: Path, target: Path, *, commit_marker: str | None = None) -> None:
     """Moves a directory to a new name of the same parent: a rename on a disk.
 

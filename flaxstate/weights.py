@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +36,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import settings, tree_paths
+from flaxstate import locations, settings, tree_paths
 from flaxstate.checkpoint import catalog
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.train_state import StateMismatchError
@@ -97,8 +98,11 @@ def export_safetensors(
         source: a run directory (local, `gs://`, `s3://`: its newest intact
             step, or `step`), a `Checkpoint` record, or a train state
             (`loop.state`, an `InferenceState`).
-        out_dir: the folder to write (made if missing; an earlier export in
-            it is replaced only once this one is whole).
+        out_dir: the folder to write: a local path (made if missing; an
+            earlier export in it is replaced only once this one is whole),
+            or a `gs://` or `s3://` URL (the files are written on this
+            host's temporary disk, then uploaded, each one object, the
+            shards before their index).
         rename: `(regex, replacement)` pairs applied in order (`re.sub`) to
             each '/'-joined tree path, giving the tensor's name in the files
             (without: the tree path itself).
@@ -139,9 +143,11 @@ def export_safetensors(
     with _reading(source, use_ema, step) as (shapes, read, metadata):
         tensors = _tensors(shapes, rules, transposed, stored)
         shards = _shards(tensors, max_shard_bytes)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+        out = locations.run_directory(out_dir, "export_safetensors")  # a local path, or a checked bucket's URL
+        if not locations.is_url(out):
+            out.mkdir(parents=True, exist_ok=True)
+        # Beside the export on a disk (moved in by a rename); for a bucket on this host's disk, uploaded from there.
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=None if locations.is_url(out) else out))
         try:
             names = _file_names(len(shards))
             for shard, name in zip(shards, names, strict=True):
@@ -328,12 +334,19 @@ def _as_stored(value: np.ndarray, tensor: _Tensor) -> np.ndarray:
 
 
 def _move_in(staging: Path, out: Path) -> None:
-    """Replaces an earlier export in `out` by the whole one in `staging` (its other files left alone)."""
-    new = {entry.name for entry in staging.iterdir()}
-    for entry in staging.iterdir():
-        os.replace(entry, out / entry.name)
-    for entry in out.iterdir():  # an earlier export's shards that this one does not have
-        if entry.is_file() and _EXPORTED.match(entry.name) and entry.name not in new:
+    """Replaces an earlier export in `out` by the whole one in `staging` (its other files left alone).
+
+    On a disk each file is renamed in; to a bucket, which has no rename, each is uploaded (one object, seen
+    once whole), the shards before their index.
+    """
+    new = sorted(entry.name for entry in staging.iterdir())
+    for name in sorted(new, key=lambda name: name == INDEX):
+        if locations.is_url(out):
+            locations.upload(staging / name, out / name)
+        else:
+            os.replace(staging / name, out / name)
+    for entry in out.iterdir() if out.is_dir() else ():  # an earlier export's shards that this one does not have
+        if _EXPORTED.match(entry.name) and entry.name not in new and entry.is_file():
             entry.unlink()
 
 
@@ -371,7 +384,9 @@ class SafetensorsReader:
         Args:
             path: a `.safetensors` file, or a folder holding one
                 (`model.safetensors`) or shards with their
-                `model.safetensors.index.json`.
+                `model.safetensors.index.json`; on a disk, or a `gs://` or
+                `s3://` URL (each part then read by one ranged request for
+                the rows it covers).
             target: the model's `init` (linen) or the `nnx.Module`: what the
                 loop makes the rest of the state from.
             rename: `(regex, replacement)` pairs from the files' names to tree paths.
@@ -379,9 +394,10 @@ class SafetensorsReader:
 
         Raises:
             ValueError: a path that is neither a `.safetensors` file nor a
-                folder holding them, or a malformed `rename`.
+                folder holding them, a bucket that does not answer (naming
+                the URL), or a malformed `rename`.
         """
-        self.path = Path(path)
+        self.path = locations.run_directory(path, "SafetensorsReader")  # a local path, or a checked bucket's URL
         self.target = target
         self._rename = _renamer(rename, "SafetensorsReader")
         self._transpose = re.compile(transpose) if transpose is not None else None
@@ -413,7 +429,10 @@ class SafetensorsReader:
 
         flat = tree_paths.flatten(template)
         with contextlib.ExitStack() as opened:
-            handles = {file: opened.enter_context(safe_open(str(file), framework="numpy")) for file in self._files}
+            handles = {
+                file: _InBucket(file) if locations.is_url(file) else opened.enter_context(safe_open(str(file), "numpy"))
+                for file in self._files
+            }
             stored = {}  # tree path -> (file handle, name, shape in the file, dtype in the file)
             unexpected = []
             for handle in handles.values():
@@ -483,6 +502,59 @@ class SafetensorsReader:
         if sharding is None:
             return part()
         return jax.make_array_from_callback(shape, sharding, part)
+
+
+class _InBucket:
+    """A safetensors file in a bucket, read as `safe_open` reads one on a disk: its header once, then only the
+    byte ranges of the parts asked for, each one ranged request (`locations.read_range`).
+
+    `safe_open` takes a local file name only; the format is an 8-byte little-endian header length, the header
+    (JSON: each tensor's dtype, shape and `data_offsets` after it), then the tensors' bytes, row-major.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        (length,) = struct.unpack("<Q", locations.read_range(path, 0, 8))
+        self._header = json.loads(locations.read_range(path, 8, 8 + length))
+        self._header.pop("__metadata__", None)
+        self._data = 8 + length
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get_slice(self, name: str) -> _BucketTensor:
+        entry = self._header[name]
+        return _BucketTensor(self, tuple(entry["shape"]), entry["dtype"], self._data + entry["data_offsets"][0])
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        return self.get_slice(name)[()]
+
+
+@dataclasses.dataclass(frozen=True)
+class _BucketTensor:
+    """One tensor of an `_InBucket` file: indexed by slices, it reads the rows they cover and no others."""
+
+    file: _InBucket
+    shape: tuple[int, ...]
+    dtype: str
+    start: int
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        dtype = _DTYPES[self.dtype]
+        if not self.shape:
+            data = locations.read_range(self.file.path, self.start, self.start + dtype.itemsize)
+            return np.frombuffer(bytearray(data), dtype).reshape(())
+        first, last, _ = (tuple(index)[0] if index else slice(None)).indices(self.shape[0])
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * dtype.itemsize
+        data = locations.read_range(self.file.path, self.start + first * row, self.start + max(first, last) * row)
+        rows = np.frombuffer(bytearray(data), dtype).reshape((max(0, last - first), *self.shape[1:]))
+        return rows[(slice(None), *tuple(index)[1:])]
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -248,6 +248,37 @@ def test_hf_style_files_start_a_run_renamed_and_transposed_with_a_fresh_optimize
     assert records[-1].step == 2 and np.isfinite(records[-1].loss)
 
 
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_checkpoint_reader_of_a_fine_tune_starts_from_the_files_then_resumes_its_own_checkpoints(tmp_path, api):
+    tensors = hf_file(tmp_path / "model.safetensors")
+    model = Square() if api == "linen" else NNXSquare(nnx.Rngs(0))
+    files = fs.SafetensorsReader(tmp_path, model.init if api == "linen" else model, rename=HF_NAMES,
+                                 transpose="kernel$")  # fmt: skip
+    reader = fs.CheckpointFileReader(tmp_path / "tuned", target=files)
+    task = fs.TrainTask(
+        apply=model.apply if api == "linen" else model, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8)
+    )
+
+    def loop(n_steps):
+        return fs.TrainLoop(reader, task, jax.random.key(0), n_steps=n_steps, n_steps_per_checkpoint=2, stdout=False)
+
+    first = loop(2)
+    assert int(first.state.step) == 0
+    np.testing.assert_array_equal(
+        first.state.params["gate"]["kernel"], tensors["model.layers.0.mlp.gate_proj.weight"].T
+    )
+    with fs.CheckpointFileWriter(tmp_path / "tuned") as writer:
+        for record in first:
+            writer(record)
+    read = files.bytes_read
+    assert read == sum(t.nbytes for t in tensors.values())
+    again = loop(4)  # the fine-tune's own step 2, its optimizer's state with it; the files are not read again
+    assert int(again.state.step) == 2 and files.bytes_read == read
+    for path, value in params_of(record.state.params).items():
+        np.testing.assert_array_equal(tree_paths.flatten(again.state.params)[path], value, err_msg=path)
+    assert list(again)[-1].step == 4
+
+
 def test_an_export_read_back_is_bit_for_bit_and_a_bfloat16_file_is_cast_and_said_once(tmp_path, caplog):
     records = trained(tmp_path, Wide())
     params = records[-1].state.params
@@ -316,3 +347,29 @@ def test_an_fsdp_start_from_a_file_reads_only_each_process_s_parts_and_trains_as
         assert process["read"] == whole // 2 and process["shards_match"] and process["spec"] == ["None", "fsdp"]
         np.testing.assert_allclose(process["loss"], results[1][0]["loss"], rtol=1e-5)
     assert results[1][0]["read"] == whole and results[1][0]["shards_match"]
+
+
+def test_a_file_in_a_bucket_is_read_by_byte_ranges_of_the_rows_each_part_covers(tmp_path, monkeypatch):
+    # The bucket's reader on a local file (`locations.read_range` reads both): its parts equal safe_open's, and
+    # each part asks for the bytes of its rows alone.
+    from flaxstate import locations, weights
+
+    tensors = {"w": np.arange(30, dtype=np.float32).reshape(6, 5), "b": np.arange(4, dtype=ml_dtypes.bfloat16),
+               "s": np.asarray(7, np.int32)}  # fmt: skip
+    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    ranges = []
+    read_range = locations.read_range
+    monkeypatch.setattr(locations, "read_range", lambda path, a, b: ranges.append((a, b)) or read_range(path, a, b))
+    in_bucket = weights._InBucket(tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as local:
+        assert sorted(in_bucket.keys()) == sorted(local.keys())
+        for name in local.keys():
+            assert in_bucket.get_slice(name).get_shape() == local.get_slice(name).get_shape()
+            assert in_bucket.get_slice(name).get_dtype() == local.get_slice(name).get_dtype()
+            np.testing.assert_array_equal(in_bucket.get_tensor(name), local.get_tensor(name))
+        for index in [(slice(2, 4), slice(None)), (slice(0, 6), slice(1, 3)), (slice(5, 6),)]:
+            ranges.clear()
+            np.testing.assert_array_equal(in_bucket.get_slice("w")[index], local.get_slice("w")[index])
+            ((start, end),) = ranges
+            rows = index[0]
+            assert end - start == (rows.stop - rows.start) * 5 * 4, index  # its rows' bytes, one request

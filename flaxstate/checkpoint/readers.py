@@ -1,7 +1,9 @@
 """Readers: restore the newest complete (or the best, or a given) checkpoint.
 
 A reader is what `TrainLoop(init=...)` takes to resume a run: with `target`
-(a model's `init`) it starts fresh when the directory holds no checkpoint.
+(a model's `init`) it starts fresh when the directory holds no checkpoint,
+and with a `fs.SafetensorsReader` as `target` from the files' params (a
+fine-tune that resumes from its own checkpoints once it has some).
 It also restores a state on its own: `reader.restore(state)` gives back the
 state with the checkpoint's values (an `InferenceState` reads no optimizer
 state from disk).
@@ -13,7 +15,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -31,6 +33,9 @@ from flaxstate.checkpoint.tiers import restart
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import CheckpointFile
+
+if TYPE_CHECKING:
+    from flaxstate.weights import SafetensorsReader
 
 logger = logging.getLogger("flaxstate")
 
@@ -68,7 +73,7 @@ class CheckpointFileReader:
     def __init__(
         self,
         output_dir: str | Path | Sequence[str | Path | LocalTier],
-        target: Callable[..., Any] | None = None,
+        target: Callable[..., Any] | SafetensorsReader | None = None,
         step: int | None = None,
         rename: Rename = None,
         *,
@@ -82,7 +87,9 @@ class CheckpointFileReader:
                 `CheckpointFileWriter(..., per_process=True)` (each process
                 reads its own part of it), or the `fs.LocalTier` it was
                 given, and the persistent one.
-            target: the model's `init`, to start fresh when there is no checkpoint.
+            target: the model's `init` (or the `nnx.Module`), to start fresh
+                when there is no checkpoint; or a `fs.SafetensorsReader`, to
+                start from its files' params then.
             step: restore this step instead of the newest.
             rename: `{old regex: new}` on '/'-joined state-dict paths (e.g.
                 `{"Dense_0/": "Encoder_0/"}`), to load a checkpoint of an
@@ -125,7 +132,11 @@ class CheckpointFileReader:
                     + restart.tiers_apart_advice()
                 )
         owner = type(self).__name__
-        self.target = settings.optional_callable(owner, "target", target)
+        # A source of params alone (`fs.SafetensorsReader`) is a start as a model's init is: the loop takes both.
+        starts_from_params = callable(getattr(target, "params", None)) and hasattr(target, "target")
+        self.target: Callable[..., Any] | SafetensorsReader | None = (
+            target if starts_from_params else settings.optional_callable(owner, "target", target)
+        )
         self.step = settings.optional_count(owner, "step", step)
         if rename is not None and not isinstance(rename, Mapping):
             raise ValueError(

@@ -43,10 +43,11 @@ class CheckpointSource(Protocol):
     checkpoint to resume from, its state restored into the tree, shapes,
     dtypes and shardings of `template.state` (a state whose leaves are
     `jax.ShapeDtypeStruct`s; `template` is `None` when `target` is), or `None`
-    when there is none yet and training starts fresh.
+    when there is none yet and training starts from `target`: fresh, or from a
+    `ParamsSource`'s params.
     """
 
-    target: Callable[..., Any] | None
+    target: Any
 
     def read(self, template: CheckpointFile | None) -> CheckpointFile | None: ...
 
@@ -352,8 +353,9 @@ def _state(
     progress: ProgressDisplay,
 ) -> tuple[FlaxOptimTrainState, CheckpointFile | None, float]:
     reader = init if isinstance(init, CheckpointSource) else None
-    params_source = init if isinstance(init, ParamsSource) else None
-    model_init = reader.target if reader is not None else params_source.target if params_source is not None else init
+    start = reader.target if reader is not None else init  # what a run without a checkpoint starts from
+    params_source = start if isinstance(start, ParamsSource) else None
+    model_init = params_source.target if params_source is not None else start
     began = time.perf_counter()
     if model_init is None:
         restored = reader.read(None) if reader is not None else None
@@ -364,19 +366,25 @@ def _state(
     create, arguments = fresh(model_init, task, init_names, rng, per_device)
     abstract = jax.eval_shape(create, *arguments)
     shardings = placement.state_shardings(abstract)
-    if params_source is not None:
-        return _from_params(params_source, create, arguments, abstract, shardings), None, time.perf_counter() - began
     made = jax.jit(create, out_shardings=shardings)
-    if reader is None:
+    if reader is None and params_source is None:
         return made(*arguments), None, 0.0
-    # The template is abstract: a resumed run never holds a fresh state beside the restored one.
-    began = time.perf_counter()
-    restored = reader.read(CheckpointFile(state=made.eval_shape(*arguments), step=0, rng=rng))
-    read_seconds = time.perf_counter() - began
-    if restored is None:
+    restored = None
+    if reader is not None:
+        # The template is abstract: a resumed run never holds a fresh state beside the restored one.
+        began = time.perf_counter()
+        restored = reader.read(CheckpointFile(state=made.eval_shape(*arguments), step=0, rng=rng))
+        if restored is not None:
+            return restored.state, restored, time.perf_counter() - began
+    read_seconds = time.perf_counter() - began  # the reader's look and the files' params, as a restore's
+    if params_source is None:
         progress.log(f"No checkpoint found by {reader!r}: training starts from step 0.")
         return made(*arguments), None, read_seconds
-    return restored.state, restored, read_seconds
+    if reader is not None:
+        progress.log(f"No checkpoint found by {reader!r}: training starts from {params_source!r} at step 0.")
+    began = time.perf_counter()
+    state = _from_params(params_source, create, arguments, abstract, shardings)
+    return state, None, read_seconds + time.perf_counter() - began
 
 
 def _from_params(

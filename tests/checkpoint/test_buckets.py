@@ -26,6 +26,7 @@ from flaxstate_testing import buckets, command_line, processes, toy
 from flaxstate_testing.checkpoints import assert_same, read_beside_a_rotating_writer
 
 import flaxstate as fs
+from flaxstate import tree_paths
 from flaxstate.run_record import goodput, ledger
 
 CONFIG = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep": 2}
@@ -324,3 +325,33 @@ def test_saved_by_two_processes_in_the_bucket_restores_in_one_and_the_reverse(bu
     assert len(objects) > 60, objects  # in 4 KiB chunks: 83 objects, 32 without a budget
     devices("save", "one", 1)
     assert "restored on 2 devices" in devices("restore", "one", 2)
+
+
+def test_a_run_in_the_bucket_exports_to_the_bucket_and_a_run_starts_from_those_files(bucket):
+    import safetensors.numpy
+
+    model = toy.BatchNormNet()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=False)
+    url = f"{bucket.scheme}://runs/to-export"
+    with fs.CheckpointFileWriter(url, keep=2) as writer:
+        for record in loop:
+            writer(record)
+    params = {path: np.asarray(value) for path, value in tree_paths.flatten(record.state.params).items()}
+    out = f"{bucket.scheme}://runs/exported"
+    fs.export_safetensors(url, out, transpose="kernel$", max_shard_bytes=64)  # shards, and their index
+    names = set(bucket.objects("runs", "exported/"))
+    with fsspec.open(f"{out}/model.safetensors.index.json") as file:
+        index = json.load(file)
+    assert names == {"exported/model.safetensors.index.json"} | {f"exported/{n}" for n in index["weight_map"].values()}
+    assert sorted(index["weight_map"]) == sorted(params) and len(names) > 2, names
+    for path, value in params.items():  # the safetensors package's own reader, of each object's bytes
+        with fsspec.open(f"{out}/{index['weight_map'][path]}", "rb") as file:
+            stored = safetensors.numpy.load(file.read())[path]
+        np.testing.assert_array_equal(stored, value.T if path.endswith("kernel") else value, err_msg=path)
+    reader = fs.SafetensorsReader(out, model.init, transpose="kernel$")
+    started = fs.TrainLoop(reader, task, jax.random.key(1), n_steps=2, stdout=False)
+    assert int(started.state.step) == 0
+    for path, value in tree_paths.flatten(started.state.params).items():
+        np.testing.assert_array_equal(value, params[path], err_msg=path)
+    assert reader.bytes_read == sum(value.nbytes for value in params.values())

@@ -5,6 +5,7 @@ once; the one-device runs they are compared with train here, in the test's own p
 (preemption) runs start their own workers, and resume to end bit for bit as a straight FSDP run.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import shutil
 import signal
 import time
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -289,3 +291,54 @@ def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):
     assert any(
         not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(raw.params), strict=True)
     )  # the EMA, not the parameters
+
+
+def exported(directory, out):
+    """The run directory's newest step exported with the LM example's HF names, as its tensors by name."""
+    import safetensors.numpy
+
+    fs.export_safetensors(directory, out, rename=lm.hf_names(), transpose=lm.HF_TRANSPOSE)
+    return safetensors.numpy.load_file(out / "model.safetensors")
+
+
+def test_a_two_process_fsdp_run_exports_as_its_checkpoint_holds_and_as_one_device_s_run(runs, tmp_path):
+    root, _ = runs
+    sharded, one = exported(root / "fsdp", tmp_path / "fsdp"), exported(root / "one", tmp_path / "one")
+    step, stored = params(root / "fsdp")
+    assert sorted(sharded) == sorted(one) == sorted(re.sub(*rule, path) for path in stored for rule in
+                                                    lm.hf_names() if re.search(rule[0], path))  # fmt: skip
+    assert {"model.layers.0.mlp.up_proj.weight", "lm_head.weight", "model.embed_tokens.weight"} <= set(sharded)
+    for path, value in stored.items():  # bit for bit what the two processes saved, the 2-D kernels (out, in)
+        (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
+        expected = value.T if re.search(lm.HF_TRANSPOSE, path) else value
+        np.testing.assert_array_equal(sharded[name], expected, err_msg=path)
+    assert sharded["lm_head.weight"].shape == (256, MODEL["embed"])  # (vocab, embed): out, in
+    assert_close((step, sharded), (N, one))
+
+
+def test_the_lm_example_fine_tunes_from_an_export_of_its_own_run_then_resumes_its_own_checkpoints(
+    runs, tmp_path, capsys
+):
+    root, _ = runs
+    files = tmp_path / "export"
+    export = exported(root / "fsdp", files)
+    config = lm.Config(**{**MODEL, "steps_per_checkpoint": 1, "steps_per_dispatch": 1}, eval_batches=1, steps=1,
+                       output_dir=str(tmp_path / "tuned"), init_from=str(files))  # fmt: skip
+    lm.main(config)
+    assert "training starts from SafetensorsReader(" in capsys.readouterr().out
+    first = params(tmp_path / "tuned")
+    assert first[0] == 1
+    # One AdamW step from the files' params moves each by at most the learning rate (and its weight decay); a
+    # fresh start is further than that from them (the export is N steps from the same seed's init).
+    fresh = lm.Transformer(config).init(jax.random.key(0), np.zeros((1, config.seq_len), np.int32))
+    fresh = tree_paths.flatten(nn.meta.unbox(fresh))
+    for path, value in first[1].items():
+        (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
+        start = export[name].T if re.search(lm.HF_TRANSPOSE, path) else export[name]
+        bound = config.learning_rate * (1 + 1e-4 * np.abs(start).max()) * 1.001
+        assert np.abs(value - start).max() <= bound, path
+    assert max(np.abs(fresh["params/" + path] - value).max() for path, value in first[1].items()) > 2 * bound
+    # Run again, longer: it resumes its own step 1 (the files are not read again) and goes on to step 3.
+    lm.main(dataclasses.replace(config, steps=3))
+    assert "training starts from" not in capsys.readouterr().out
+    assert [c.step for c in list_checkpoints(tmp_path / "tuned")][-1] == 3
