@@ -369,7 +369,6 @@ def _state(
     made = jax.jit(create, out_shardings=shardings)
     if reader is None and params_source is None:
         return made(*arguments), None, 0.0
-    restored = None
     if reader is not None:
         # The template is abstract: a resumed run never holds a fresh state beside the restored one.
         began = time.perf_counter()
