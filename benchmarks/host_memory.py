@@ -128,17 +128,21 @@ def measure(
     return {"seconds": seconds, "added": peak - before, "state_bytes": state_bytes, "largest": largest}
 
 
+def in_fresh_process(module: str, function: str, *arguments: Any, timeout: float = 600) -> Any:
+    """`module.function(*arguments)` (a module of this folder) in a fresh Python process: its result, as JSON."""
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import {module}; "
+    code += f"print(json.dumps({module}.{function}(*{arguments!r})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module}.{function}{arguments!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run(
     operation: str, contender: str, directory: str, mib: int, budget_mib: int, record_memory: str
 ) -> dict[str, Any]:
     """`measure` in a fresh process."""
-    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import host_memory; "
-    arguments = f"{operation!r}, {contender!r}, {directory!r}, {mib}, {budget_mib}, {record_memory!r}"
-    code += f"print(json.dumps(host_memory.measure({arguments})))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{operation} with {contender} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_fresh_process("host_memory", "measure", operation, contender, directory, mib, budget_mib, record_memory)
 
 
 def main() -> None:

@@ -25,15 +25,14 @@ medians, in seconds and in MiB (and as a multiple of the params' bytes).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from host_memory import in_fresh_process
 
 MiB = 2**20
 EXPORTS = ("flaxstate (run dir)", "flaxstate (run dir, shards)", "flaxstate (state)", "save_file")
@@ -120,12 +119,7 @@ def measure(operation: str, contender: str, directory: str, mib: int, shard_mib:
 
 def run(operation: str, contender: str, directory: str, mib: int, shard_mib: int) -> dict[str, Any]:
     """`measure` in a fresh process."""
-    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import weights; "
-    code += f"print(json.dumps(weights.measure({operation!r}, {contender!r}, {directory!r}, {mib}, {shard_mib})))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"{operation} with {contender} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_fresh_process("weights", "measure", operation, contender, directory, mib, shard_mib, timeout=900)
 
 
 def main() -> None:
@@ -136,11 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     figures: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(dir=".") as directory:  # on this disk, not a memory-backed /tmp
-        subprocess.run(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import weights; "
-             f"weights.prepare({directory!r}, {args.mib})"],
-            check=True, timeout=900,
-        )  # fmt: skip
+        in_fresh_process("weights", "prepare", directory, args.mib, timeout=900)
         for index in range(args.rounds):
             for operation, contenders in (("export", EXPORTS), ("import", IMPORTS)):
                 shift = index % len(contenders)
