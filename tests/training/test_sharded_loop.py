@@ -293,6 +293,12 @@ def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):
     )  # the EMA, not the parameters
 
 
+def hf_name(path):
+    """A tree path's name in the LM example's HF-style export (its one rule of `lm.hf_names()`)."""
+    (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
+    return name
+
+
 def exported(directory, out):
     """The run directory's newest step exported with the LM example's HF names, as its tensors by name."""
     import safetensors.numpy
@@ -305,13 +311,11 @@ def test_a_two_process_fsdp_run_exports_as_its_checkpoint_holds_and_as_one_devic
     root, _ = runs
     sharded, one = exported(root / "fsdp", tmp_path / "fsdp"), exported(root / "one", tmp_path / "one")
     step, stored = params(root / "fsdp")
-    assert sorted(sharded) == sorted(one) == sorted(re.sub(*rule, path) for path in stored for rule in
-                                                    lm.hf_names() if re.search(rule[0], path))  # fmt: skip
+    assert sorted(sharded) == sorted(one) == sorted(hf_name(path) for path in stored)
     assert {"model.layers.0.mlp.up_proj.weight", "lm_head.weight", "model.embed_tokens.weight"} <= set(sharded)
     for path, value in stored.items():  # bit for bit what the two processes saved, the 2-D kernels (out, in)
-        (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
         expected = value.T if re.search(lm.HF_TRANSPOSE, path) else value
-        np.testing.assert_array_equal(sharded[name], expected, err_msg=path)
+        np.testing.assert_array_equal(sharded[hf_name(path)], expected, err_msg=path)
     assert sharded["lm_head.weight"].shape == (256, MODEL["embed"])  # (vocab, embed): out, in
     assert_close((step, sharded), (N, one))
 
@@ -333,8 +337,7 @@ def test_the_lm_example_fine_tunes_from_an_export_of_its_own_run_then_resumes_it
     fresh = lm.Transformer(config).init(jax.random.key(0), np.zeros((1, config.seq_len), np.int32))
     fresh = tree_paths.flatten(nn.meta.unbox(fresh))
     for path, value in first[1].items():
-        (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
-        start = export[name].T if re.search(lm.HF_TRANSPOSE, path) else export[name]
+        start = export[hf_name(path)].T if re.search(lm.HF_TRANSPOSE, path) else export[hf_name(path)]
         bound = config.learning_rate * (1 + 1e-4 * np.abs(start).max()) * 1.001
         assert np.abs(value - start).max() <= bound, path
     assert max(np.abs(fresh["params/" + path] - value).max() for path, value in first[1].items()) > 2 * bound
