@@ -412,7 +412,7 @@ class SafetensorsReader:
         """The files' tensors as `template`'s tree (its leaves' shapes and dtypes), placed with `shardings`.
 
         Args:
-            template: the params' tree: arrays or `jax.ShapeDtypeStruct`s.
+            template: the params' tree: arrays or `jax.ShapeDtypeStruct` leaves.
             shardings: a sharding for every leaf, or one tree of them;
                 `None`: numpy arrays on the host.
 
