@@ -386,9 +386,8 @@ def straight_4(tmp_path_factory):
 SHRINKING = {"n_steps": 20, "max_device_batch": 2}
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["data parallel", "fsdp"])
 def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_examples_to_the_same_parameters(
-    tmp_path, straight_4, fsdp
+    tmp_path, straight_4
 ):
     # 4 processes on fs.global_batches (8 examples a step) with max_device_batch=2: process 3 fails after the
     # record of step 10 and again at once when the 4 start again, so the launcher goes on with 2, whose devices
@@ -397,12 +396,14 @@ def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_exampl
     # the parameters equal its within float32 rounding: each step's gradient is the mean of the same 8 examples'
     # gradients, summed in another order (2 microbatches of 2 devices' means against 4 devices', and under FSDP
     # the hidden layer's sums split otherwise), so the last bits may differ (rtol 1e-5, as
-    # tests/training/test_accumulation.py allows). One data-parallel reference serves both: FSDP trains as data
-    # parallelism does, to the same rounding (tests/training/test_sharded_loop.py).
+    # tests/training/test_accumulation.py allows). The data-parallel reference serves: FSDP trains as data
+    # parallelism does, to the same rounding (tests/training/test_sharded_loop.py). Under FSDP only: a
+    # data-parallel run resumed on fewer processes is tests/test_global_batches.py's, and FSDP's restore
+    # reshards besides.
     straight, expected = straight_4
     shrunk = tmp_path / "shrunk"
     worker = {**SHRINKING, "output_dir": str(shrunk), "out": str(tmp_path / "shrunk.npz"), "resume": True}
-    worker.update(fsdp=fsdp, lost={"index": 3, "count": 4, "after": 10})
+    worker.update(fsdp=True, lost={"index": 3, "count": 4, "after": 10})
     script = f"""
         import runpy, sys
         sys.argv = ["global_data", {json.dumps(worker)!r}]
@@ -412,11 +413,11 @@ def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_exampl
     assert launched.finish(timeout=480) == 0, launched.output
     assert any("[3] lost: restart 2 of 4 goes on with 2 processes" in line for line in launched.lines), launched.output
     assert "[0] record 20 microbatches 2" in launched.lines and "[1] record 20 microbatches 2" in launched.lines
-    if fsdp:  # each device held a quarter of the hidden units, then half
-        assert {line.split("] ")[1] for line in launched.lines if "hidden kernel shard" in line} == {
-            "hidden kernel shard (4, 4)",
-            "hidden kernel shard (4, 8)",
-        }, launched.output
+    # Each device held a quarter of the hidden units, then half.
+    assert {line.split("] ")[1] for line in launched.lines if "hidden kernel shard" in line} == {
+        "hidden kernel shard (4, 4)",
+        "hidden kernel shard (4, 8)",
+    }, launched.output
     assert data_fingerprints(shrunk) == data_fingerprints(straight)  # the same examples at every step
     with np.load(tmp_path / "shrunk.npz") as got:
         assert got.keys() == expected.keys()

@@ -34,7 +34,11 @@ CONFIG = {"data": "grain", "n_steps": 40, "every": 10, "width": 100_000, "keep":
 
 @pytest.fixture(scope="module", params=["gs", "s3"])
 def bucket(request):
-    """A running emulator with a bucket `runs`, of each scheme in turn (`bucket.scheme`)."""
+    """A running emulator with a bucket `runs`, of each scheme in turn (`bucket.scheme`).
+
+    The kill -9 in a save, the errors, the best writers and the export run on both stores; each other
+    behaviour, whose store calls the ones above already make, runs on one of them, the two in turn (a test
+    that starts processes costs 10 to 25 s a store on 2 cores)."""
     with buckets.fake_gcs() if request.param == "gs" else buckets.moto_s3() as server:
         server.create_bucket("runs")
         yield server
@@ -127,6 +131,7 @@ def test_kill_9_during_a_save_then_resume_from_the_bucket_bit_for_bit(bucket, re
     assert compared.returncode == 1 and "step" in compared.stdout, compared.stdout + compared.stderr  # 10 steps apart
 
 
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)  # one store: see `bucket`
 def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(bucket, reference, tmp_path):
     url = f"{bucket.scheme}://runs/preempted"
     _, output = run(tmp_path, url, sigterm_after_save=10, data_sleep=0.02)
@@ -138,6 +143,7 @@ def test_sigterm_saves_to_the_bucket_and_the_resume_is_bit_for_bit(bucket, refer
     assert_same(final, reference)
 
 
+@pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # one store: see `bucket`
 def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(bucket, reference, tmp_path, caplog):
     url = f"{bucket.scheme}://runs/damaged"
     run(tmp_path, url, n_steps=20)
@@ -175,6 +181,7 @@ def test_a_damaged_step_in_the_bucket_is_passed_over_and_set_aside_by_copy(bucke
         assert f"{gone} is missing" in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)  # one store: see `bucket`
 def test_a_reader_beside_a_live_writer_in_the_bucket_restores_the_newest_complete_step(bucket, capsys):
     from flaxstate import cli
 
@@ -216,6 +223,7 @@ def test_bucket_errors_come_at_construction_naming_the_url_and_the_fix(bucket, t
     assert result.returncode != 0 and f"pip install 'flaxstate[{extra}]'" in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("bucket", ["gs"], indirect=True)  # one store: see `bucket`
 def test_summaries_go_to_the_bucket_and_plot_from_it(bucket, tmp_path):
     # In a process of its own, which ends while the emulator runs: tensorboardX uploads its event file
     # again when the process ends, and would wait two minutes for an emulator already stopped.
