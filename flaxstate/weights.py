@@ -64,6 +64,9 @@ _DTYPES = {
     }.items()
 }  # fmt: skip
 """The safetensors dtype names that numpy holds, as numpy dtypes."""
+_NAMES = {kind: name for name, kind in _DTYPES.items()}
+READ_BYTES = 2**28
+"""The most bytes of tensors an export reads at once (a larger tensor alone): what it holds, not a shard."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,10 @@ def export_safetensors(
 ) -> Path:
     """Writes a run's params as safetensors files, as transformers' `save_pretrained` lays them out.
 
+    The tensors are read a few at a time (from a run directory: those
+    arrays alone, `READ_BYTES` of them or one larger tensor), written and
+    dropped before the next: the export holds that, never a whole shard.
+
     Args:
         source: a run directory (local, `gs://`, `s3://`: its newest intact
             step, or `step`), a `Checkpoint` record, or a train state
@@ -123,7 +130,8 @@ def export_safetensors(
             step; `use_ema` where the state holds no EMA.
         ValueError: two paths renamed to one name, `transpose` naming an
             array that is not 2-D, `max_shard_bytes` not positive, or an
-            unknown dtype (naming the paths and shapes); nothing is written.
+            unknown dtype or one safetensors does not hold (naming the
+            paths and shapes); nothing is written.
         TypeError: a source of another kind.
 
     Example:
@@ -134,8 +142,6 @@ def export_safetensors(
         >>> safetensors.numpy.load_file(out / "model.safetensors")["Dense_0/kernel"].shape
         (3, 2)
     """
-    import safetensors.numpy  # the extra `flaxstate[safetensors]`
-
     max_shard_bytes = settings.count("export_safetensors", "max_shard_bytes", max_shard_bytes)
     stored = _stored_dtype(dtype)
     rules = _renamer(rename, "export_safetensors")
@@ -151,12 +157,7 @@ def export_safetensors(
         try:
             names = _file_names(len(shards))
             for shard, name in zip(shards, names, strict=True):
-                arrays = read([tensor.path for tensor in shard])
-                safetensors.numpy.save_file(
-                    {tensor.name: _as_stored(arrays.pop(tensor.path), tensor) for tensor in shard},
-                    str(staging / name),
-                    metadata=metadata,
-                )
+                _write_file(staging / name, shard, read, metadata)
             if len(shards) > 1:
                 index = {
                     "metadata": {"total_size": sum(tensor.bytes for tensor in tensors)},
@@ -292,6 +293,7 @@ def _tensors(
     """
     tensors: list[_Tensor] = []
     not_2d: list[str] = []
+    unstorable: list[str] = []
     for name, path in tree_paths.rename({path: path for path in shapes}, rename).items():
         shape, stored = shapes[path]
         flip = transposed is not None and bool(transposed.search(path))
@@ -299,6 +301,13 @@ def _tensors(
             not_2d.append(f"{path} {list(shape)}")
         shape = tuple(shape[::-1]) if flip and len(shape) == 2 else tuple(shape)
         tensors.append(_Tensor(path, name, shape, dtype if dtype is not None else stored, flip))
+        if np.dtype(tensors[-1].dtype) not in _NAMES:
+            unstorable.append(f"{path} {tensors[-1].dtype}")
+    if unstorable:
+        raise ValueError(
+            f"export_safetensors: safetensors has no dtype for {', '.join(unstorable)}; give dtype= one it holds "
+            f"({', '.join(str(kind) for kind in _NAMES)})."
+        )
     if not_2d:
         raise ValueError(
             f"export_safetensors transpose matches arrays that are not 2-D: {', '.join(not_2d)}; narrow its regex "
@@ -318,6 +327,36 @@ def _shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]
         shards[-1].append(tensor)
         size += tensor.bytes
     return shards
+
+
+def _write_file(
+    path: Path, tensors: list[_Tensor], read: Callable[[list[str]], dict], metadata: dict[str, str]
+) -> None:
+    """One safetensors file, a few tensors at a time: the header (each tensor's dtype, shape and byte offsets)
+    first, then the tensors' bytes as they are read, `READ_BYTES` of them or one larger tensor, then dropped.
+
+    The format (`safetensors.numpy.save_file` takes every array at once): an 8-byte little-endian header length,
+    the header (JSON, padded with spaces to 8 bytes), then the tensors' bytes, row-major, in the header's order.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {
+            "dtype": _NAMES[np.dtype(tensor.dtype)],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.bytes],
+        }
+        offset += tensor.bytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        for group in _shards(tensors, READ_BYTES):  # one read of several small tensors: one restore call
+            arrays = read([tensor.path for tensor in group])
+            for tensor in group:
+                value = _as_stored(arrays.pop(tensor.path), tensor)
+                file.write(value.reshape(-1).view(np.uint8).data)
+                del value
 
 
 def _file_names(n_shards: int) -> list[str]:
@@ -472,12 +511,22 @@ class SafetensorsReader:
                 leaf_shardings = dict.fromkeys(flat, shardings)
             elif shardings is not None:
                 leaf_shardings = tree_paths.flatten(jax.tree.map(lambda _, sharding: sharding, template, shardings))
-            placed = {}
-            for path, leaf in flat.items():
-                handle, name, shape, _ = stored[path]
-                sharding = leaf_shardings.get(path)
-                flip = self._flips(path, shape)
-                placed[path] = self._read(handle, name, flip, tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
+        # Each part then opens its file anew: a local file's mapped pages, which count in the process's resident
+        # memory while it is open, are let go after each part (held open, the whole file's would add up).
+        opening = {
+            handle: (lambda file=file: contextlib.nullcontext(handles[file]))
+            if locations.is_url(file)
+            else (lambda file=file: safe_open(str(file), "numpy"))
+            for file, handle in handles.items()
+        }
+        placed = {}
+        for path, leaf in flat.items():
+            handle, name, shape, _ = stored[path]
+            sharding = leaf_shardings.get(path)
+            flip = self._flips(path, shape)
+            placed[path] = self._read(
+                opening[handle], name, flip, tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding
+            )
         return jax.tree.unflatten(jax.tree.structure(template), [placed[path] for path in flat])
 
     def _flips(self, path: str, shape: tuple[int, ...]) -> bool:
@@ -486,16 +535,25 @@ class SafetensorsReader:
     def _flipped(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape[::-1] if self._flips(path, shape) else shape
 
-    def _read(self, handle: Any, name: str, flip: bool, shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+    def _read(
+        self,
+        opening: Callable[[], Any],
+        name: str,
+        flip: bool,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        sharding: Any,
+    ) -> Any:
         """One tensor as the params hold it: each device's part read alone (its byte range), or whole on the host."""
 
         def part(index: tuple[slice, ...] | None = None) -> np.ndarray:
-            if not shape:
-                value = np.asarray(handle.get_tensor(name))
-            else:
-                index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
-                value = handle.get_slice(name)[index[::-1] if flip else index]
-                value = value.T if flip else value
+            with opening() as handle:
+                if not shape:
+                    value = np.asarray(handle.get_tensor(name))
+                else:
+                    index = tuple(index or ()) + (slice(None),) * (len(shape) - len(index or ()))
+                    value = handle.get_slice(name)[index[::-1] if flip else index]
+                    value = value.T if flip else value
             self.bytes_read += np.asarray(value).nbytes
             return np.ascontiguousarray(np.asarray(value).astype(dtype, copy=False))
 

@@ -15,7 +15,7 @@ from flaxstate_testing.command_line import run_here
 from safetensors import safe_open
 
 import flaxstate as fs
-from flaxstate import tree_paths
+from flaxstate import tree_paths, weights
 from flaxstate.checkpoint.stores import orbax_manager
 
 
@@ -68,10 +68,11 @@ def test_a_run_s_params_export_bit_for_bit_and_nothing_of_the_optimizer_is_read(
     original = orbax_manager.CheckpointStore.read_paths
 
     def spy(self, step, paths):
-        read.extend(paths)
+        read.append(paths)
         return original(self, step, paths)
 
     monkeypatch.setattr(orbax_manager.CheckpointStore, "read_paths", spy)
+    monkeypatch.setattr(weights, "READ_BYTES", 1)  # every tensor read, written and dropped alone
     out = fs.export_safetensors(tmp_path / "run", tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     loaded = safetensors.numpy.load_file(out / "model.safetensors")
@@ -79,7 +80,8 @@ def test_a_run_s_params_export_bit_for_bit_and_nothing_of_the_optimizer_is_read(
     for name, value in expected.items():
         assert loaded[name].dtype == value.dtype
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
-    assert read and all(path.startswith("target/") for path in read)  # never state/... nor flax_mutables/...
+    assert read and all(path.startswith("target/") for paths in read for path in paths)  # never state/...
+    assert sorted(paths for paths in read) == sorted([f"target/{name}"] for name in expected)
     with safe_open(out / "model.safetensors", framework="numpy") as f:
         metadata = f.metadata()
     assert metadata["format"] == "pt" and metadata["flaxstate_step"] == "6"
@@ -159,6 +161,8 @@ def test_bad_input_is_named_before_a_byte_is_written_and_an_earlier_export_stays
         fs.export_safetensors(tmp_path / "run", out, rename={"up": "down"})
     with pytest.raises(ValueError, match="'int7' is not a dtype"):
         fs.export_safetensors(tmp_path / "run", out, dtype="int7")
+    with pytest.raises(ValueError, match=r"safetensors has no dtype for down/bias complex64, down/kernel complex64"):
+        fs.export_safetensors(tmp_path / "run", out, dtype="complex64")
     with pytest.raises(ValueError, match="max_shard_bytes must be a positive int, got 0"):
         fs.export_safetensors(tmp_path / "run", out, max_shard_bytes=0)
     with pytest.raises(fs.CheckpointError, match="no checkpoint at step 5; it has steps \\[3, 6\\]"):
