@@ -7,7 +7,7 @@ process (a subprocess of this script), its peak resident set reset just
 before the operation, so a figure is what the operation added at its peak:
 
 - export: `fs.export_safetensors(run_dir, out)` (reads the params from the
-  checkpoint, a shard at a time), the same with `max_shard_bytes` of
+  checkpoint, `READ_BYTES` of tensors at a time), the same with `max_shard_bytes` of
   `--shard-mib`, `fs.export_safetensors(state, out)` of the params in host
   memory, against `safetensors.numpy.save_file` of those arrays (read from
   the checkpoint before the clock starts, as a user who holds them would);
