@@ -55,14 +55,12 @@ _EXPORTED = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetens
 
 Rename = Sequence[tuple[str, str]] | None
 
-_DTYPES = {
-    name: np.dtype(kind)
-    for name, kind in {
-        "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jax.numpy.bfloat16,
-        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-        "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-    }.items()
+_KINDS: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jax.numpy.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }  # fmt: skip
+_DTYPES = {name: np.dtype(kind) for name, kind in _KINDS.items()}
 """The safetensors dtype names that numpy holds, as numpy dtypes."""
 _NAMES = {kind: name for name, kind in _DTYPES.items()}
 READ_BYTES = 2**28
