@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from flaxstate_testing.processes import TEST_XLA_FLAGS
 
 # The tests run on the CPU. With libtpu installed (the test extra's jax[tpu], for fs.plan's TPU targets) JAX
 # would also try to start a TPU on this machine and print libtpu's complaints; TPU plans need no TPU backend.
@@ -29,12 +28,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _COMPILATION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxstate-tests-jax-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-
-# XLA's CPU backend compiles with LLVM at -O0: the tests' models are small, so their compilation, not their running,
-# is what a test waits for (the LM test model's init and step: 6.2 s -> 4.0 s of a fresh process, a 64 MiB
-# elementwise reduction ran as fast). Every process of the suite takes the same flag (`processes.worker_env`), so
-# the bits that its tests compare across processes and programs are compiled alike.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [TEST_XLA_FLAGS, os.environ.get("XLA_FLAGS")]))
 
 ROOT = Path(__file__).parents[1]
 

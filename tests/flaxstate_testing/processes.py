@@ -29,19 +29,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-"""XLA's flags of every process of the suite: XLA's CPU backend compiles with LLVM at -O0 (tests/conftest.py says
-why)."""
-
-
 def worker_env(n_devices: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # the suite's own (tests/conftest.py), not the test process's
+    env.pop("XLA_FLAGS", None)
     if n_devices > 1:
-        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={n_devices}"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
     return env
 
 
