@@ -354,7 +354,6 @@ def _write_file(
             for tensor in group:
                 value = _as_stored(arrays.pop(tensor.path), tensor)
                 file.write(value.reshape(-1).view(np.uint8).data)
-                del value
 
 
 def _file_names(n_shards: int) -> list[str]:
@@ -470,15 +469,15 @@ class SafetensorsReader:
                 file: _InBucket(file) if locations.is_url(file) else opened.enter_context(safe_open(str(file), "numpy"))
                 for file in self._files
             }
-            stored = {}  # tree path -> (file handle, name, shape in the file, dtype in the file)
+            stored = {}  # tree path -> (file, name, shape in the file, dtype in the file)
             unexpected = []
-            for handle in handles.values():
+            for file, handle in handles.items():
                 for path, name in tree_paths.rename({name: name for name in handle.keys()}, self._rename).items():
                     if path not in flat:
                         unexpected.append(f"{name} (as {path})" if path != name else name)
                         continue
                     piece = handle.get_slice(name)
-                    stored[path] = (handle, name, tuple(piece.get_shape()), piece.get_dtype())
+                    stored[path] = (file, name, tuple(piece.get_shape()), piece.get_dtype())
             missing = [f"{path} {list(np.shape(leaf))}" for path, leaf in flat.items() if path not in stored]
             differ = []
             for path, (_, name, shape, _) in stored.items():
@@ -512,19 +511,17 @@ class SafetensorsReader:
         # Each part then opens its file anew: a local file's mapped pages, which count in the process's resident
         # memory while it is open, are let go after each part (held open, the whole file's would add up).
         opening = {
-            handle: (lambda file=file: contextlib.nullcontext(handles[file]))
+            file: (lambda handle=handle: contextlib.nullcontext(handle))
             if locations.is_url(file)
             else (lambda file=file: safe_open(str(file), "numpy"))
             for file, handle in handles.items()
         }
         placed = {}
         for path, leaf in flat.items():
-            handle, name, shape, _ = stored[path]
+            file, name, shape, _ = stored[path]
             sharding = leaf_shardings.get(path)
             flip = self._flips(path, shape)
-            placed[path] = self._read(
-                opening[handle], name, flip, tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding
-            )
+            placed[path] = self._read(opening[file], name, flip, tuple(np.shape(leaf)), np.dtype(leaf.dtype), sharding)
         return jax.tree.unflatten(jax.tree.structure(template), [placed[path] for path in flat])
 
     def _flips(self, path: str, shape: tuple[int, ...]) -> bool:
