@@ -36,6 +36,7 @@ from flaxstate.tracing import TraceWriter
 from flaxstate.train_state import FlaxOptimTrainState, InferenceState, StateMismatchError, TrainState
 from flaxstate.training import CheckpointSource, EvalLoop, EvalTask, Rollback, TrainLoop, TrainTask
 from flaxstate.weights import SafetensorsReader, export_safetensors
+from flaxstate.xla_settings import XlaPreset, use_xla_preset
 
 __all__ = [
     "AutoInterval",
@@ -80,6 +81,7 @@ __all__ = [
     "TrainLoop",
     "TrainState",
     "TrainTask",
+    "XlaPreset",
     "global_batches",
     "logical_shardings",
     "nnx_functions",
@@ -89,6 +91,7 @@ __all__ = [
     "plan",
     "plot",
     "sharded_like",
+    "use_xla_preset",
 ]
 
 __version__ = "0.1.0"

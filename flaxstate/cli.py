@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         "~/.cache/flaxstate/compilation; 'none': none; a JAX_COMPILATION_CACHE_DIR of your own wins)",
     )
     starter.add_argument(
+        "--xla-preset",
+        default="auto",
+        help="XLA's flags for the GPU generation: hopper, blackwell, ampere, none, or auto (this machine's GPU's; "
+        "none without a GPU; your own XLA_FLAGS win flag by flag)",
+    )
+    starter.add_argument(
         "program", metavar="command", nargs=argparse.REMAINDER, help="-- then the command of each process"
     )
     starter.set_defaults(run=command_launch)
@@ -300,6 +306,7 @@ def command_launch(args: argparse.Namespace) -> int:
             args.grace,
             min_processes=args.min_processes,
             compilation_cache=cache,
+            xla_preset=args.xla_preset,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -44,7 +44,19 @@ DIR`, default `~/.cache/flaxstate/compilation`; `--compilation-cache none`
 for none), one folder a process count, so that a smaller job never takes a
 larger job's programs. A `JAX_COMPILATION_CACHE_DIR` of your own wins. JAX
 caches only programs that took `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`
-(1 s by default) to compile: the ones a restart waits for.
+(1 s by default) to compile: the ones a restart waits for. On a GPU (or with
+a GPU preset) the same folder keeps XLA's autotune results, a file a process
+(`autotune/process-<i>.textproto`): each process dumps its results there
+(`--xla_gpu_dump_autotune_results_to`) and a restarted one loads them
+(`--xla_gpu_load_autotune_results_from`), so that a program compiled again
+picks the kernels it picked before: autotuning is not deterministic, and
+resume bit for bit rests on the same kernels. Each record's session says
+whether its programs came from the cache (`Session.programs`).
+
+`--xla-preset NAME|auto|none` (`xla_preset`, `auto` by default) applies one
+of `flaxstate.xla_settings.PRESETS` to every process: XLA's flags and
+variables for this machine's GPU generation (none without a GPU), the user's
+own `XLA_FLAGS` and variables winning flag by flag.
 
 Signals to the launcher: SIGTERM (a preemption of the whole job) is
 forwarded to every process of the round running or starting, which save and
@@ -73,7 +85,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from flaxstate import private_apis, settings
+from flaxstate import private_apis, settings, xla_settings
 
 COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
 PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
@@ -143,6 +155,15 @@ def local_gpus() -> int:
     return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
 
 
+def autotune_flags(cache: str, index: int) -> tuple[str, ...]:
+    """XLA's flags that keep process `index`'s autotune results in the compilation cache folder `cache`: its dump,
+    and its load where an earlier round dumped them."""
+    results = os.path.join(cache, "autotune", f"process-{index}.textproto")
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    dump = f"--xla_gpu_dump_autotune_results_to={results}"
+    return (dump, f"--xla_gpu_load_autotune_results_from={results}") if os.path.exists(results) else (dump,)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -199,6 +220,8 @@ class LaunchConfig:
             processes are lost (`None`: `n_processes`, never fewer).
         compilation_cache: the folder of the processes' JAX compilation
             caches, one a process count (`None`: none).
+        xla_preset: the XLA preset of the processes (`flaxstate.xla_settings`: a
+            name, `"auto"` or `"none"`).
     """
 
     command: tuple[str, ...]
@@ -207,10 +230,15 @@ class LaunchConfig:
     grace: float = 30.0
     min_processes: int | None = None
     compilation_cache: str | None = dataclasses.field(default_factory=default_compilation_cache)
+    xla_preset: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("flaxstate launch needs a command: flaxstate launch --processes N -- python train.py")
+        if self.xla_preset != "auto" and self.xla_preset not in xla_settings.PRESETS:
+            raise ValueError(
+                f"--xla-preset must be one of {', '.join(['auto', *xla_settings.PRESETS])}, got {self.xla_preset!r}."
+            )
         if not settings.is_integer(self.n_processes) or self.n_processes < 1:
             raise ValueError(f"--processes must be at least 1, got {self.n_processes!r}.")
         if not settings.is_integer(self.max_restarts) or self.max_restarts < 0:
@@ -252,6 +280,8 @@ class Launcher:
         """When the preemption notice came (monotonic), for the grace after it."""
         self._interrupts = 0
         self._gpus = local_gpus()
+        self._preset = xla_settings.preset(config.xla_preset).name
+        """The processes' XLA preset (`auto` chosen once, for every round)."""
         self.n_running = config.n_processes
         """The processes of a round: `--processes`, fewer after processes were lost (`--min-processes`)."""
         self._failed_in_a_row: tuple[int, int] = (-1, 0)
@@ -391,8 +421,15 @@ class Launcher:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if self.config.compilation_cache is not None and not os.environ.get(CACHE):  # the user's own wins
-            env[CACHE] = os.path.join(self.config.compilation_cache, f"processes-{self.n_running}")
+        cache = None
+        if self.config.compilation_cache is not None:
+            cache = os.path.join(self.config.compilation_cache, f"processes-{self.n_running}")
+            if not os.environ.get(CACHE):  # the user's own wins
+                env[CACHE] = cache
+        preset = self._preset
+        env.update(xla_settings.environment(preset, env))
+        if cache is not None and (self._gpus or preset != "none"):
+            env["XLA_FLAGS"] = xla_settings.compose(autotune_flags(cache, index), env.get("XLA_FLAGS", ""))
         if self._gpus:
             env[LOCAL_PROCESS_ID] = str(index % self._gpus)
         else:
@@ -501,6 +538,7 @@ def launch(
     out: IO[str] | None = None,
     min_processes: int | None = None,
     compilation_cache: str | None = "",
+    xla_preset: str = "auto",
 ) -> int:
     """Runs `command` in `n_processes` processes, restarting all after a failure (see the module).
 
@@ -514,16 +552,18 @@ def launch(
             after processes are lost (see the module); `None`: never fewer.
         compilation_cache: the folder of the processes' compilation caches
             (`""`: `default_compilation_cache()`; `None`: none).
+        xla_preset: the processes' XLA preset (`flaxstate.xla_settings`): a name, `"auto"` (this machine's
+            GPU's; none without a GPU) or `"none"`.
 
     Returns:
         0 when every process exited 0 (or saved and exited at a SIGTERM);
         else the failing process's status (128 + a signal's number).
 
     Raises:
-        ValueError: no command, or a count, restarts, grace or least count out of range.
+        ValueError: no command, a count, restarts, grace or least count out of range, or an unknown preset.
     """
     if n_processes is None:
         n_processes = max(1, local_gpus())
     cache = default_compilation_cache() if compilation_cache == "" else compilation_cache
-    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace, min_processes, cache)
+    config = LaunchConfig(tuple(command), n_processes, max_restarts, grace, min_processes, cache, xla_preset)
     return Launcher(config, out).run()

@@ -21,6 +21,8 @@ PRIVATE_APIS = {
     "jax._src.lib._profiler.TraceMe.is_enabled": "whether a profiler trace is taken (the step annotations)",
     "jax._src.clusters.ClusterEnv": "a cluster environment for jax.distributed.initialize() (flaxstate launch)",
     "jax._src.lib.xla_client.make_cpu_client": "N host devices to compile a plan for (fs.plan(target='cpu:N'))",
+    "jax._src.xla_bridge.backends_are_initialized": "whether XLA read its flags already (fs.use_xla_preset)",
+    "jax.config.values": "JAX's options by name, kept with a checkpoint's environment (xla_settings.in_force)",
     "etils.epath.Path._backend.fs": "the fsspec filesystem that etils.epath (and orbax) read a bucket with",
     "orbax.checkpoint._src.serialization.jax_array_handlers._async_serialize_shardings": (
         "the sharding file of device arrays that a budget saves chunk by chunk (what orbax's ArrayHandler writes)"
@@ -110,3 +112,25 @@ def orbax_sharding_file_writer() -> Callable[..., Any] | None:
     except (ImportError, AttributeError):
         return None
     return write
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has started its backends (`xla_bridge.backends_are_initialized`): XLA has read `XLA_FLAGS`.
+
+    Where JAX has no such function, whether `jax.devices()` was called is not known: `False`.
+    """
+    try:
+        from jax._src import xla_bridge
+
+        initialized: Callable[[], bool] = xla_bridge.backends_are_initialized
+    except (ImportError, AttributeError):
+        return False
+    return bool(initialized())
+
+
+def jax_config_values() -> dict[str, Any]:
+    """JAX's options by name (`jax.config.values`); `{}` where JAX keeps them otherwise."""
+    import jax
+
+    values = getattr(jax.config, "values", None)
+    return dict(values) if isinstance(values, dict) else {}

@@ -140,6 +140,10 @@ class Session:
         n_microbatches: the microbatches a step of this session (`TrainLoop(max_device_batch=...)` sets
             them from the devices' batch on every start).
         max_device_batch: the examples a device may take at once, where given (`None`: not given).
+        programs: where the programs that the loop compiled at its start came from: `"cache"` (every one
+            from JAX's persistent compilation cache, e.g. a restart under `flaxstate launch`), `"compiled"`
+            (one at least compiled in this process: no cache, or not in it; on a GPU, autotuned anew);
+            `None` until the first record.
     """
 
     started: float
@@ -153,6 +157,7 @@ class Session:
     restored_fingerprint: str | None = None
     n_microbatches: int = 1
     max_device_batch: int | None = None
+    programs: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

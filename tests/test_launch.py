@@ -25,7 +25,7 @@ from flaxstate.run_record import goodput, ledger
 class Launched(processes.Watched):
     """`flaxstate launch ARGS -- python SCRIPT` in a subprocess, its output read line by line as it comes."""
 
-    def __init__(self, tmp_path, script: str, *args: str, n_processes: int = 2) -> None:
+    def __init__(self, tmp_path, script: str, *args: str, n_processes: int = 2, env: dict | None = None) -> None:
         path = tmp_path / "script.py"
         path.write_text(textwrap.dedent(script))
         cache = [] if "--compilation-cache" in args else ["--compilation-cache", str(tmp_path / "compilation")]
@@ -36,7 +36,7 @@ class Launched(processes.Watched):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                env=processes.worker_env(),
+                env={**processes.worker_env(), **(env or {})},
                 cwd=tmp_path,
                 start_new_session=True,
             )
@@ -464,9 +464,51 @@ def test_a_restarted_process_loads_its_programs_from_the_launcher_s_compilation_
     assert launched.finish() == 0 and launched.lines == ["[0] process 0 restarts 0 cache mine hit False"]
 
 
+PRESET = """
+    import json, os, pathlib, sys
+    flags = os.environ.get("XLA_FLAGS", "")
+    preset, restarts = os.environ["FLAXSTATE_XLA_PRESET"], os.environ["FLAXSTATE_RESTARTS"]
+    print(json.dumps({"preset": preset, "restarts": restarts, "flags": flags.split(),
+                      "connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}))
+    dump = [flag.split("=", 1)[1] for flag in flags.split() if flag.startswith("--xla_gpu_dump_autotune_results_to=")]
+    if restarts == "0" and dump:  # XLA writes it on a GPU after autotuning: here, the script does
+        pathlib.Path(dump[0]).write_text("version: 3")
+        sys.exit(3)
+"""
+
+
+def test_a_preset_s_flags_reach_every_process_with_the_user_s_winning_and_a_restart_loads_the_autotune_results(
+    tmp_path,
+):
+    user = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    launched = Launched(tmp_path, PRESET, "--xla-preset", "hopper", "--max-restarts", "1", "--grace", "1", env=user)
+    assert launched.finish() == 0, launched.output
+    seen = [json.loads(line.split("] ", 1)[1]) for line in launched.lines if line.startswith("[")]
+    assert len(seen) == 4 and {each["preset"] for each in seen} == {"hopper"}, launched.output
+    for each in seen:
+        flags = dict(flag.split("=", 1) for flag in each["flags"])
+        assert flags["--xla_gpu_enable_triton_gemm"] == "true"  # the user's own, kept
+        assert flags["--xla_gpu_enable_latency_hiding_scheduler"] == "true" and each["connections"] == "1"
+        index = [i for i in range(2) if flags["--xla_gpu_dump_autotune_results_to"].endswith(f"process-{i}.textproto")]
+        results = str(tmp_path / "compilation" / "processes-2" / "autotune" / f"process-{index[0]}.textproto")
+        assert flags["--xla_gpu_dump_autotune_results_to"] == results
+        # The first round finds no results; the restarted one loads those its first round left.
+        assert flags.get("--xla_gpu_load_autotune_results_from") == (results if each["restarts"] == "1" else None)
+    # `auto` on this machine (no GPU): no preset, no flag added, no autotune file.
+    launched = Launched(tmp_path, PRESET, n_processes=1)
+    assert launched.finish() == 0, launched.output
+    assert json.loads(launched.lines[0].split("] ", 1)[1]) == {
+        "preset": "none",
+        "restarts": "0",
+        "flags": [],
+        "connections": None,
+    }, launched.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--xla-preset", "volta", "--", "true"], "--xla-preset must be one of auto, hopper, blackwell, ampere, none"),
         (["--processes", "2", "--min-processes", "3", "--", "true"], "--min-processes must be between 1 and"),
         (["--processes", "0", "--", "true"], "--processes must be at least 1, got 0"),
         (["--processes", "2"], "flaxstate launch needs a command"),
@@ -600,6 +642,8 @@ def test_chaos_kill_stop_and_kill_in_a_save_the_run_finishes_bit_for_bit(tmp_pat
     assert len(sessions) == 4, sessions
     assert [session["restored_step"] is None for session in sessions] == [True, False, False, False]
     assert all(session["lost_steps"] <= LOCAL_EVERY for session in sessions[:3]), sessions
+    # Each restarted round loaded its programs from the launcher's compilation cache (the ledger's sessions say so).
+    assert [session["programs"] for session in sessions[1:]] == ["cache"] * 3, sessions
     # The rollback happened once, in the first session, and every later session restored it with the data's position
     # from either tier: none rolled back again (the bad batch stays skipped).
     events = ledger.run_events(tmp_path / "chaos" / "persistent")

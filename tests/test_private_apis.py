@@ -3,6 +3,9 @@
 A dependency that moves one fails here by name, not as a silent fallback in a user's run.
 """
 
+import subprocess
+import sys
+
 import fsspec
 import jax
 import pytest
@@ -16,6 +19,8 @@ def test_each_private_name_is_listed_with_what_it_is_for():
         "jax._src.lib._profiler.TraceMe.is_enabled",
         "jax._src.clusters.ClusterEnv",
         "jax._src.lib.xla_client.make_cpu_client",
+        "jax._src.xla_bridge.backends_are_initialized",
+        "jax.config.values",
         "etils.epath.Path._backend.fs",
         "orbax.checkpoint._src.serialization.jax_array_handlers._async_serialize_shardings",
     }
@@ -41,6 +46,16 @@ def test_the_launcher_s_cluster_is_one_of_jax_s_cluster_environments(monkeypatch
     assert launched[0].is_env_present()
     assert launched[0].get_coordinator_address(None, None) == "127.0.0.1:1234"
     assert (launched[0].get_process_count(), launched[0].get_process_id()) == (2, 1)
+
+
+def test_jax_says_its_backend_is_up_and_lists_its_options_by_name():
+    jax.devices()
+    assert private_apis.backends_initialized() is True
+    fresh = "from flaxstate import private_apis; print(private_apis.backends_initialized())"
+    done = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]  # imported, nothing run on a device
+    values = private_apis.jax_config_values()
+    assert values["jax_enable_x64"] is jax.config.jax_enable_x64 and "jax_default_matmul_precision" in values
 
 
 def test_a_cpu_client_of_its_own_gives_the_host_devices_asked_for():

@@ -23,8 +23,10 @@ with them off; `not_compared` says how many), or `"nothing replayed"` (the
 resume started at the newest step reached, or the records fall at other
 steps). A state fingerprint is what verifies a step: equal batches alone do
 not (another learning rate trains other bits on them). The audit reports; it
-never stops a run. The writer of the run directory logs each resume's
-verdict in one line and keeps it in the ledger (`audit` events);
+never stops a run. A resumed session whose programs were compiled anew (not
+loaded from the compilation cache that `flaxstate launch` keeps: on a GPU,
+autotuned anew, which may pick other kernels) says so after its verdict.
+The writer of the run directory logs each resume's verdict in one line and keeps it in the ledger (`audit` events);
 `flaxstate audit RUN` prints every resume's verdict from the records.
 """
 
@@ -41,6 +43,8 @@ DATA_DIFFERS = "data differs"
 STATE_DIFFERS = "state differs"
 NOTHING_REPLAYED = "nothing replayed"
 UNVERIFIED = "unverified"
+COMPILED = "compiled"
+"""`Resume.programs` of a session that compiled its programs anew (`flaxstate.training.compiling.COMPILED`)."""
 VERDICTS = (BIT_EXACT, DATA_DIFFERS, STATE_DIFFERS, NOTHING_REPLAYED, UNVERIFIED)
 
 _WHY = {
@@ -65,6 +69,8 @@ class Resume:
         compared: how many replayed records' states were compared.
         not_compared: how many replayed records had no state fingerprint to compare with (theirs or the
             earlier session's): a replay with any is `"unverified"`, never `"bit-exact"`.
+        programs: where the resumed session's programs came from (`Session.programs`: `"cache"` or
+            `"compiled"`; `None`: unknown, a ledger of an earlier flaxstate).
     """
 
     session: int
@@ -77,6 +83,7 @@ class Resume:
     data_compared: bool = True
     compared: int = 0
     not_compared: int = 0
+    programs: str | None = None
 
     @property
     def differs(self) -> bool:
@@ -90,7 +97,13 @@ class Resume:
 
     def line(self) -> str:
         """The verdict in one line: `resume audit: steps 41-57 replayed bit for bit`, or names the first
-        different step, the session it differs from and why."""
+        different step, the session it differs from and why; and where the resume compiled its programs anew,
+        says so (`; its programs were compiled anew, not loaded from the compilation cache`)."""
+        if self.programs == COMPILED and self.verdict != NOTHING_REPLAYED:
+            return f"{self._verdict_line()}; its programs were compiled anew, not loaded from the compilation cache"
+        return self._verdict_line()
+
+    def _verdict_line(self) -> str:
         if self.verdict == BIT_EXACT and self.replayed is not None:
             first, last = self.replayed
             return f"resume audit: steps {first}-{last} replayed bit for bit"
@@ -122,6 +135,7 @@ class Resume:
             "against": self.against,
             "compared": self.compared,
             "not_compared": self.not_compared,
+            "programs": self.programs,
         }
 
 
@@ -145,6 +159,11 @@ def verdict(earlier: Sequence[SessionEvents], session: SessionEvents, number: in
     Returns:
         `None` for a session that started fresh.
     """
+    resume = _compare(earlier, session, number)
+    return None if resume is None else dataclasses.replace(resume, programs=session.start.get("programs"))
+
+
+def _compare(earlier: Sequence[SessionEvents], session: SessionEvents, number: int) -> Resume | None:
     restored = session.start.get("restored_step")
     if restored is None:
         return None

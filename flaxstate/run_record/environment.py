@@ -2,7 +2,8 @@
 
 Which flaxstate, jax, jaxlib, flax, optax and orbax-checkpoint; which Python;
 which backend, devices and processes; which mesh; which command; which git
-commit of the working directory (where there is one). The writers store it
+commit of the working directory (where there is one); which XLA preset, XLA
+flags and JAX options were in force (`flaxstate.xla_settings.in_force`). The writers store it
 as JSON in each checkpoint's `meta` (beside the user's `metadata`),
 `flaxstate show` prints it, `flaxstate diff` compares it, and a resumed run's
 writer logs each entry that changed.
@@ -21,7 +22,7 @@ from typing import Any
 
 import jax
 
-from flaxstate import tree_paths
+from flaxstate import tree_paths, xla_settings
 from flaxstate.records import Session
 
 PACKAGES = ("flaxstate", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
@@ -69,6 +70,7 @@ def describe(session: Session | None = None) -> dict[str, Any]:
         "microbatches": session.n_microbatches if session is not None else None,
         "command": [sys.executable, *sys.argv],
         "commit": git_commit(),
+        "xla": xla_settings.in_force(),
     }
 
 

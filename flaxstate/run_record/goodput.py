@@ -199,6 +199,7 @@ def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -
         "devices": session.start.get("devices"),
         "device_kind": session.start.get("device_kind"),
         "microbatches": session.start.get("microbatches"),
+        "programs": session.start.get("programs"),
         "audit": _audit(session),
         "failed": not session.ended and resumed_at is not None,
         "lost_per_failure": lost_seconds if not session.ended and resumed_at is not None else None,

@@ -189,6 +189,7 @@ class Ledger:
                 "device_kind": session.device_kind,
                 "microbatches": session.n_microbatches,
                 "max_device_batch": session.max_device_batch,
+                "programs": session.programs,
             }
             if session.restored_step is not None:
                 self._begin_audit(started)

@@ -171,6 +171,8 @@ class Recorder:
             loss_window: a spike watch's last losses, kept in the data position for a resume.
         """
         self.last_loss = self.last_loss if trained.loss is None else trained.loss
+        if trained.programs is not None:  # the first segment's, which compiled the loop's programs
+            self.session = dataclasses.replace(self.session, programs=trained.programs)
         position = multihost.gather_position(self.data.position(), self.batch_size)
         if rollbacks:
             position["rollbacks"] = [dict(entry) for entry in rollbacks]

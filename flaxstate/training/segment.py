@@ -85,6 +85,8 @@ class Trained:
         waits: seconds of `elapsed` the devices waited for the host, and for the data.
         bad: with a `Rollback`, the first bad step that every process agreed on (the segment's state is then
             to be rolled back, `SegmentRunner.roll_back`); `None`: none.
+        programs: where the programs that the loop's first segment compiled ahead came from
+            (`compiling.FROM_CACHE` or `compiling.COMPILED`); `None` for every later segment.
     """
 
     grads: PyTree
@@ -95,6 +97,7 @@ class Trained:
     compile: float
     waits: WaitTimes
     bad: nonfinite.BadStep | None = None
+    programs: str | None = None
 
 
 class SegmentRunner:
@@ -206,13 +209,16 @@ class SegmentRunner:
         compiled_before = compiling.seconds()
         overlapped = 0.0
         """The compile seconds that ran at once (`compile_ahead`) beyond the wall-clock time they took."""
+        programs = None
         try:
             if not self._flops_counted:  # compiles the first segment's programs ahead of its dispatches, at once
                 self._watchdog.enter(Phase.COMPILING_ONE_STEP)
+                cached = compiling.cached()
                 self._program.flops_per_step(self._global_batch, self.rng_data)
                 began, counted = time.perf_counter(), compiling.seconds()
                 self._program.compile_ahead(self._global_batch, self.rng_data, list(sizes))
                 overlapped = max(0.0, compiling.seconds() - counted - (time.perf_counter() - began))
+                programs = compiling.origin(cached, compiling.cached(), compiling.seconds() - compiled_before)
                 self._flops_counted = True
             self._clock.resume(time.perf_counter())  # after the compilation, which is not idle time
             grads, fingerprint = self._dispatch_until(sizes, total, segment)
@@ -230,7 +236,7 @@ class SegmentRunner:
             self._nonfinite_run, self._history = segment.watch.run, segment.watch.history
         n_steps = self.step - segment.start_step
         compiled = min(segment.compile, segment.elapsed)
-        return Trained(grads, fingerprint, loss, n_steps, segment.elapsed, compiled, segment.waits, bad)
+        return Trained(grads, fingerprint, loss, n_steps, segment.elapsed, compiled, segment.waits, bad, programs)
 
     def loss_window(self) -> list[float | None] | None:
         """With a spike factor, the losses of the last `window` steps (`None` where unknown), for the data position;

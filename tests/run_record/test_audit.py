@@ -51,10 +51,28 @@ def test_a_replay_of_the_same_bits_is_bit_exact_and_a_resume_from_the_newest_ste
         "against": None,
         "compared": 2,
         "not_compared": 0,
+        "programs": None,
     }
     assert first.line() == "resume audit: steps 11-20 replayed bit for bit" and not first.differs
     assert second.verdict == "nothing replayed" and second.replayed is None
     assert audit.resumes(FIRST) == []  # never resumed
+
+
+def test_a_resume_that_compiled_its_programs_anew_says_so_after_its_verdict():
+    def resumed(programs):
+        start = {**session(2, 10, "s10"), "programs": programs}
+        return audit.resumes([*FIRST, start, record(15, "s15", "d15"), record(20, "s21", "d20")])[0]
+
+    compiled, cached = resumed("compiled"), resumed("cache")
+    assert compiled.line() == (
+        "resume audit: step 20 differs from session 1: the batches are the same and the state differs "
+        "(a changed program, settings or nondeterminism); its programs were compiled anew, not loaded from the "
+        "compilation cache"
+    )
+    assert compiled.to_json()["programs"] == "compiled" and compiled.verdict == cached.verdict == "state differs"
+    assert "compiled anew" not in cached.line() and cached.to_json()["programs"] == "cache"
+    nothing = audit.resumes([*FIRST, {**session(2, 20, "s20"), "programs": "compiled"}])[0]
+    assert nothing.verdict == "nothing replayed" and "compiled anew" not in nothing.line()
 
 
 def test_the_first_differing_step_is_named_with_the_data_before_the_state():

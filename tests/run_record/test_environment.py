@@ -31,6 +31,7 @@ def test_every_checkpoint_stores_the_environment_and_show_prints_it(tmp_path, ca
     shown = capsys.readouterr().out
     assert f'"jax": "{jax.__version__}"' in shown and f'"flax": "{stored["versions"]["flax"]}"' in shown
     assert '"processes": 1' in shown and '"device_kind": "cpu"' in shown and '"command"' in shown
+    assert '"xla": {' in shown and '"flags": {' in shown and '"jax_enable_x64": false' in shown
 
 
 def test_a_resume_in_another_environment_logs_each_entry_that_changed(tmp_path, caplog, monkeypatch):
@@ -40,6 +41,21 @@ def test_a_resume_in_another_environment_logs_each_entry_that_changed(tmp_path, 
     write(tmp_path, resumed)
     assert "the resumed run's environment differs from the checkpoint at step 4" in caplog.text
     assert "versions/numpy: '(absent)' -> " in caplog.text
+
+
+def test_a_change_of_xla_flags_or_preset_between_two_checkpoints_is_named_by_diff(tmp_path, capsys, monkeypatch):
+    # The environment keeps the flags of the process's environment (XLA read them at its start: a process that
+    # sets others later changes what is recorded only, which serves to write two checkpoints of two settings).
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("FLAXSTATE_XLA_PRESET", raising=False)
+    write(tmp_path / "a", make_loop(n_steps=4, every=4))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    monkeypatch.setenv("FLAXSTATE_XLA_PRESET", "hopper")
+    write(tmp_path / "b", make_loop(n_steps=4, every=4))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "xla/preset: '(absent)' -> 'hopper'" in out, out
+    assert "xla/flags/--xla_gpu_enable_latency_hiding_scheduler: '(absent)' -> 'true'" in out, out
 
 
 def test_git_commit_is_none_outside_a_repository(tmp_path):

@@ -1,11 +1,16 @@
 """What every record carries that the recording module makes: the loss-scale metrics and the process's session."""
 
+import os
 import time
 
 import jax
 import optax
+import pytest
+from flax import nnx
 from flax.training.dynamic_scale import DynamicScale
+from flaxstate_testing import loops, nnx_models, toy
 
+import flaxstate as fs
 from flaxstate.sharding import Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, recording
@@ -26,3 +31,24 @@ def test_a_session_names_the_process_s_start_its_restore_and_its_devices():
     assert (session.restore, session.restored_step) == (0.5, 40)
     assert session.n_devices == 1 and session.n_processes == jax.process_count()
     assert session.device_kind == jax.devices()[0].device_kind and session.mesh == dict(where.mesh.shape)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_session_says_whether_its_programs_came_from_the_compilation_cache(api):
+    """The tests' processes share a persistent compilation cache (conftest): a model of a width no other test
+    trains is compiled by its first loop, and its second loop, alike, loads every program from the cache."""
+    assert os.environ.get("JAX_COMPILATION_CACHE_DIR"), "the test session's compilation cache (conftest)"
+    width = {"linen": 37, "nnx": 41}[api]
+
+    def first_session():
+        if api == "linen":
+            loop = loops.make_loop(model=toy.MLP(width=width), n_steps=2, every=2, per_dispatch=2)
+        else:
+            model = nnx_models.MLP(nnx.Rngs(0), width=width)
+            task = fs.TrainTask(apply=model, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(40, 8))
+            loop = fs.TrainLoop(model, task, jax.random.key(0), n_steps=2, n_steps_per_checkpoint=1, stdout=False)
+        return [record.session for record in loop][0]
+
+    compiled, cached = first_session(), first_session()
+    assert compiled.programs == "compiled", compiled
+    assert cached.programs == "cache", cached

@@ -1,0 +1,95 @@
+"""XLA presets: composed with the user's flags, chosen by the GPU generation, applied before JAX's backend starts
+(in a fresh process and through `flaxstate launch`), refused after, and kept with every checkpoint's environment."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from flaxstate_testing import processes
+
+import flaxstate as fs
+from flaxstate import xla_settings
+from flaxstate.run_record import environment
+
+
+def test_the_user_s_flags_win_flag_by_flag_and_a_preset_adds_only_what_the_user_left_unset():
+    user = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/dump"
+    composed = xla_settings.compose(xla_settings.PRESETS["hopper"].flags, user)
+    flags = xla_settings.parse(composed)
+    assert flags["--xla_gpu_enable_triton_gemm"] == "true" and flags["--xla_dump_to"] == "/tmp/dump"
+    assert flags["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    assert flags["--xla_gpu_enable_command_buffer"] == ""  # off: an empty value, not a missing flag
+    assert composed.count("--xla_gpu_enable_triton_gemm") == 1
+    assert xla_settings.compose((), "  ") == ""
+    update = xla_settings.environment("hopper", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in update and update["FLAXSTATE_XLA_PRESET"] == "hopper"
+    assert xla_settings.environment("blackwell", {}).keys() == {"XLA_FLAGS", "FLAXSTATE_XLA_PRESET"}
+    assert xla_settings.environment("none", {"XLA_FLAGS": "--mine"}) == {"FLAXSTATE_XLA_PRESET": "none"}
+    with pytest.raises(ValueError, match="no XLA preset 'volta': choose one of auto, hopper, blackwell, ampere, none"):
+        xla_settings.preset("volta")
+
+
+@pytest.mark.parametrize(
+    ("compute_cap", "chosen"),
+    [("9.0", "hopper"), ("10.0", "blackwell"), ("12.0", "blackwell"), ("8.0", "ampere"), ("7.5", "none"), ("", "none")],
+)
+def test_auto_picks_the_preset_of_the_machine_s_gpu_generation(tmp_path, monkeypatch, compute_cap, chosen):
+    fake = tmp_path / "nvidia-smi"  # answers the query as the real one does: one line a GPU
+    fake.write_text(f"#!/bin/sh\nprintf '{compute_cap}\\n{compute_cap}\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert xla_settings.detect() == chosen and xla_settings.preset("auto").name == chosen
+
+
+def test_no_gpu_means_no_preset(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    assert xla_settings.preset("auto") is xla_settings.PRESETS["none"]
+
+
+def test_a_preset_after_the_backend_started_is_refused_naming_what_to_do(monkeypatch):
+    jax.devices()  # the backend is up in this process
+    monkeypatch.delenv("FLAXSTATE_XLA_PRESET", raising=False)
+    before = os.environ.get("XLA_FLAGS")
+    with pytest.raises(RuntimeError, match=r"after JAX started its backend.*flaxstate launch --xla-preset hopper"):
+        fs.use_xla_preset("hopper")
+    assert os.environ.get("XLA_FLAGS") == before  # nothing changed
+    with pytest.raises(ValueError, match="no XLA preset"):
+        fs.use_xla_preset("h100")
+    monkeypatch.setenv("FLAXSTATE_XLA_PRESET", "hopper")  # applied by the launcher: the same name is no change
+    assert fs.use_xla_preset("hopper").name == "hopper"
+
+
+def test_every_preset_s_flags_are_known_to_this_jaxlib_and_kept_in_the_checkpoint_s_environment(tmp_path):
+    """XLA aborts at the backend's start on a flag it does not know: a fresh process that applies the Hopper preset
+    (whose flags hold every other preset's) and trains one step shows that this jaxlib knows them all."""
+    every = {xla_settings.flag_name(flag) for each in xla_settings.PRESETS.values() for flag in each.flags}
+    assert every == {xla_settings.flag_name(flag) for flag in xla_settings.PRESETS["hopper"].flags}
+    script = textwrap.dedent(
+        """
+        import json
+        import flaxstate as fs
+        fs.use_xla_preset("hopper")
+        import jax, jax.numpy as jnp
+        from flaxstate.run_record import environment
+        print(float(jax.jit(lambda x: jnp.sin(x).sum())(jnp.ones(3))))
+        print(json.dumps(environment.describe()["xla"]))
+        """
+    )
+    env = {**processes.worker_env(), "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    xla = json.loads(done.stdout.splitlines()[-1])
+    assert xla["preset"] == "hopper" and every <= xla["flags"].keys()
+    assert xla["flags"]["--xla_gpu_enable_triton_gemm"] == "true"  # the user's own
+    assert xla["variables"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert xla["jax"]["jax_enable_x64"] is False and "jax_default_matmul_precision" in xla["jax"]
+    # This process applied none: its environment says so, and a change between two checkpoints is named.
+    here = environment.describe()["xla"]
+    assert here["preset"] is None
+    lines = environment.changes({"xla": here}, {"xla": xla})
+    assert "xla/preset: '(absent)' -> 'hopper'" in lines
+    assert "xla/flags/--xla_gpu_enable_triton_gemm: '(absent)' -> 'true'" in lines
