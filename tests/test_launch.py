@@ -465,15 +465,20 @@ def test_a_restarted_process_loads_its_programs_from_the_launcher_s_compilation_
 
 
 PRESET = """
-    import json, os, pathlib, sys
+    import json, os, pathlib, sys, time
     flags = os.environ.get("XLA_FLAGS", "")
     preset, restarts = os.environ["FLAXSTATE_XLA_PRESET"], os.environ["FLAXSTATE_RESTARTS"]
     print(json.dumps({"preset": preset, "restarts": restarts, "flags": flags.split(),
-                      "connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}))
+                      "connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}), flush=True)
     dump = [flag.split("=", 1)[1] for flag in flags.split() if flag.startswith("--xla_gpu_dump_autotune_results_to=")]
     if restarts == "0" and dump:  # XLA writes it on a GPU after autotuning: here, the script does
         pathlib.Path(dump[0]).write_text("version: 3")
-        sys.exit(3)
+        if dump[0].endswith("process-0.textproto"):  # the failure comes once every process has had its say
+            others = pathlib.Path(dump[0]).with_name("process-1.textproto")
+            deadline = time.monotonic() + 60
+            while not others.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit(3)
 """
 
 
