@@ -14,7 +14,7 @@ One process, a model of about 50 MB of state (params and adam moments):
    newest step (as a restarting run restores);
 4. bytes on disk against the bytes of one copy of the state, saved from 2 devices.
 
-    python benchmarks/checkpoint.py [--rounds 5]
+    python benchmarks/checkpoint.py [--rounds 5] [--restore-only]
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ print(json.dumps(bench.state_bytes(state)))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--restore-only", action="store_true", help="only 3., the restore times")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="flaxstate-bench-"))
     try:
@@ -200,6 +201,13 @@ def main() -> None:
             f"jax {jax.__version__}, orbax {ocp.__version__}, {jax.devices()[0].device_kind}, "
             f"{args.rounds} alternating rounds"
         )
+        if args.restore_only:
+            for way, (restore_fs, restore_orbax) in restore_times(args.rounds, workdir).items():
+                print(
+                    f"| ms to restore ({way}): CheckpointFileReader vs plain orbax CheckpointManager | "
+                    f"{restore_fs * 1e3:.1f} | {restore_orbax * 1e3:.1f} | {restore_fs / restore_orbax:.2f}x |"
+                )
+            return
         step_times = throughput(args.rounds, workdir)
         blocked_async, blocked_sync, n_bytes = save_blocking(args.rounds, workdir)
         restores = restore_times(args.rounds, workdir)

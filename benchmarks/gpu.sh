@@ -76,4 +76,39 @@ step lm64 100 "LM, GPT-2 small's shape, batch 64, cuDNN attention, nn.scan: flax
     $PY benchmarks/sharded.py $GPT125 $FAST --batch-size 64 --rounds 4 --steps 20 --only flaxstate --no-plan
 step medium 80 "LM, GPT-2 medium's shape, batch 16, cuDNN attention, nn.scan: flaxstate alone" \
     $PY benchmarks/sharded.py $GPT350 $FAST --batch-size 16 --rounds 4 --steps 10 --only flaxstate --no-plan
+# Issue 83: XLA's settings (benchmarks/with_preset.py), GPT-2 small's real shape, resume after kill -9, restore.
+# The next lease: bash benchmarks/gpu.sh device k_none k_capture k_nocapture lm83 lm83hw lm83none resume83 resume83d
+# The LM's flaxstate loop runs K=10 a dispatch: at K=1 a record's step runs a forward and backward pass of its own
+# for the record's gradients (10% more compute at a record every 10 steps; the hand-written loop keeps none).
+W=benchmarks/with_preset.py
+K="--rounds 5 --runs 2 --models small --contenders 'flaxstate TrainLoop, K=1\$|flaxstate TrainLoop, K=10\$'"
+step k_none 80 "the K-step loop, XLA's defaults (no XLA_FLAGS)" bash -c "$PY $W none benchmarks/loop_overhead.py $K"
+step k_off 80 "the K-step loop, the Hopper preset with command buffers off (MaxText's H100 flags)" \
+    bash -c "$PY $W hopper:off benchmarks/loop_overhead.py $K"
+step k_capture 80 "the K-step loop, the Hopper preset: while loops captured in CUDA graphs" \
+    bash -c "$PY $W hopper benchmarks/loop_overhead.py $K"
+step k_nocapture 80 "the K-step loop, the Hopper preset with XLA's own command buffers (while loops not captured)" \
+    bash -c "$PY $W hopper:no-capture benchmarks/loop_overhead.py $K"
+GPT2="$GPT125 --vocab 50257"
+step lm83 170 "LM, GPT-2 small's real shape (vocab 50257), the largest batch fs.plan says fits, Hopper preset: flaxstate" \
+    $PY $W hopper benchmarks/sharded.py $GPT2 $FAST --batch-size 0 --batch-to /tmp/lm83-batch --rounds 4 --steps 20 \
+    --only flaxstate --per-dispatch 10
+step lm83hw 80 "LM, the same batch and preset: the hand-written loop alone in its process" bash -c \
+    "$PY $W hopper benchmarks/sharded.py $GPT2 $FAST --batch-size \$(cat /tmp/lm83-batch) --rounds 4 --steps 20 \
+    --only hand-written --no-plan"
+step resume83 130 "resume after kill -9 under flaxstate launch: programs cached, autotune file, nothing kept" \
+    $PY benchmarks/gpu_resume.py --steps 200 --kill-at 100 --every 20
+step restore83 50 "restore against plain orbax" $PY benchmarks/checkpoint.py --rounds 7 --restore-only
+step restoreprof 45 "restore profiles" $PY benchmarks/gpu_profile.py --only restore_profile
+step lm83none 80 "LM, the same batch, XLA's defaults (no preset): flaxstate" bash -c \
+    "$PY $W none benchmarks/sharded.py $GPT2 $FAST --batch-size \$(cat /tmp/lm83-batch) --rounds 4 --steps 20 \
+    --only flaxstate --no-plan --per-dispatch 10"
+step resume83d 130 "resume after kill -9, as resume83, with XLA's deterministic ops (the user's XLA_FLAGS)" \
+    env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY benchmarks/gpu_resume.py --steps 200 --kill-at 100 --every 20
+for who in "hopper flaxstate" "hopper hand-written" "none flaxstate"; do
+    set -- $who
+    step "lm88$1$2" 80 "LM, GPT-2 small's real shape, batch 88, XLA preset $1: $2 alone in its process" \
+        $PY $W "$1" benchmarks/sharded.py $GPT2 $FAST --batch-size 88 --rounds 4 --steps 20 --only "$2" --no-plan \
+        --per-dispatch 10
+done
 echo "total $SECONDS s" | tee -a "$LOG"

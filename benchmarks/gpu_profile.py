@@ -174,6 +174,11 @@ def restore_profile(out: Path) -> None:
         print(f"--- {name}: {', '.join(f'{t * 1e3:.1f}' for t in times)} ms (profiled)")
         lines = [line for line in text.getvalue().splitlines() if "/" in line or "{" in line]
         print("\n".join(line.replace(str(Path(ocp.__file__).parent), "orbax") for line in lines[:34]))
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(16)
+        lines = [line for line in text.getvalue().splitlines() if "/" in line or "{" in line]
+        print(f"--- {name}, by own time:")
+        print("\n".join(line.replace(str(Path(ocp.__file__).parent), "orbax") for line in lines[:17]))
 
 
 def main() -> None:

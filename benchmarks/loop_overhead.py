@@ -358,7 +358,8 @@ def main() -> None:
     parser.add_argument(
         "--contenders",
         default="",
-        help="only the loops naming one of these |-separated words, and the baselines",
+        help="only the loops naming one of these |-separated words (a word ending in $: the whole name), "
+        "and the baselines",
     )
     parser.add_argument(
         "--fingerprint-pairs",
@@ -404,7 +405,7 @@ def main() -> None:
             words = args.contenders.split("|")
             runners = {
                 name: run for name, run in runners.items()
-                if name in BASELINES or any(word in name for word in words)
+                if name in BASELINES or any(name == word[:-1] if word.endswith("$") else word in name for word in words)
             }  # fmt: skip
         runs = [measure(runners, args.rounds, steps, seed) for seed in range(args.runs)]
         for name in runners:

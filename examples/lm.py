@@ -100,6 +100,9 @@ class Config:
     scan_layers: bool = False
     """The blocks as one nn.scan over stacked parameters (compiled once, not once a layer); another checkpoint
     layout."""
+    vocab: int = 256
+    """Token embeddings and logits: 256, the bytes; more only to give the model a real tokenizer's shape (GPT-2's
+    50257) while the text stays bytes."""
     learning_rate: float = 3e-3
     """AdamW's learning rate."""
     steps_per_checkpoint: int = 100
@@ -122,7 +125,7 @@ class Config:
 
 
 VOCAB = 256
-"""Bytes."""
+"""Bytes: the text's vocabulary (`Config.vocab`'s default)."""
 
 HF = {
     "Embed_0/embedding": "model.embed_tokens.weight",
@@ -222,7 +225,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        x = nn.Embed(VOCAB, c.embed, embedding_init=_init(("vocab", "embed")), dtype=dtype)(tokens)
+        x = nn.Embed(c.vocab, c.embed, embedding_init=_init(("vocab", "embed")), dtype=dtype)(tokens)
         position = self.param("position", _init((None, "embed")), (c.seq_len, c.embed))
         x = x + position[: tokens.shape[1]].astype(dtype)
         if c.scan_layers:
@@ -238,7 +241,7 @@ class Transformer(nn.Module):
             for _ in range(c.layers):
                 x = Block(c)(x)
         x = nn.RMSNorm(scale_init=_init(("embed",), nn.initializers.ones), dtype=dtype)(x)
-        return nn.Dense(VOCAB, use_bias=False, kernel_init=_init(("embed", "vocab")), dtype=dtype)(x)
+        return nn.Dense(c.vocab, use_bias=False, kernel_init=_init(("embed", "vocab")), dtype=dtype)(x)
 
 
 def loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

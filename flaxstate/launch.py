@@ -47,16 +47,21 @@ caches only programs that took `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`
 (1 s by default) to compile: the ones a restart waits for. On a GPU (or with
 a GPU preset) the same folder keeps XLA's autotune results, a file a process
 (`autotune/process-<i>.textproto`): each process dumps its results there
-(`--xla_gpu_dump_autotune_results_to`) and a restarted one loads them
+(`--xla_gpu_dump_autotune_results_to`) and a restarted one that must
+compile (the cache holds no programs) loads them
 (`--xla_gpu_load_autotune_results_from`), so that a program compiled again
-picks the kernels it picked before: autotuning is not deterministic, and
-resume bit for bit rests on the same kernels. Each record's session says
+picks the kernels it picked before: autotuning is not deterministic. Where
+the cache holds the programs, a restart takes the flags they were compiled
+with (JAX's cache key hashes them) and loads the programs themselves. Each record's session says
 whether its programs came from the cache (`Session.programs`).
 
 `--xla-preset NAME|auto|none` (`xla_preset`, `auto` by default) applies one
 of `flaxstate.xla_settings.PRESETS` to every process: XLA's flags and
 variables for this machine's GPU generation (none without a GPU), the user's
-own `XLA_FLAGS` and variables winning flag by flag.
+own `XLA_FLAGS` and variables winning flag by flag. A preset that captures
+while loops in CUDA graphs is tried once first, in a child process
+(`xla_settings.capture_fails`); where capture fails, its processes run
+without it, and the launcher says so in one line.
 
 Signals to the launcher: SIGTERM (a preemption of the whole job) is
 forwarded to every process of the round running or starting, which save and
@@ -157,11 +162,30 @@ def local_gpus() -> int:
 
 def autotune_flags(cache: str, index: int) -> tuple[str, ...]:
     """XLA's flags that keep process `index`'s autotune results in the compilation cache folder `cache`: its dump,
-    and its load where an earlier round dumped them."""
-    results = os.path.join(cache, "autotune", f"process-{index}.textproto")
-    os.makedirs(os.path.dirname(results), exist_ok=True)
+    and its load where an earlier round dumped them, as the round that filled the cache had them.
+
+    JAX's cache key hashes `XLA_FLAGS`: a round with a flag more or less than the round that compiled the cached
+    programs finds none of them (on an H200, a restart that added the load compiled everything again). So where
+    the cache holds programs, a round takes the flags they were compiled with (`process-<i>.loaded` marks that
+    they were compiled with the load); where it holds none (a first round, or the cache cleared or moved), a
+    round loads the results if there are any, and says so for the rounds after it.
+    """
+    folder = os.path.join(cache, "autotune")
+    results = os.path.join(folder, f"process-{index}.textproto")
+    marker = os.path.join(folder, f"process-{index}.loaded")
+    os.makedirs(folder, exist_ok=True)
+    with os.scandir(cache) as entries:
+        programs = any(entry.name != "autotune" for entry in entries)
+    if programs:
+        load = os.path.exists(marker)
+    else:
+        load = os.path.exists(results)
+        if load:
+            open(marker, "w").close()
+        elif os.path.exists(marker):
+            os.remove(marker)
     dump = f"--xla_gpu_dump_autotune_results_to={results}"
-    return (dump, f"--xla_gpu_load_autotune_results_from={results}") if os.path.exists(results) else (dump,)
+    return (dump, f"--xla_gpu_load_autotune_results_from={results}") if load else (dump,)
 
 
 def _free_port() -> int:
@@ -282,6 +306,11 @@ class Launcher:
         self._gpus = local_gpus()
         self._preset = xla_settings.preset(config.xla_preset).name
         """The processes' XLA preset (`auto` chosen once, for every round)."""
+        why = xla_settings.capture_fails(self._preset, os.environ)
+        self._capture = why is None
+        """Whether the preset's while loops go into CUDA graphs (tried once, in a child process)."""
+        if why is not None:
+            self.say(xla_settings.fallback_line(self._preset, why))
         self.n_running = config.n_processes
         """The processes of a round: `--processes`, fewer after processes were lost (`--min-processes`)."""
         self._failed_in_a_row: tuple[int, int] = (-1, 0)
@@ -427,7 +456,7 @@ class Launcher:
             if not os.environ.get(CACHE):  # the user's own wins
                 env[CACHE] = cache
         preset = self._preset
-        env.update(xla_settings.environment(preset, env))
+        env.update(xla_settings.environment(preset, env, self._capture))
         if cache is not None and (self._gpus or preset != "none"):
             env["XLA_FLAGS"] = xla_settings.compose(autotune_flags(cache, index), env.get("XLA_FLAGS", ""))
         if self._gpus:

@@ -5,8 +5,11 @@ generation; XLA's defaults leave the latency-hiding scheduler off, collectives
 uncombined and unpipelined. A preset is such a set: `hopper` (H100, H200),
 `blackwell` (B200, GB200), `ampere` (A100), and `none`. `auto` picks the
 preset of this machine's first GPU from `nvidia-smi`'s compute capability
-(9.x Hopper, 10.x and 12.x Blackwell, 8.x Ampere), and `none` where there is
-no GPU: CPU and TPU runs get no preset unless one is named.
+(9.x Hopper, 10.x and 12.x Blackwell, 8.x Ampere) where the machine has
+several GPUs, and `none` where it has one or none: a preset's flags tune the
+collectives between GPUs, and on one H200 the Hopper preset made a small
+model's loop 1.4 times slower than XLA's defaults (`benchmarks/RESULTS.md`,
+issue 83). CPU and TPU runs get no preset unless one is named.
 
 XLA reads `XLA_FLAGS` once, when JAX starts its backend, so a preset is
 applied before that: `flaxstate launch --xla-preset NAME|auto|none` for its
@@ -24,8 +27,12 @@ change the programs (`jax_optimization_level`, `jax_default_matmul_precision`,
 
 The flags are those of MaxText's A3 (H100) configurations and JAX-Toolbox's
 GPU performance guide (combine thresholds, pipelined collectives, while-loop
-double buffering, Triton GEMM off); the Hopper preset turns XLA's command
-buffers off as MaxText's H100 configurations do. Every preset's flags are
+double buffering, Triton GEMM off); the Hopper preset adds `while` loops to
+what XLA's command buffers capture (`CAPTURE_WHILE`), so that the K-step
+loop's scan runs as one CUDA graph. Capture can fail on a machine (a driver,
+a kernel that cannot be captured): before a preset with it is applied, a
+child process runs a captured `lax.scan` (`capture_fails`), and where it
+fails the preset goes on without it, in one line that says so. Every preset's flags are
 known to the jaxlib versions flaxstate supports (tested: XLA aborts on an
 unknown flag). Their speed on a GPU is measured in `benchmarks/RESULTS.md`
 where a GPU was lent.
@@ -38,6 +45,8 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -86,12 +95,16 @@ _COLLECTIVES = (
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
 
+CAPTURE_WHILE = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+"""XLA's command buffers (CUDA graphs) with `while` loops and conditionals captured beside XLA's defaults: the K-step
+loop's `lax.scan` runs as one graph, not a graph an iteration launched by the host."""
+
 PRESETS: dict[str, XlaPreset] = {
     "hopper": XlaPreset(
         "hopper",
-        (*_COLLECTIVES, "--xla_gpu_enable_command_buffer="),
+        (*_COLLECTIVES, CAPTURE_WHILE),
         {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-        "H100, H200: the latency-hiding scheduler, combined and pipelined collectives, command buffers off",
+        "H100, H200: the latency-hiding scheduler, combined and pipelined collectives, while loops in CUDA graphs",
     ),
     "blackwell": XlaPreset(
         "blackwell",
@@ -114,7 +127,8 @@ _GENERATIONS = {8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}
 
 
 def detect() -> str:
-    """The preset of this machine's first GPU (`nvidia-smi`'s compute capability), or `"none"` without one."""
+    """The preset of this machine's first GPU (`nvidia-smi`'s compute capability) where it has several GPUs;
+    `"none"` with one GPU or none."""
     if shutil.which("nvidia-smi") is None:
         return "none"
     try:
@@ -124,7 +138,8 @@ def detect() -> str:
             text=True,
             timeout=30,
         )
-        major = int(listed.stdout.split()[0].split(".")[0]) if listed.returncode == 0 else None
+        gpus = listed.stdout.split() if listed.returncode == 0 else []
+        major = int(gpus[0].split(".")[0]) if len(gpus) > 1 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return "none"
     return _GENERATIONS.get(major, "none") if major is not None else "none"
@@ -164,24 +179,68 @@ def compose(preset_flags: tuple[str, ...], user_flags: str) -> str:
     return " ".join([*kept, *([user_flags.strip()] if user_flags.strip() else [])])
 
 
-def environment(name: str, environ: Mapping[str, str]) -> dict[str, str]:
+def environment(name: str, environ: Mapping[str, str], capture: bool = True) -> dict[str, str]:
     """The variables to set for a process of preset `name` beside `environ` (its `XLA_FLAGS` composed, the
-    preset's variables that `environ` lacks, and `FLAXSTATE_XLA_PRESET`).
+    preset's variables that `environ` lacks, and `FLAXSTATE_XLA_PRESET`); without `capture`, the preset's
+    `CAPTURE_WHILE` left out (XLA's own command buffers).
 
     Raises:
         ValueError: an unknown name.
     """
     chosen = preset(name)
     update = {PRESET_VARIABLE: chosen.name}
-    if chosen.flags:
-        update["XLA_FLAGS"] = compose(chosen.flags, environ.get("XLA_FLAGS", ""))
+    flags = chosen.flags if capture else tuple(flag for flag in chosen.flags if flag != CAPTURE_WHILE)
+    if flags:
+        update["XLA_FLAGS"] = compose(flags, environ.get("XLA_FLAGS", ""))
     update.update({key: value for key, value in chosen.env.items() if key not in environ})
     return update
 
 
-def apply(name: str, environ: MutableMapping[str, str]) -> XlaPreset:
+_PROBE = """
+import numpy as np, jax, jax.numpy as jnp
+x = np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8)
+got = jax.jit(lambda c: jax.lax.scan(lambda c, _: (jnp.tanh(c @ x), None), c, None, length=6)[0])(x)
+want = x
+for _ in range(6):
+    want = np.tanh(want @ x)
+assert np.allclose(np.asarray(got), want, atol=1e-2), "a captured while loop computed other values"
+"""
+"""A `lax.scan` (XLA's `while`) compiled and run, its result checked against numpy's."""
+
+
+def capture_fails(name: str, environ: Mapping[str, str], timeout: float = 180.0) -> str | None:
+    """Why preset `name`'s `CAPTURE_WHILE` fails on this machine, from a child process that runs a `lax.scan` under
+    the preset (`None`: it works, or the preset does not capture, or the user set XLA's command buffers).
+
+    Capture errors are real (a wedged run with captured collectives, `STREAM_CAPTURE_INVALIDATED`): a child
+    process finds them before the run does, at the cost of one backend start.
+    """
+    composed = {**environ, **environment(name, environ)}
+    if parse(composed.get("XLA_FLAGS", "")).get(flag_name(CAPTURE_WHILE)) != CAPTURE_WHILE.split("=", 1)[1]:
+        return None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=composed, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"a captured while loop did not finish in {timeout:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else f"exit status {done.returncode}"
+
+
+def fallback_line(name: str, why: str) -> str:
+    """The one line that says a preset runs without `CAPTURE_WHILE`, and why."""
+    return (
+        f"XLA preset {name!r}: XLA could not run a while loop captured in a CUDA graph here ({why}); the K-step loop "
+        f"runs without {CAPTURE_WHILE} (XLA's own command buffers)."
+    )
+
+
+def apply(name: str, environ: MutableMapping[str, str], capture: bool = True) -> XlaPreset:
     """Sets preset `name` into `environ` (see `environment`); returns the preset."""
-    environ.update(environment(name, environ))
+    environ.update(environment(name, environ, capture))
     return preset(environ[PRESET_VARIABLE])
 
 
@@ -190,11 +249,13 @@ def use_xla_preset(name: str = "auto") -> XlaPreset:
 
     The user's own `XLA_FLAGS` and variables win flag by flag. Under
     `flaxstate launch`, whose `--xla-preset` already applied one, a call
-    changes nothing where it names the same preset.
+    changes nothing where it names the same preset. A preset that captures
+    while loops in CUDA graphs (`CAPTURE_WHILE`) is tried first in a child
+    process; where that fails, it is applied without, with a warning.
 
     Args:
-        name: `"hopper"`, `"blackwell"`, `"ampere"`, `"none"`, or `"auto"` (this machine's GPU's; `"none"`
-            without a GPU).
+        name: `"hopper"`, `"blackwell"`, `"ampere"`, `"none"`, or `"auto"` (this machine's GPUs' where it has
+            several; `"none"` with one GPU or none).
 
     Returns:
         the preset applied.
@@ -212,7 +273,10 @@ def use_xla_preset(name: str = "auto") -> XlaPreset:
             "before anything runs on a device (jax.devices(), a jit, flaxstate's loop), at the top of the script, "
             "or launch with `flaxstate launch --xla-preset " + chosen.name + "`."
         )
-    return apply(chosen.name, os.environ)
+    why = capture_fails(chosen.name, os.environ)
+    if why is not None:
+        warnings.warn(fallback_line(chosen.name, why), stacklevel=2)
+    return apply(chosen.name, os.environ, capture=why is None)
 
 
 def in_force() -> dict[str, Any]:

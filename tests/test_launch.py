@@ -510,6 +510,28 @@ def test_a_preset_s_flags_reach_every_process_with_the_user_s_winning_and_a_rest
     }, launched.output
 
 
+def test_a_restart_takes_the_autotune_flags_its_cached_programs_were_compiled_with(tmp_path):
+    """JAX's cache key hashes XLA_FLAGS: a restart whose flags differ from the round that filled the cache finds
+    none of its programs. The results are loaded only by a round that must compile, and the rounds after it keep
+    that round's flags while its programs are in the cache."""
+    cache = tmp_path / "processes-1"
+    cache.mkdir()
+    results = cache / "autotune" / "process-0.textproto"
+    dump = f"--xla_gpu_dump_autotune_results_to={results}"
+    load = f"--xla_gpu_load_autotune_results_from={results}"
+    assert launch.autotune_flags(str(cache), 0) == (dump,)  # a first round: nothing to load
+    results.write_text("version: 3")  # XLA dumped its results ...
+    (cache / "jit_update-0123abcd-cache").write_bytes(b"program")  # ... and JAX cached the programs
+    assert launch.autotune_flags(str(cache), 0) == (dump,)  # a restart: the first round's flags, a cache hit
+    for entry in cache.iterdir():  # the cache cleared, the results kept: compiled again, with the results loaded
+        if entry.is_file():
+            entry.unlink()
+    assert launch.autotune_flags(str(cache), 0) == (dump, load)
+    (cache / "jit_update-4567cdef-cache").write_bytes(b"program")  # compiled with the load
+    assert launch.autotune_flags(str(cache), 0) == (dump, load)  # the next restart keeps it
+    assert launch.autotune_flags(str(cache), 1) == (dump.replace("process-0", "process-1"),)  # each process its own
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -22,7 +22,7 @@ def test_the_user_s_flags_win_flag_by_flag_and_a_preset_adds_only_what_the_user_
     flags = xla_settings.parse(composed)
     assert flags["--xla_gpu_enable_triton_gemm"] == "true" and flags["--xla_dump_to"] == "/tmp/dump"
     assert flags["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
-    assert flags["--xla_gpu_enable_command_buffer"] == ""  # off: an empty value, not a missing flag
+    assert flags["--xla_gpu_enable_command_buffer"] == "+WHILE,+CONDITIONAL"  # added to XLA's own
     assert composed.count("--xla_gpu_enable_triton_gemm") == 1
     assert xla_settings.compose((), "  ") == ""
     update = xla_settings.environment("hopper", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
@@ -34,12 +34,20 @@ def test_the_user_s_flags_win_flag_by_flag_and_a_preset_adds_only_what_the_user_
 
 
 @pytest.mark.parametrize(
-    ("compute_cap", "chosen"),
-    [("9.0", "hopper"), ("10.0", "blackwell"), ("12.0", "blackwell"), ("8.0", "ampere"), ("7.5", "none"), ("", "none")],
+    ("compute_cap", "gpus", "chosen"),
+    [
+        ("9.0", 2, "hopper"),
+        ("10.0", 8, "blackwell"),
+        ("12.0", 2, "blackwell"),
+        ("8.0", 4, "ampere"),
+        ("7.5", 2, "none"),
+        ("", 2, "none"),
+        ("9.0", 1, "none"),  # one GPU: no collectives to tune, and XLA's defaults ran faster (RESULTS.md)
+    ],
 )
-def test_auto_picks_the_preset_of_the_machine_s_gpu_generation(tmp_path, monkeypatch, compute_cap, chosen):
+def test_auto_picks_the_preset_of_the_machine_s_gpu_generation(tmp_path, monkeypatch, compute_cap, gpus, chosen):
     fake = tmp_path / "nvidia-smi"  # answers the query as the real one does: one line a GPU
-    fake.write_text(f"#!/bin/sh\nprintf '{compute_cap}\\n{compute_cap}\\n'\n")
+    fake.write_text("#!/bin/sh\nprintf '" + f"{compute_cap}\\n" * gpus + "'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert xla_settings.detect() == chosen and xla_settings.preset("auto").name == chosen
@@ -93,3 +101,24 @@ def test_every_preset_s_flags_are_known_to_this_jaxlib_and_kept_in_the_checkpoin
     lines = environment.changes({"xla": here}, {"xla": xla})
     assert "xla/preset: '(absent)' -> 'hopper'" in lines
     assert "xla/flags/--xla_gpu_enable_triton_gemm: '(absent)' -> 'true'" in lines
+
+
+def test_a_preset_whose_while_loop_capture_fails_here_goes_on_without_it_in_one_line(monkeypatch):
+    """The Hopper preset captures while loops in CUDA graphs; a child process tries it first. Here (no GPU) the
+    flag is harmless and the probe passes; with a value XLA cannot parse beside it (as a capture that fails), the
+    probe fails and the preset is applied without the capture, the user's flags and the rest of the preset kept."""
+    assert xla_settings.CAPTURE_WHILE in xla_settings.PRESETS["hopper"].flags
+    base = processes.worker_env()
+    assert xla_settings.capture_fails("hopper", base) is None
+    assert xla_settings.capture_fails("none", base) is None  # nothing to try: no child process
+    mine = {**base, "XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}
+    assert xla_settings.capture_fails("hopper", mine) is None  # the user's own command buffers win: not tried
+    broken = {**base, "XLA_FLAGS": "--xla_gpu_graph_min_graph_size=not-a-number"}
+    why = xla_settings.capture_fails("hopper", broken)
+    assert why, "a probe whose backend cannot start must fail"
+    without = xla_settings.environment("hopper", broken, capture=False)
+    flags = xla_settings.parse(without["XLA_FLAGS"])
+    assert "--xla_gpu_enable_command_buffer" not in flags and flags["--xla_gpu_graph_min_graph_size"] == "not-a-number"
+    assert flags["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
+    line = xla_settings.fallback_line("hopper", why)
+    assert "\n" not in line and xla_settings.CAPTURE_WHILE in line and why in line
