@@ -265,9 +265,9 @@ def use_xla_preset(name: str = "auto") -> XlaPreset:
         RuntimeError: JAX's backend is already up (XLA has read its flags): the call must come first.
     """
     chosen = preset(name)
+    if os.environ.get(PRESET_VARIABLE) == chosen.name:  # applied already (by the launcher, which tried the capture)
+        return chosen
     if private_apis.backends_initialized():
-        if os.environ.get(PRESET_VARIABLE) == chosen.name:
-            return chosen
         raise RuntimeError(
             f"use_xla_preset({name!r}) after JAX started its backend: XLA has read its flags already. Call it "
             "before anything runs on a device (jax.devices(), a jit, flaxstate's loop), at the top of the script, "

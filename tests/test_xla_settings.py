@@ -122,3 +122,16 @@ def test_a_preset_whose_while_loop_capture_fails_here_goes_on_without_it_in_one_
     assert flags["--xla_gpu_enable_latency_hiding_scheduler"] == "true"
     line = xla_settings.fallback_line("hopper", why)
     assert "\n" not in line and xla_settings.CAPTURE_WHILE in line and why in line
+
+
+def test_a_preset_the_launcher_applied_is_left_as_it_is_before_the_backend_starts_too(monkeypatch):
+    """A launched process that calls `use_xla_preset` at its top (its backend not up yet) keeps the launcher's
+    settings: no second probe a process, and a capture the launcher dropped is not added back."""
+    launched = xla_settings.environment("hopper", {}, capture=False)  # the launcher's fallback
+    monkeypatch.setattr(xla_settings.private_apis, "backends_initialized", lambda: False)
+    monkeypatch.setattr(xla_settings, "capture_fails", lambda *args, **kwargs: pytest.fail("probed again"))
+    for key, value in launched.items():
+        monkeypatch.setenv(key, value)
+    assert fs.use_xla_preset("hopper").name == "hopper"
+    assert os.environ["XLA_FLAGS"] == launched["XLA_FLAGS"]
+    assert xla_settings.CAPTURE_WHILE not in os.environ["XLA_FLAGS"]
