@@ -101,32 +101,14 @@ if TYPE_CHECKING:
     from flaxstate.planning import Plan, plan
     from flaxstate.weights import SafetensorsReader, export_safetensors
 
-_CHECKPOINTS = (
-    "AutoInterval",
-    "BestPolicy",
-    "CheckpointError",
-    "CheckpointFileReader",
-    "CheckpointFileWriter",
-    "CheckpointSaveError",
-    "Continuous",
-    "EveryRecord",
-    "EverySeconds",
-    "HighestCheckpointFileReader",
-    "HighestCheckpointFileWriter",
-    "HostMemoryBudget",
-    "LocalTier",
-    "LowestCheckpointFileReader",
-    "LowestCheckpointFileWriter",
-    "RunHistory",
-    "SavePolicy",
-)
-_LAZY = {
-    **dict.fromkeys(_CHECKPOINTS, "flaxstate.checkpoint"),
+_ELSEWHERE = {
     **dict.fromkeys(("Plan", "plan"), "flaxstate.planning"),
     **dict.fromkeys(("SafetensorsReader", "export_safetensors"), "flaxstate.weights"),
 }
-"""The public names whose modules import orbax and tensorstore (0.2 s): imported at their first use, so that
-`import flaxstate` for a training loop alone takes 0.03 s beyond JAX and Flax."""
+_LAZY = {name: _ELSEWHERE.get(name, "flaxstate.checkpoint") for name in __all__ if name not in globals()}
+"""The public names not imported above, each with its module (the checkpoint package's unless `_ELSEWHERE` says):
+their modules import orbax and tensorstore (0.2 s), so they are imported at their first use, and `import
+flaxstate` for a training loop alone takes 0.03 s beyond JAX and Flax."""
 _SUBPACKAGES = ("checkpoint", "planning", "weights")
 
 
