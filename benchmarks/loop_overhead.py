@@ -7,7 +7,8 @@ median over rounds of the two contenders' times in the same round, measured
 `--runs` times (the table gives the median and the spread over runs). The
 table gives median microseconds a step and the throughput ratio to the hand-written pmap loop, the hand-written jit loop
 and the hand-written jit loop of the same K. flaxstate makes a record a round
-(a host copy of the state, the loss, the last step's gradients), or, in the
+(a host copy of the state, the loss, the last step's gradients; in the row
+"no record gradients" without them, `record_gradients=False`), or, in the
 rows "run() per call", ends a run each round (`for c in loop.run(n)`, a
 notebook cell's habit). The rows "a record a round" are the hand-written jit
 loop doing the same copy and read, which tells the loop's own cost from a
@@ -70,7 +71,13 @@ Runner = Callable[[int], None]
 
 
 def flaxstate_runner(
-    model: MLP, data: list, n_steps_per_dispatch: int, steps: int, per_call: bool = False, fingerprinted: bool = True
+    model: MLP,
+    data: list,
+    n_steps_per_dispatch: int,
+    steps: int,
+    per_call: bool = False,
+    fingerprinted: bool = True,
+    gradients: bool = True,
 ) -> Runner:
     task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=loss_fn, data=itertools.cycle(data))
     # One record a round: the host waits for the devices once, at its end, as the other loops do.
@@ -82,6 +89,7 @@ def flaxstate_runner(
         n_steps=10**9,
         n_steps_per_checkpoint=steps,
         n_steps_per_dispatch=n_steps_per_dispatch,
+        record_gradients=gradients,
         stdout=False,
     )
 
@@ -393,6 +401,7 @@ def main() -> None:
             "flaxstate TrainLoop, K=1": flaxstate_runner(model, data, 1, steps),
             "flaxstate TrainLoop, K=1, no fingerprints": flaxstate_runner(model, data, 1, steps, fingerprinted=False),
             "flaxstate TrainLoop, K=1, run() per call": flaxstate_runner(model, data, 1, steps, per_call=True),
+            "flaxstate TrainLoop, K=1, no record gradients": flaxstate_runner(model, data, 1, steps, gradients=False),
             "flax_extra TrainLoop (shim)": flax_extra_runner(model, data, 1),
             "hand-written pmap + scan, K=10": handwritten_pmap_runner(model, data, 10),
             "hand-written jit + scan, K=10": handwritten_jit_runner(model, data, 10),

@@ -20,7 +20,9 @@ Rounds of `--steps` steps in an order shuffled every round, each ending with
 the host waiting for the devices; ratios are medians over rounds of the
 baseline's time over the contender's (throughput). `--startup N` measures
 instead the seconds from a fresh process's start to its first step done,
-the tutorial's loop against flaxstate's, N fresh processes each, alternated.
+the tutorial's loop against flaxstate's (by default, and with
+`record_gradients=False`: the tutorial's step returns no gradients), N fresh
+processes each, in a rotating order.
 
     python benchmarks/nnx_loop.py [--models cnn,mlp] [--rounds 7] [--steps 200]
     python benchmarks/nnx_loop.py --startup 5
@@ -237,33 +239,38 @@ if {which!r} == "tutorial":
 else:
     import flaxstate as fs
     task = fs.TrainTask(apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_loop.loss_fn, data=data)
-    loop = fs.TrainLoop(init=model, task=task, rng=0, n_steps=1, stdout=False)
+    gradients = {which!r} == "flaxstate"  # "flaxstate, no gradients": records without (the tutorial returns none)
+    loop = fs.TrainLoop(init=model, task=task, rng=0, n_steps=1, stdout=False, record_gradients=gradients)
     loop.next_checkpoint()
 print(json.dumps(time.time() - process_start_time()))
 """
 
 
+STARTERS = ("tutorial", "flaxstate", "flaxstate, no gradients")
+"""Start-up's contenders: flaxstate as it starts by default, and with `record_gradients=False`."""
+
+
 def startup(models: list[str], n: int) -> None:
-    """Seconds from a fresh process's start to its first step done, each contender `n` times, alternated."""
+    """Seconds from a fresh process's start to its first step done, each contender `n` times, in a rotating order."""
     folder = str(__import__("pathlib").Path(__file__).parent)
     # As a user's second run finds them: Python's bytecode cached (an environment that sets
     # PYTHONDONTWRITEBYTECODE, as this project's machines do, compiled flaxstate's 90 modules from source
     # at every import, 0.18 s), which one untimed run of each contender writes.
     env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    print(f"{'model':<6} {'tutorial s':>11} {'flaxstate s':>12}  ratio (median of pairs)")
+    print(f"{'model':<6} {'contender':<24} {'seconds':>8}  vs the tutorial (median of pairs)")
     for name in models:
-        seconds: dict[str, list[float]] = {"tutorial": [], "flaxstate": []}
+        seconds: dict[str, list[float]] = {which: [] for which in STARTERS}
         for index in range(-1, n):
-            order = ("tutorial", "flaxstate") if index % 2 == 0 else ("flaxstate", "tutorial")
+            order = STARTERS[index % 3 :] + STARTERS[: index % 3]
             for which in order:
                 code = STARTUP.format(folder=folder, model=name, which=which)
                 done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
                 if index >= 0:
                     seconds[which].append(json.loads(done.stdout.strip().splitlines()[-1]))
-        pairs = [f / t for f, t in zip(seconds["flaxstate"], seconds["tutorial"], strict=True)]
-        tutorial, flaxstate = (statistics.median(seconds[which]) for which in ("tutorial", "flaxstate"))
-        spread = f"{statistics.median(pairs):.2f}x ({min(pairs):.2f}-{max(pairs):.2f})"
-        print(f"{name:<6} {tutorial:>11.2f} {flaxstate:>12.2f}  {spread}")
+        for which in STARTERS:
+            pairs = [f / t for f, t in zip(seconds[which], seconds["tutorial"], strict=True)]
+            spread = f"{statistics.median(pairs):.2f}x ({min(pairs):.2f}-{max(pairs):.2f})"
+            print(f"{name:<6} {which:<24} {statistics.median(seconds[which]):>8.2f}  {spread}")
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ the parameters, which the gradients match):
 
 - `records`: with `record_memory="host"` (the default), a record holds a copy
   of the state and of its gradients, and two are held at once (the loop's
-  newest while the one before is still held by a save in flight): 2 (S + G).
+  newest while the one before is still held by a save in flight): 2 (S + G),
+  or 2 S where records carry no gradients (`record_gradients=False`).
   With `"device"`, none.
 - `save`: a save's staging and tensorstore's write buffers, `SAVE` x S; with
   `host_memory_budget=` B, at most B + `BUDGET_ALLOWANCE`.
@@ -114,6 +115,7 @@ def per_host(
     *,
     record_memory: str,
     replicated: bool,
+    record_gradients: bool = True,
     tier: LocalTier | None,
     devices: int | None,
     budget: HostMemoryBudget | None = None,
@@ -123,6 +125,7 @@ def per_host(
     Args:
         state_bytes, param_bytes: `process_bytes`.
         record_memory: `"host"` or `"device"`, as `TrainLoop` takes it.
+        record_gradients: whether records hold gradients, as `TrainLoop` takes it.
         replicated: whether other processes' data-parallel replicas hold every part of this process's.
         tier: the local tier (its directory, peer copies and keep), or `None` (none).
         devices: on a CPU target, the process's devices' bytes (its devices' memory is host memory); else `None`.
@@ -131,7 +134,7 @@ def per_host(
     """
     peers = tier.peers if tier is not None else 0
     sizes = {
-        "records": 2 * (state_bytes + param_bytes) if record_memory == "host" else 0,
+        "records": 2 * (state_bytes + param_bytes * record_gradients) if record_memory == "host" else 0,
         "save": _within(int(SAVE * state_bytes), budget),
         "peers": _within(int((EXCHANGE - 1 + peers) * state_bytes), budget) if peers and not replicated else 0,
         "restore": _within(int(RESTORE_READS * state_bytes), budget) + (state_bytes if devices is not None else 0),

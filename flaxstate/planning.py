@@ -188,6 +188,7 @@ def plan(
     input_sample: Any = None,
     device_memory: int | None = None,
     record_memory: str = "host",
+    record_gradients: bool = True,
     peers: int = 0,
     local_dir: str | os.PathLike[str] | LocalTier | None = None,
     local_keep: int = 1,
@@ -212,6 +213,8 @@ def plan(
         input_sample: the model's inputs for `init` (the batch's by default).
         device_memory: a device's memory in bytes (by default a known kind's).
         record_memory: where the loop's records hold their copy, as `TrainLoop` takes it.
+        record_gradients: whether the loop's records carry gradients, as `TrainLoop` takes it (their
+            host copies count in `per_host["records"]`).
         peers: the local tier's peer copies, as `CheckpointFileWriter` takes them (with `local_dir`).
         local_dir: the local tier's directory (its host memory counts where it is
             memory-backed, as `/dev/shm` is), or `None` for no local tier; or
@@ -242,6 +245,7 @@ def plan(
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
     record_memory = check_record_memory(record_memory, "plan")
+    record_gradients = settings.flag("plan", "record_gradients", record_gradients)
     tier = _local_tier(local_dir, local_keep, peers)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
@@ -293,6 +297,7 @@ def plan(
         state_bytes,
         param_bytes,
         record_memory=record_memory,
+        record_gradients=record_gradients,
         replicated=replicated,
         tier=tier,
         budget=host_memory_budget,

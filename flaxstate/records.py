@@ -302,7 +302,8 @@ class Checkpoint:
     Attributes:
         state: the train state: one copy of ordinary (un-stacked) arrays.
         grads: the gradients of the step's update (averaged across devices),
-            held as `state` is; `None` in a preempted record.
+            held as `state` is; `None` in a preempted record, and in every
+            record of a loop made with `record_gradients=False`.
         loss: the step's loss (averaged across devices).
         n_completed_steps: steps run since the previous record.
         step: the state's step (total updates applied).

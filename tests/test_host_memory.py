@@ -61,8 +61,9 @@ def test_each_kind_of_host_memory_follows_the_process_s_parts_and_the_options(tm
     assert on_devices.per_host["peers"] == int(host_memory.EXCHANGE * state_bytes)
     in_memory = "tmpfs" in filesystem("/dev/shm")
     assert on_devices.per_host["local_tier"] == (3 * 2 * state_bytes if in_memory else 0)  # keep + 1, two copies
-    on_disk = plan(local_dir=tmp_path / "not yet made", local_keep=2)
+    on_disk = plan(local_dir=tmp_path / "not yet made", local_keep=2, record_gradients=False)
     assert on_disk.per_host["local_tier"] == (3 * state_bytes if "tmpfs" in filesystem(tmp_path) else 0)
+    assert on_disk.per_host["records"] == 2 * state_bytes  # records without their gradients
 
 
 def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_refuses_what_the_writer_refuses():

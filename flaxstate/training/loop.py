@@ -91,6 +91,7 @@ class TrainLoop:
         axis_rules: AxisRules | None = None,
         partitioning: Partitioning | None = None,
         record_memory: str = "host",
+        record_gradients: bool = True,
         peak_flops_per_device: float | str | None = None,
         flops_per_step: float | str | Callable[[Any], float] | None = None,
         handle_preemption: bool = True,
@@ -137,6 +138,14 @@ class TrainLoop:
                 (instead of `devices=`, `mesh=` and `axis_rules=`).
             record_memory: where records (and `state`) hold their copy: `"host"`
                 or `"device"` (faster, room for the state twice; see `flaxstate.training.copies`).
+            record_gradients: whether records carry their last step's gradients
+                (`Checkpoint.grads`; else `None`). Where a record ends a
+                dispatch of one step, its gradients are a second compiled
+                program beside the update, with its own forward and backward
+                pass: without them a loop compiles and runs what a
+                hand-written step does (its first step sooner, and a record
+                every step without the second pass). The updates, losses and
+                fingerprints are the same either way, bit for bit.
             peak_flops_per_device: one device's peak FLOP/s, for records' MFU (a
                 number, or a string of one: YAML 1.1 reads 989e12 as "989e12"); by
                 default the known dense bfloat16 peak (`flaxstate.training.throughput`).
@@ -166,6 +175,7 @@ class TrainLoop:
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
         handle_preemption = settings.flag("TrainLoop", "handle_preemption", handle_preemption)
+        record_gradients = settings.flag("TrainLoop", "record_gradients", record_gradients)
         stdout = settings.flag("TrainLoop", "stdout", stdout)
         n_microbatches = self._schedule.n_microbatches  # checked
         max_device_batch = startup.check_max_device_batch("TrainLoop", max_device_batch, n_microbatches)
@@ -222,6 +232,7 @@ class TrainLoop:
                 state=begun.state,
                 rng=begun.rng,
                 given_flops=flops_per_step,
+                record_gradients=record_gradients,
             )
             self._recorder = Recorder.create(
                 placement=where,

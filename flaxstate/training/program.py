@@ -40,6 +40,9 @@ class Program:
             out (`unrolled`), whose lowering counts every microbatch's FLOPs.
         given_flops: the user's count of a step's FLOPs (`TrainLoop(flops_per_step=...)`):
             a number, or a function of the global batch's shapes; `None` to count the model's.
+        record_gradients: whether a record's dispatch also gives its last step's gradients
+            (`TrainLoop(record_gradients=...)`): with them, a record of one step runs a second
+            program, the gradients', beside the update (`update`); without, the update alone.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class Program:
         rng_impl: Any,
         counted_step: Callable[..., Any] | None = None,
         given_flops: float | Callable[[PyTree], float] | None = None,
+        record_gradients: bool = True,
     ) -> None:
         self._placement = placement
+        self.record_gradients = record_gradients
         self._train_step = train_step
         self._fenced_step = fenced_step
         self._counted_step = counted_step
@@ -81,6 +86,7 @@ class Program:
         state: PyTree,
         rng: jax.Array,
         given_flops: float | Callable[[PyTree], float] | None = None,
+        record_gradients: bool = True,
     ) -> Program:
         """The programs of `task`'s step on `placement`, for `state` (placed) and the run's key `rng`.
 
@@ -89,6 +95,7 @@ class Program:
             mutable: the collections the update may change.
             n_microbatches: M microbatches a step (see `step.microbatched`).
             given_flops: the user's count of a step's FLOPs, or `None` (see the class).
+            record_gradients: whether records carry their last step's gradients (see the class).
         """
         apply, loss = task.step_functions()
         train_step, fenced_step, counted_step = (
@@ -114,6 +121,7 @@ class Program:
             jax.random.key_impl(rng),
             counted_step if n_microbatches > 1 else None,
             given_flops,
+            record_gradients,
         )
 
     @property
@@ -121,17 +129,19 @@ class Program:
         """The state's shardings."""
         return self._shardings
 
-    def update(self, n_steps: int, gradients: bool = False) -> Callable[..., Any]:
+    def update(self, n_steps: int, gradients: bool = False, fingerprinted: bool = False) -> Callable[..., Any]:
         """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses)` of `n_steps` steps.
 
         The state is donated; `batches` are stacked along a leading axis of
         `n_steps` when it is more than one. With `gradients` (`n_steps` > 1)
-        the last step's gradients come out too, a record's, and then the new
-        state's fingerprint where records are fingerprinted (`fingerprints.ENABLED`;
-        see `step.update_program`). A `jax.jit` object: its `lower(...).compile()`
-        gives XLA's cost and memory analyses.
+        the last step's gradients come out too, a record's; with
+        `fingerprinted` (`n_steps` > 1, where records are fingerprinted:
+        `fingerprints.ENABLED`) then the new state's fingerprint (see
+        `step.update_program`; a record's dispatch runs `record_update`). A
+        `jax.jit` object: its `lower(...).compile()` gives XLA's cost and
+        memory analyses.
         """
-        fingerprinted = gradients and fingerprints.ENABLED
+        fingerprinted = fingerprinted and fingerprints.ENABLED and n_steps > 1
         key = n_steps, gradients, fingerprinted
         if key not in self._updates:
             train_step = self._fenced_step if n_steps > 1 else self._train_step
@@ -141,6 +151,11 @@ class Program:
                 program, self._shardings, stacked, gradients, fingerprinted
             )
         return self._updates[key]
+
+    def record_update(self, n_steps: int) -> Callable[..., Any]:
+        """The compiled update of a record's dispatch of `n_steps` > 1 steps: `(state_leaves, losses[, grads]
+        [, fingerprint])`, its last step's gradients where records carry them (`record_gradients`)."""
+        return self.update(n_steps, gradients=self.record_gradients, fingerprinted=True)
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The model FLOPs of one global step (computed once): the user's count, else the model's.
@@ -204,7 +219,8 @@ class Program:
 
     def compile_ahead(self, batch: Any, rng_data: Any, sizes: list[int]) -> None:
         """Compiles, at once on threads of their own, the programs a segment of dispatches of `sizes` steps calls
-        (its record the last), and the one-step update of XLA's FLOPs count (`xla_flops_per_step`).
+        (its record the last, with its fingerprint's where that is a call of its own), and the one-step update of
+        XLA's FLOPs count (`xla_flops_per_step`).
 
         One program after another, a run's first record of one step compiled the update and then its gradients'
         program (the same forward and backward pass): Flax's NNX tutorial's CNN took 1.45 times the tutorial's
@@ -223,8 +239,13 @@ class Program:
 
         record = sizes[-1] if sizes else 1
         programs: list[tuple[Any, int]] = [(self.update(n), n) for n in sorted(set(sizes[:-1]))]
-        programs.append((self.gradients(), 1) if record == 1 else (self.update(record, gradients=True), record))
+        if record > 1:
+            programs.append((self.record_update(record), record))
+        elif self.record_gradients:  # else the record's one step is the update's (the FLOPs count's job below)
+            programs.append((self.gradients(), 1))
         jobs = [lambda: self.xla_flops_per_step(batch, rng_data)]  # the one-step update, for its cost analysis
+        if record == 1 and fingerprints.ENABLED:  # a record of one step takes its fingerprint by a call of its own
+            jobs.append(lambda: fingerprints.compile_ahead(self._abstract_leaves))
         jobs += [
             functools.partial(lambda p, n: p.lower(self._abstract_leaves, stacked(n), rng_data).compile(), p, n)
             for p, n in programs

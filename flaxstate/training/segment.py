@@ -75,7 +75,7 @@ class Trained:
     """What a segment's training gives its record.
 
     Attributes:
-        grads: the last step's gradients (`None` after a preemption notice).
+        grads: the last step's gradients (`None` after a preemption notice, or where records carry none).
         fingerprint: the last state's fingerprint (`flaxstate.run_record.fingerprints.of_state`), where the record's
             dispatch computed it (K > 1); else `None`.
         loss: the last loss (`None` if no step ran).
@@ -329,8 +329,10 @@ class SegmentRunner:
         """Runs the dispatches of `sizes` steps each; returns the last step's gradients and state fingerprint.
 
         The last dispatch gives them: K steps by the update that also returns
-        its last step's and the fingerprint (`Program.update`), one step by the
-        gradients' program beside the update (no fingerprint: `None`). Between
+        its last step's and the fingerprint (`Program.record_update`), one step
+        by the gradients' program beside the update (no fingerprint: `None`).
+        Where records carry no gradients (`Program.record_gradients`), they
+        are `None`, and a record's one step is the update alone. Between
         dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`) and
         stops early on a preemption notice (returning `None` for both). The
         state and step are stored, and the batches trained committed, right
@@ -348,19 +350,20 @@ class SegmentRunner:
         for n_left in range(len(sizes) - 1, -1, -1):
             n, host_batch, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
-            compiled = (n, n_left == 0)  # the record's dispatch runs a program of its own
+            record = n_left == 0
+            compiled = (n, record and (n > 1 or self._program.record_gradients))  # a record's programs of its own
             if compiled in self._compiled:
                 watchdog.enter(Phase.DISPATCHING, step=self.step)
             else:  # the first dispatch of its kind compiles
                 watchdog.enter(Phase.COMPILING_UPDATE, f" of {n} steps", self.step)
                 self._compiled.add(compiled)
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
-                if n_left == 0 and n == 1:  # the record's gradients: its step's, before the update donates
+                if record and n == 1 and self._program.record_gradients:  # its step's, before the update donates
                     grads = self._program.gradients()(self.leaves, batch, self.rng_data)
-                if n_left == 0 and n > 1:  # K steps that also give the last one's gradients
-                    update = self._program.update(n, gradients=True)
-                    self.leaves, losses, grads, *fingerprinted = update(self.leaves, batch, self.rng_data)
-                    fingerprint = fingerprinted[0] if fingerprinted else None
+                if record and n > 1:  # K steps that also give the last one's gradients and the fingerprint
+                    self.leaves, losses, *outputs = self._program.record_update(n)(self.leaves, batch, self.rng_data)
+                    grads = outputs.pop(0) if self._program.record_gradients else None
+                    fingerprint = outputs[0] if outputs else None
                 else:
                     self.leaves, losses = updates[n](self.leaves, batch, self.rng_data)
             self.step += n

@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 import redex
-from flaxstate_testing import loops, processes, toy
+from flax import nnx
+from flaxstate_testing import loops, nnx_models, processes, toy
 
 import flaxstate as fs
 from flaxstate.training import segment
@@ -82,6 +83,40 @@ def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
     # The record's gradients are its last step's: those of the parameters before it, on its batch.
     assert_trees_match_handwritten(final.grads, jax.jit(grads_of)(last_params, *data[-1])[1])
     np.testing.assert_allclose(final.loss, float(loss), rtol=0 if ON_CPU else TOLERANCE["rtol"])
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 2])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_records_without_gradients_train_the_same_bits_and_compile_no_gradients_program(api, per_dispatch):
+    # Batch statistics in both; in NNX also dropout at call time and a Variable of the user's own.
+    def run(record_gradients):
+        options = {"record_gradients": record_gradients, "stdout": False}
+        if api == "linen":
+            loop = make_loop(model=MODEL, n_steps=6, every=2, per_dispatch=per_dispatch, **options)
+        else:
+            model = nnx_models.CNN(rngs=nnx.Rngs(0))
+            data = nnx_models.digits(6)
+            task = fs.TrainTask(apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_models.loss_fn, data=data)
+            loop = fs.TrainLoop(
+                init=model,
+                task=task,
+                rng=0,
+                n_steps=6,
+                n_steps_per_checkpoint=2,
+                n_steps_per_dispatch=per_dispatch,
+                **options,
+            )
+        return list(loop), loop
+
+    with_gradients, _ = run(True)
+    without, loop = run(False)
+    assert [r.grads is None for r in with_gradients + without] == [False] * 3 + [True] * 3
+    for a, b in zip(with_gradients, without, strict=True):
+        assert (a.step, a.loss, a.state_fingerprint) == (b.step, b.loss, b.state_fingerprint)
+        assert_trees_equal(a.state, b.state)
+    assert loop.program._gradients is None  # the record's step is the update alone: one program fewer to compile
+    with pytest.raises(ValueError, match="TrainLoop record_gradients must be True or False, got .no."):
+        make_loop(record_gradients="no")
 
 
 def test_records_at_multiples_of_n_and_at_the_last_step():
