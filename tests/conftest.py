@@ -113,3 +113,19 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     if _COMPILATION_CACHE is not None:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def cpu_burner():
+    """A process spinning on every core beside the test (users' machines are loaded), stopped by its pid after it."""
+    burner = subprocess.Popen(
+        ["bash", "-c", "for _ in $(seq $(nproc)); do (while :; do :; done) & done; wait"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield burner
+    finally:
+        os.killpg(burner.pid, 9)
+        burner.wait()

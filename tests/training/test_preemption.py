@@ -203,3 +203,36 @@ def test_sigterm_during_a_slow_evaluation_stops_it_at_its_next_batch_and_saves_t
     assert cut[1][1] == "0"
     assert preempted_steps(worker.output) == [20] and "record 30" not in worker.output
     assert newest_step(run_dir) == 20
+
+
+def test_a_notice_between_records_after_a_save_stops_two_processes_at_one_step_and_both_resume_bit_equal(
+    tmp_path, reference
+):
+    """The notice comes while both processes evaluate after their writer saved (orbax's save was each process's
+    last call into JAX's preemption sync point): both stop at one step, save it and exit 0."""
+    settings = {"global_batch": 8, "n_steps": 100, "per_dispatch": 5}
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), **settings)
+    config.update(slow_eval=0.25, eval_after_save=True)  # 10 s to evaluate: the notice reaches both meanwhile
+    port = processes.free_port()
+    workers = [processes.Watched(processes.start("resume", config, index, 2, port)) for index in (0, 1)]
+    try:
+        for worker in workers:
+            worker.wait_for("eval batch 2", timeout=180)
+        for worker in workers:
+            os.kill(worker.process.pid, signal.SIGTERM)  # during the evaluation at step 20, after its save
+        codes = [worker.finish(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            processes.kill(worker.process)
+    report = "\n".join(worker.output for worker in workers)
+    assert codes == [0, 0], report
+    stopped = [preempted_steps(worker.output) for worker in workers]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, report
+    [stopped_at] = stopped[0]
+    # At the first boundary after the evaluation: the loop's own count is the one JAX's sync point follows (with
+    # orbax's save asking it too, with the step's number, these stopped at step 70 or trained to the end).
+    assert stopped_at == 20, report
+    assert newest_step(run_dir) == stopped_at
+    restarted = restart(tmp_path, run_dir, stopped_at, n_processes=2, **settings)
+    assert_equal_files(restarted, reference(n_processes=2, **settings))

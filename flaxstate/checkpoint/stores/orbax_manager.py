@@ -16,6 +16,7 @@ gained 6% of the bytes of a trained float32 state (`benchmarks/checkpoint.py`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +52,27 @@ from flaxstate.locations import as_path
 logger = logging.getLogger("flaxstate")
 COMMIT_SUCCESS_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 """The file orbax writes last into a step in a bucket, which has no rename: a step without it is unfinished."""
+
+
+def barrier_prefix(directory: Path) -> str:
+    """The prefix of orbax's barrier names for the saves of one directory: its own, so that two writers of a
+    process (the run's, the best one's, a tier's) can save the same step at once on several processes (with one
+    namespace, the second's `async_commit_complete.<step>` barrier is "already ongoing"). Made from the directory
+    alone, so that every process, and a restarted run's processes, agree on it."""
+    return "flaxstate-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+
+
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager without its own preemption check: the loop decides when a preemption notice stops the run.
+
+    JAX's preemption sync point counts the calls of one process with the number each caller passes: orbax's
+    `save(step)` asks with the step, the loop with its own count of checks, and once orbax's larger number had been
+    the process's last, the sync point JAX set was one the loop's count had passed: a notice that came between
+    records was never acted on (`flaxstate.training.interrupts`).
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
 
 
 class CheckpointStore(saving.SaveSlot):
@@ -93,13 +115,14 @@ class CheckpointStore(saving.SaveSlot):
             max_to_keep=keep,
             create=not read_only,
             enable_async_checkpointing=not (read_only or self._own_thread),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=barrier_prefix(self.directory)
+            ),
             **best_options,
         )
         damage.quiet_orbax()
         self._manager = _listing(
-            lambda: ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=layout.handlers(host_memory_budget)
-            ),
+            lambda: _Manager(self.directory, options=options, item_handlers=layout.handlers(host_memory_budget)),
             self.directory,
         )
         self._listed = True

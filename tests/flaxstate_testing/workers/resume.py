@@ -190,6 +190,7 @@ local = (
 )
 process = redex.combinator.serial(logger, local, writer)
 if config.get("slow_eval"):  # an evaluation of 40 batches, `slow_eval` seconds each, at the record of step 20
+    # (after the writers with `eval_after_save`)
 
     def slow_eval_data():
         for index in range(10**6):
@@ -203,11 +204,13 @@ if config.get("slow_eval"):  # an evaluation of 40 batches, `slow_eval` seconds 
     train_only = process
 
     def process(record):
+        if config.get("eval_after_save"):  # the writers first: orbax's save is the process's last call into JAX
+            record = train_only(record)
         if record.step == 20 or record.preempted:
             record = evaluate(record)
             for done, asked in record.evaluation_cut_short.values():
                 print(f"evaluation of {record.step} cut short: {done} of {asked}", flush=True)
-        return train_only(record)
+        return record if config.get("eval_after_save") else train_only(record)
 
 
 for checkpoint in loop:
