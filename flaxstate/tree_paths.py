@@ -32,9 +32,30 @@ def path_name(key_path: Iterable[Any]) -> str:
 
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dict[str, Any]:
-    """Returns `{path: leaf}` for every leaf of `tree`, paths '/'-joined."""
+    """Returns `{path: leaf}` for every leaf of `tree`, paths '/'-joined.
+
+    Raises:
+        ValueError: two leaves whose paths join to one name (a key that holds '/', as linen allows:
+            `{"enc/proj": {"kernel"}}` beside `{"enc": {"proj": {"kernel"}}}`), naming both; one would be lost.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    return {path_name(key_path): leaf for key_path, leaf in leaves}
+    flat = {path_name(key_path): leaf for key_path, leaf in leaves}
+    if len(flat) < len(leaves):
+        seen: dict[str, Any] = {}
+        for key_path, _ in leaves:
+            name = path_name(key_path)
+            if name in seen:
+                raise ValueError(
+                    f"two leaves of the tree join to the path {name!r}: {_keys(seen[name])} and {_keys(key_path)} "
+                    "(a key holds '/'); rename one of them so that every '/'-joined path names one leaf."
+                )
+            seen[name] = key_path
+    return flat
+
+
+def _keys(key_path: Iterable[Any]) -> str:
+    """A key path as its keys, e.g. `['enc/proj']['kernel']`."""
+    return "".join(f"[{key_name(key)!r}]" for key in key_path)
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -63,6 +63,8 @@ _KINDS: dict[str, Any] = {
 _DTYPES = {name: np.dtype(kind) for name, kind in _KINDS.items()}
 """The safetensors dtype names that numpy holds, as numpy dtypes."""
 _NAMES = {kind: name for name, kind in _DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header safetensors reads (its `MAX_HEADER_SIZE`): a file in a bucket is held to it too."""
 READ_BYTES = 2**28
 """The most bytes of tensors an export reads at once (a larger tensor alone): what it holds, not a shard."""
 
@@ -464,11 +466,23 @@ class SafetensorsReader:
         from safetensors import safe_open
 
         flat = tree_paths.flatten(template)
+        weight_map = _weight_map(self.path) if not self.path.is_file() else None
         with contextlib.ExitStack() as opened:
-            handles = {
-                file: _InBucket(file) if locations.is_url(file) else opened.enter_context(safe_open(str(file), "numpy"))
-                for file in self._files
-            }
+            handles = {file: _opened(file, opened) for file in self._files}
+            holders: dict[str, Path] = {}
+            for file, handle in handles.items():
+                for name in handle.keys():
+                    if name in holders:
+                        raise ValueError(
+                            f"SafetensorsReader: the tensor {name!r} is in both {holders[name]} and {file}; remove "
+                            "the stale file, or give the one to read."
+                        )
+                    holders[name] = file
+                    if weight_map is not None and weight_map.get(name) != file.name:
+                        raise ValueError(
+                            f"SafetensorsReader: {file} holds the tensor {name!r}, which {self.path / INDEX} gives "
+                            f"to {weight_map.get(name) or 'no file'}; export the folder again, or mend its index."
+                        )
             stored = {}  # tree path -> (file, name, shape in the file, dtype in the file)
             unexpected = []
             for file, handle in handles.items():
@@ -557,6 +571,22 @@ class SafetensorsReader:
         return jax.make_array_from_callback(shape, sharding, part)
 
 
+def _opened(file: Path, opened: contextlib.ExitStack) -> Any:
+    """A file's reader: `_InBucket` for a bucket's (checked as `safe_open` checks one), else `safe_open`'s own.
+
+    Raises:
+        ValueError: a file that is not safetensors (cut, a bad header), naming it.
+    """
+    if locations.is_url(file):
+        return _InBucket(file)
+    from safetensors import safe_open
+
+    try:
+        return opened.enter_context(safe_open(str(file), "numpy"))
+    except Exception as error:  # safetensors_rust.SafetensorError, which names no file
+        raise ValueError(f"{file} is not a safetensors file that can be read: {error}.") from error
+
+
 class _InBucket:
     """A safetensors file in a bucket, read as `safe_open` reads one on a disk: its header once, then only the
     byte ranges of the parts asked for, each one ranged request (`locations.read_range`).
@@ -567,10 +597,62 @@ class _InBucket:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        size = locations.size(path)
+        if size < 8:
+            raise self._refused(f"it holds {size} bytes, fewer than the 8 of a header's length (a cut or empty file)")
         (length,) = struct.unpack("<Q", locations.read_range(path, 0, 8))
-        self._header = json.loads(locations.read_range(path, 8, 8 + length))
-        self._header.pop("__metadata__", None)
+        if length > MAX_HEADER_BYTES:
+            raise self._refused(f"its header's length is {length} bytes, more than safetensors' {MAX_HEADER_BYTES}")
+        if 8 + length > size:
+            raise self._refused(f"its header's length is {length} bytes, past the end of its {size} (a cut file)")
+        try:
+            header = json.loads(locations.read_range(path, 8, 8 + length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._refused(f"its header is not UTF-8 JSON ({error})") from None
+        if not isinstance(header, dict):
+            raise self._refused(f"its header is a JSON {type(header).__name__}, not an object")
+        header.pop("__metadata__", None)
+        self._header = {name: self._checked(name, entry) for name, entry in header.items()}
+        end = 0
+        for name, (start, stop) in sorted(
+            ((name, entry["data_offsets"]) for name, entry in self._header.items()), key=lambda item: item[1]
+        ):
+            if start != end:
+                fault = "overlaps the tensor before it" if start < end else f"leaves bytes {end}-{start} unread"
+                raise self._refused(f"{name!r}'s data_offsets [{start}, {stop}] {fault}")
+            end = stop
+        if 8 + length + end != size:
+            raise self._refused(
+                f"its tensors end at byte {8 + length + end} of the file and the file has {size} (cut, or extra bytes)"
+            )
         self._data = 8 + length
+
+    def _refused(self, fault: str) -> ValueError:
+        return ValueError(f"{self.path} is not a safetensors file that can be read: {fault}.")
+
+    def _checked(self, name: str, entry: Any) -> dict[str, Any]:
+        """One tensor's header entry, checked as `safe_open` checks it."""
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise self._refused(f"the header's entry of {name!r} is not an object with dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _DTYPES:
+            raise self._refused(f"{name!r} has the dtype {dtype!r}, which is none of {', '.join(_DTYPES)}")
+        if not isinstance(shape, list) or not all(type(size) is int and size >= 0 for size in shape):
+            raise self._refused(f"{name!r} has the shape {shape!r}, not a list of sizes")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(offset) is int for offset in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise self._refused(f"{name!r} has the data_offsets {offsets!r}, not [start, end] with start <= end")
+        expected = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise self._refused(
+                f"{name!r}'s data_offsets {offsets} cover {offsets[1] - offsets[0]} bytes; its shape {shape} of "
+                f"{dtype} takes {expected}"
+            )
+        return entry
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -610,17 +692,47 @@ class _BucketTensor:
         return rows[(slice(None), *tuple(index)[1:])]
 
 
+def _weight_map(folder: Path) -> dict[str, str] | None:
+    """A folder's index: `{tensor name: file name}`, each file a plain name in the folder; `None` without one.
+
+    Raises:
+        ValueError: an index that is not JSON, whose `weight_map` is not an object of names, or that names a file
+            outside the folder (a path, '..'), naming the index and the entry.
+    """
+    index = folder / INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a safetensors index: not a JSON object ({error}).") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()
+    ):
+        raise ValueError(
+            f"{index} is not a safetensors index: its weight_map is {type(weight_map).__name__}, not an object "
+            "of tensor names to file names."
+        )
+    for name, file in weight_map.items():
+        if file in ("", ".", "..") or "/" in file or "\\" in file or not file.endswith(".safetensors"):
+            raise ValueError(
+                f"{index} maps {name!r} to {file!r}: only the name of a .safetensors file in {folder} is followed, "
+                "never a path."
+            )
+    return weight_map
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     """The files of a `.safetensors` file or folder (a folder's index lists its shards).
 
     Raises:
-        ValueError: neither a `.safetensors` file nor a folder holding them.
+        ValueError: neither a `.safetensors` file nor a folder holding them; a malformed index.
     """
     if path.is_file() and path.suffix == ".safetensors":
         return [path]
     if path.is_dir():
-        if (path / INDEX).is_file():
-            weight_map = json.loads((path / INDEX).read_text()).get("weight_map") or {}
+        weight_map = _weight_map(path)
+        if weight_map is not None:
             return [path / name for name in sorted(set(weight_map.values()))]
         files = sorted(path.glob("*.safetensors"))
         if files:

@@ -1,6 +1,8 @@
 """Export to safetensors: what the `safetensors` package's own API reads back from a run, a record or a state."""
 
 import json
+import re
+import types
 
 import flax.linen as nn
 import jax
@@ -377,3 +379,99 @@ def test_a_file_in_a_bucket_is_read_by_byte_ranges_of_the_rows_each_part_covers(
             ((start, end),) = ranges
             rows = index[0]
             assert end - start == (rows.stop - rows.start) * 5 * 4, index  # its rows' bytes, one request
+
+
+def test_two_param_paths_that_join_to_one_name_are_refused_naming_both_before_a_file_is_written(tmp_path):
+    params = {"enc/proj": {"kernel": np.ones((2, 2), np.float32)}, "enc": {"proj": {"kernel": np.zeros((2, 2))}}}
+    joined = r"join to the path 'enc/proj/kernel': \['enc'\]\['proj'\]\['kernel'\] and \['enc/proj'\]\['kernel'\]"
+    with pytest.raises(ValueError, match=joined):  # the state refuses them: every '/'-joined name is one leaf's
+        fs.export_safetensors(fs.FlaxOptimTrainState.create(optax.sgd(0.1), {"params": params}), tmp_path / "out")
+    with pytest.raises(ValueError, match=joined):
+        fs.export_safetensors(types.SimpleNamespace(params=params, step=3), tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    safetensors.numpy.save_file({"enc/proj/kernel": np.ones((2, 2), np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(ValueError, match=joined):
+        fs.SafetensorsReader(tmp_path / "m.safetensors", target=None).params(params)
+
+
+def raw_safetensors(path, header, data=b"", length=None):
+    """A file laid out as safetensors lays one out, with whatever header (and header length) it is given."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") if length is None else length.to_bytes(8, "little"))
+    with open(path, "ab") as file:
+        file.write(text + data)
+    return path
+
+
+HOSTILE = {
+    "overlapping offsets": (
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), None, "overlaps the tensor before"),
+    "offsets shorter than the shape": (
+        {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, bytes(8), None, "cover 8 bytes; its shape"),
+    "offsets past the end": (
+        {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8), None, "the file has"),
+    "a header length of 2^60": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), 2**60,
+                                "more than safetensors'"),
+    "a header that is not JSON": (b"{not json", b"", None, "not UTF-8 JSON"),
+    "an unknown dtype": ({"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), None,
+                         "the dtype 'F7'"),
+    "a cut file": ({"a": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}, bytes(100), None,
+                   "the file has"),
+    "a header cut short": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"", 10**6, "a cut file"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_bucket_s_file_is_checked_as_safe_open_checks_one_and_refused_naming_it_and_the_fault(tmp_path, case):
+    # `_InBucket` reads through `locations.read_range`, the same on a disk as in a bucket; safetensors' own reader
+    # (`safe_open`) refuses each of these files too.
+    header, data, length, fault = HOSTILE[case]
+    path = raw_safetensors(tmp_path / "model.safetensors", header, data, length)
+    with pytest.raises(Exception):  # noqa: B017  (safetensors_rust.SafetensorError)
+        safe_open(str(path), "numpy")
+    with pytest.raises(ValueError, match=rf"{path} is not a safetensors file that can be read: .*{re.escape(fault)}"):
+        weights._InBucket(path)
+    with pytest.raises(ValueError, match=rf"{path} is not a safetensors file that can be read"):  # on a disk
+        fs.SafetensorsReader(path, target=None).params({"a": np.zeros((1,), np.float32)})
+
+
+def test_an_empty_object_is_refused_and_a_good_file_read_whole(tmp_path):
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds 0 bytes"):
+        weights._InBucket(tmp_path / "empty.safetensors")
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "z": np.zeros((0, 4), np.int8)}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "good.safetensors"), metadata={"format": "np"})
+    np.testing.assert_array_equal(weights._InBucket(tmp_path / "good.safetensors").get_tensor("a"), tensors["a"])
+
+
+def test_an_index_is_followed_only_to_files_in_its_folder_and_a_tensor_in_two_files_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    safetensors.numpy.save_file({"w": np.ones((2,), np.float32)}, str(tmp_path / "elsewhere" / "model.safetensors"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    target = {"w": np.zeros((2,), np.float32)}
+    for entry in ["../elsewhere/model.safetensors", "/etc/passwd", "sub/model.safetensors", "..", "passwd"]:
+        (folder / weights.INDEX).write_text(json.dumps({"weight_map": {"w": entry}}))
+        with pytest.raises(ValueError, match=rf"maps 'w' to {re.escape(repr(entry))}: only the name of a"):
+            fs.SafetensorsReader(folder, target=None).params(target)
+    for text, fault in [("{not json", "not a JSON object"), ('{"weight_map": ["w"]}', "its weight_map is list"),
+                        ("[1]", "not a JSON object")]:  # fmt: skip
+        (folder / weights.INDEX).write_text(text)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(folder / weights.INDEX))} is not .*{fault}"):
+            fs.SafetensorsReader(folder, target=None)
+    (folder / weights.INDEX).unlink()
+    safetensors.numpy.save_file({"w": np.ones((2,), np.float32)}, str(folder / "model.safetensors"))
+    safetensors.numpy.save_file({"w": np.full((2,), 9, np.float32)}, str(folder / "model_old.safetensors"))
+    with pytest.raises(ValueError, match="the tensor 'w' is in both .*model.safetensors and .*model_old.safetensors"):
+        fs.SafetensorsReader(folder, target=None).params(target)
+    (folder / weights.INDEX).write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    np.testing.assert_array_equal(fs.SafetensorsReader(folder, target=None).params(target)["w"], np.ones(2))
+    safetensors.numpy.save_file({"w": np.ones((2,), np.float32), "v": np.ones((1,), np.float32)},
+                                str(folder / "model.safetensors"))  # fmt: skip
+    safetensors.numpy.save_file({"v": np.ones((1,), np.float32)}, str(folder / "model-2.safetensors"))
+    (folder / weights.INDEX).write_text(
+        json.dumps({"weight_map": {"w": "model.safetensors", "v": "model-2.safetensors"}})
+    )
+    with pytest.raises(ValueError, match="'v' is in both|holds the tensor 'v', which .* gives to model-2"):
+        fs.SafetensorsReader(folder, target=None).params({**target, "v": np.zeros((1,), np.float32)})
