@@ -9,8 +9,9 @@ and output, and reading every loss back cost more than a small step
 (`benchmarks/loop_overhead.py`, tiny MLP; benchmarks/RESULTS.md).
 
 With a spike factor (`fs.Rollback(spike=f)`) the same check also finds the
-first finite loss above `f` times the median of the `window` losses before
-it, carrying the last `window` losses from check to check (and from record to
+first finite loss that rises above the median of the `window` losses before
+it by more than `f - 1` times the median's size (above `f` times the median,
+for a positive loss), carrying the last `window` losses from check to check (and from record to
 record) on the devices.
 """
 
@@ -106,8 +107,9 @@ def _order_statistics(rows: jax.Array, ranks: tuple[int, ...]) -> list[jax.Array
 def _first_spike(
     losses: tuple[jax.Array, ...], history: jax.Array, n_valid: int, window: int, factor: float
 ) -> tuple[jax.Array, jax.Array]:
-    """The index of the first loss above `factor` times the median of the `window` losses before it (or -1), and
-    the last `window` losses (the history the next check continues).
+    """The index of the first loss that rises above the median of the `window` losses before it by more than
+    `factor - 1` times the median's size (for a positive median: above `factor` times it), or -1; and the last
+    `window` losses (the history the next check continues).
 
     `history` holds the `window` losses before these, nan where there were none (before the window fills: no loss
     is judged whose window holds a nan, or a non-finite loss that loss scaling passed).
@@ -118,7 +120,11 @@ def _first_spike(
     windows = laid[jnp.arange(n_valid)[:, None] + jnp.arange(window)[None, :]]
     judged = jnp.all(jnp.isfinite(windows), axis=1)
     lower, upper = _order_statistics(jnp.where(judged[:, None], windows, 0.0), ((window - 1) // 2, window // 2))
-    spikes = judged & (values > factor * (lower + upper) / 2)
+    median = (lower + upper) / 2
+    # The rise above the median, against (f - 1) times its size: above f times the median for a positive loss, and
+    # never on a flat loss whatever its sign (log-likelihoods, ELBOs and GAN losses are often <= 0).
+    rise = jnp.where(median > 0, values > factor * median, values - median > (factor - 1) * jnp.abs(median))
+    spikes = judged & rise
     return jnp.where(jnp.any(spikes), jnp.argmax(spikes).astype(jnp.int32), -1), laid[n_valid:]
 
 

@@ -49,7 +49,10 @@ class Rollback:
             without a `Rollback`, naming the rollbacks made.
         spike: `f`: a finite loss above `f` times the median of the previous
             `window` steps' losses is bad too (judged from step `window + 1`
-            on); `None`: only non-finite losses are.
+            on); `None`: only non-finite losses are. Judged as the rise above
+            the median: more than `f - 1` times the median's size, so that a
+            loss <= 0 (a log-likelihood, an ELBO) spikes when it rises as far,
+            and a flat loss never does, whatever its sign.
         window: the steps whose median a loss is held against (`spike`).
         lr_scale: the learning rate is multiplied by this at each rollback,
             where the optimizer was built with `optax.inject_hyperparams`

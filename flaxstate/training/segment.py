@@ -264,6 +264,8 @@ class SegmentRunner:
         n_skipped = self._data.roll_back(point.position, bad.step - point.step)
         entry = rollback.entry(bad, point.step, range(point.step + 1, point.step + 1 + n_skipped))
         self.rollbacks.append(entry)
+        # A second rollback to this point counts its skip from where the data stands now, past this one's.
+        point = self._point = dataclasses.replace(point, position=self._data.position())
         state = point.state
         if policy.lr_scale is not None:
             state = rollback.scaled(state, policy.lr_scale)

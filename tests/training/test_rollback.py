@@ -203,3 +203,50 @@ def test_bad_rollback_settings_are_refused_before_any_training():
         with pytest.raises(ValueError, match=message):
             made()
     assert dataclasses.replace(fs.Rollback(), spike=2).spike == 2.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("source", ["list", "global_batches"])
+def test_a_second_bad_batch_before_the_next_record_skips_on_from_the_first_rollback_s_skip(kind, source):
+    # Records every 10 steps from step 4 on... every 4: a nan at batch 5 (step 6) goes back to step 4 and skips
+    # batches 4-5; step 8 then trains batch 9, also bad: back to step 4 again, skipping batches 6-9 of the data as
+    # it stands after the first skip. The run ends as one on data without batches 4-9, bit for bit.
+    x = np.concatenate([batch[0] for batch in toy.batches(40, 8)])
+    y = np.concatenate([batch[1] for batch in toy.batches(40, 8)])
+    poisoned_x = x.copy()
+    for bad in (5, 9):
+        poisoned_x[bad * 8 : (bad + 1) * 8] = np.inf
+    make = {
+        "list": lambda x, y: [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)],
+        "global_batches": lambda x, y: fs.global_batches((x, y), batch_size=8, shuffle=False),
+    }[source]
+    records = list(loop_of(kind, make(poisoned_x, y), n_steps=16, every=4, rollback=fs.Rollback(max_rollbacks=2)))
+    assert [record.step for record in records] == [4, 8, 12, 16]
+    assert records[-1].rollbacks == (
+        {"at_step": 6, "to_step": 4, "reason": "nonfinite", "skipped_steps": [5, 6]},
+        {"at_step": 8, "to_step": 4, "reason": "nonfinite", "skipped_steps": [5, 6, 7, 8]},
+    )
+    assert records[-1].data_position["n_batches"] == 16 + 6
+    reference = list(loop_of(kind, make(*arrays_without(range(4, 10), x, y)), n_steps=16, every=4))
+    assert_same_bits(records[-1].state, reference[-1].state)
+
+
+def test_a_spike_is_a_rise_above_the_median_whatever_the_loss_s_sign():
+    # A smooth loss of mse - 100 (all < 0) never spikes; the same loss with one batch's targets far off does, at
+    # the step a positive loss with the same rise would.
+    def shifted(predictions, targets):
+        return toy.mse(predictions, targets) - 100.0
+
+    def loop(data):
+        init, apply = model_of("linen")
+        task = fs.TrainTask(apply=apply, optimizer=optax.adam(1e-2), loss=shifted, data=data)
+        policy = fs.Rollback(spike=3.0, window=4)
+        return fs.TrainLoop(init, task, 0, n_steps=20, n_steps_per_checkpoint=5, stdout=False, rollback=policy)
+
+    data = toy.batches(40, 8)
+    assert list(loop(data))[-1].rollbacks == ()
+    x, y = data[11]
+    data[11] = (x, y + 1e3)  # step 12: a rise of about 1e6 above a median near -99
+    assert list(loop(data))[-1].rollbacks == (
+        {"at_step": 12, "to_step": 10, "reason": "spike", "skipped_steps": [11, 12]},
+    )
