@@ -1,3 +1,4 @@
+import copy
 import gc
 import json
 
@@ -86,10 +87,9 @@ def test_nnx_batch_statistics_and_dropout_are_handled():
 # The module itself as the model: Flax's NNX MNIST tutorial's CNN, loss_fn(model, batch, rngs) and dict batches.
 
 
-def cnn_loop(model, n_steps=8, rng=0, init=None, **options):
-    task = fs.TrainTask(
-        apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_models.loss_fn, data=nnx_models.digits(n_steps)
-    )
+def cnn_loop(model, n_steps=8, rng=0, init=None, data=None, **options):
+    data = nnx_models.digits(n_steps) if data is None else data
+    task = fs.TrainTask(apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_models.loss_fn, data=data)
     return fs.TrainLoop(
         init=model if init is None else init, task=task, rng=rng, n_steps=n_steps, stdout=False, **options
     )
@@ -347,3 +347,28 @@ def test_plain_orbax_reads_an_nnx_run_s_step_with_the_documented_template(tmp_pa
     expected = {"target": record.state.params, "flax_mutables": record.state.flax_mutables}
     for path, value in fs.tree_paths.flatten(expected).items():
         np.testing.assert_array_equal(fs.tree_paths.flatten(restored)[path], value, err_msg=path)
+
+
+def test_whole_batches_are_fingerprinted_leaf_by_leaf_tuples_and_dicts_alike():
+    # `loss_fn(model, batch)` gets the batch whole: a tuple `(x, y)` crashed the data's digest at step 1, and a dict's
+    # digest read its leaves as Python objects (another copy of the same data fingerprinted differently).
+    def tuple_loss(model, batch):
+        x, y = batch
+        return toy.mse(model(x), y)
+
+    def fingerprints(data, **options):
+        model = nnx_models.MLP(nnx.Rngs(0))
+        task = fs.TrainTask(apply=model, optimizer=optax.sgd(0.1), loss=tuple_loss, data=data)
+        loop = fs.TrainLoop(model, task, 0, n_steps=4, n_steps_per_checkpoint=2, stdout=False, **options)
+        return [record.data_fingerprint for record in loop]
+
+    data = toy.batches(4, 8)
+    assert fingerprints(data) == fingerprints(copy.deepcopy(data)) == fingerprints(data, n_steps_per_dispatch=2)
+    assert None not in fingerprints(data)
+    changed = copy.deepcopy(data)
+    changed[2][0][0, 0] += 1.0  # the first batch of the second record's span
+    assert fingerprints(changed)[0] == fingerprints(data)[0] and fingerprints(changed)[1] != fingerprints(data)[1]
+    dicts = nnx_models.digits(4)
+    dict_prints = [record.data_fingerprint for record in cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), 4, data=dicts)]
+    again = [r.data_fingerprint for r in cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), 4, data=copy.deepcopy(dicts))]
+    assert dict_prints == again and None not in dict_prints

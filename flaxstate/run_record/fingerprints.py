@@ -170,8 +170,25 @@ def first_of(batch: tuple[tuple[Any, ...], tuple[Any, ...]], n_batches: int) -> 
     leaf's first row (a leaf on the devices is kept as it is, and not read)."""
     if n_batches == 1:
         return batch
-    inputs, targets = (tuple(leaf[0] if isinstance(leaf, np.ndarray) else leaf for leaf in part) for part in batch)
+    inputs, targets = (tuple(_first_row(leaf) for leaf in part) for part in batch)
     return inputs, targets
+
+
+def _first_row(leaf: Any) -> Any:
+    """A host leaf's first row; a whole batch (NNX's `loss_fn(model, batch)`: a dict, a tuple) leaf by leaf."""
+    if isinstance(leaf, np.ndarray):
+        return leaf[0]
+    if isinstance(leaf, jax.Array):
+        return leaf
+    return jax.tree.map(lambda each: each[0] if isinstance(each, np.ndarray) else each, leaf)
+
+
+def _array_leaves(part: tuple[Any, ...]) -> Any:
+    """A batch part's arrays: the part itself, or the leaves of a whole batch it holds (a dict, a tuple of arrays)."""
+    for leaf in part:
+        if not isinstance(leaf, np.ndarray | jax.Array):
+            return jax.tree.leaves(part)
+    return part
 
 
 class BatchDigest:
@@ -192,7 +209,8 @@ class BatchDigest:
         self._unknown = False
 
     def add(self, batch: tuple[tuple[Any, ...], tuple[Any, ...]], n_batches: int = 1) -> None:
-        """Adds one dispatch's batch, `(inputs, targets)` (`flaxstate.training.batching.normalize`'s form).
+        """Adds one dispatch's batch, `(inputs, targets)` (`flaxstate.training.batching.normalize`'s form; a whole
+        batch, NNX's, is digested leaf by leaf).
 
         Args:
             n_batches: the batches stacked in it, on each leaf's first axis (K of a dispatch of K steps).
@@ -200,7 +218,7 @@ class BatchDigest:
         crcs = self._crcs
         index = 0
         for part in batch:  # in the loop's thread at every dispatch: 0.8 us for two small leaves (a byte view of
-            for leaf in part:  # each took 1.3 us, and numpy gives none of bfloat16's): the arrays' own buffers
+            for leaf in _array_leaves(part):  # each took 1.3 us, and numpy gives none of bfloat16's): their buffers
                 if index == len(crcs):
                     crcs.append(0)
                 if isinstance(leaf, jax.Array):
