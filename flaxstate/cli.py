@@ -31,7 +31,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from flaxstate import launch, plotting, weights
-from flaxstate.checkpoint.catalog import TOP_CHANGED, describe_state, diff_checkpoints, list_checkpoints
+from flaxstate.checkpoint.catalog import (
+    TOP_CHANGED,
+    describe_state,
+    diff_checkpoints,
+    holds_local_tier,
+    list_checkpoints,
+    newest_writer,
+)
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
@@ -111,7 +118,7 @@ def command_show(args: argparse.Namespace) -> None:
     ]
     n_params = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.startswith("target/"))
     param_bytes = sum(leaf.bytes for leaf in leaves if leaf.path.startswith("target/"))
-    print(f"checkpoint {args.dir / str(step)} (format {meta['format_version']})")
+    print(f"checkpoint {newest_writer(args.dir) / str(step)} (format {meta['format_version']})")
     print(_table(rows))
     print(
         f"parameters: {n_params:,} ({format_bytes(param_bytes)}); "
@@ -170,6 +177,11 @@ def _ledger_events(run_dir: Path) -> tuple[Path, list[dict]]:
     try:
         return path, ledger.run_events(run_dir)
     except FileNotFoundError:
+        if holds_local_tier(run_dir):
+            raise UsageError(
+                f"{run_dir} is a local tier's directory (CheckpointFileWriter(..., per_process=True)): `flaxstate ls` "
+                "lists its steps; the goodput ledger is kept by the run's persistent writer: give its directory."
+            ) from None
         raise UsageError(
             f"{path} does not exist: a run's CheckpointFileWriter(output_dir) keeps its goodput ledger there "
             "(unless made with ledger=False); give the run's directory."

@@ -22,7 +22,8 @@ from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import is_empty_or_missing, is_step_entry
 from flaxstate.checkpoint.steps import StepKind
 from flaxstate.checkpoint.stores import Store, open_store
-from flaxstate.locations import run_directory, tree_size
+from flaxstate.checkpoint.stores.packed import META_FILE, step_numbers
+from flaxstate.locations import is_url, run_directory, tree_size
 from flaxstate.run_record import environment
 
 logger = logging.getLogger("flaxstate")
@@ -140,7 +141,7 @@ def stored_step(
     Raises:
         CheckpointError: no such directory, not a run, or no such step.
     """
-    with _open(_newest_writer(run_dir)) as store:
+    with _open(newest_writer(run_dir)) as store:
         yield (
             store,
             *steps.read_first(
@@ -154,10 +155,26 @@ def stored_step(
 
 
 def _open(directory: Path) -> Store:
-    return open_store(directory, per_process=False, read_only=True)
+    return open_store(directory, per_process=is_local_tier(directory), read_only=True)
 
 
-def _newest_writer(run_dir: str | Path) -> Path:
+def holds_local_tier(run_dir: Path) -> bool:
+    """Whether `run_dir` is a local tier's directory (`d`, or its `d/process-<i>`), not a run's."""
+    if is_url(run_dir) or not run_dir.is_dir():
+        return False
+    return any(is_local_tier(directory) for _, directory in _writer_dirs(run_dir))
+
+
+def is_local_tier(directory: Path) -> bool:
+    """Whether `directory` holds a process's local steps (`CheckpointFileWriter(d, per_process=True)`'s
+    `d/process-<i>`): packed files (`meta.json`, `arrays.bin`), which orbax's reader would call damaged."""
+    if is_url(directory):
+        return False
+    listed = step_numbers(directory)
+    return bool(listed) and (directory / str(listed[-1]) / META_FILE).is_file()
+
+
+def newest_writer(run_dir: str | Path) -> Path:
     """The directory of the run's newest-checkpoint writer (else of its first best writer)."""
     writers = dict(_check_run_dir(run_directory(run_dir, "flaxstate's catalog")))
     return writers.get(NEWEST) or next(iter(writers.values()))
@@ -244,7 +261,7 @@ def diff_checkpoints(
     Raises:
         CheckpointError: a directory that is not a run, or no such step.
     """
-    with _open(_newest_writer(a)) as store_a, _open(_newest_writer(b)) as store_b:
+    with _open(newest_writer(a)) as store_a, _open(newest_writer(b)) as store_b:
 
         def compare() -> CheckpointDiff:  # again from the listing when a step vanished meanwhile
             return _diff(store_a, _pick(store_a, step_a), store_b, _pick(store_b, step_b))
