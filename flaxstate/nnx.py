@@ -209,6 +209,24 @@ class _Slot:
         return value if self.key_impl is None else jax.random.wrap_key_data(value, impl=self.key_impl)
 
 
+def _device_index() -> jax.Array | None:
+    """The device's index in a per-device step of several devices (`training.placement`'s map), else `None`."""
+    from flaxstate.training import batching  # the training wing imports this module
+
+    try:
+        n_devices = jax.lax.axis_size(batching.AXIS)
+    except NameError:  # not inside the per-device map: a global (sharded) step draws over the global batch
+        return None
+    return jax.lax.axis_index(batching.AXIS) if n_devices > 1 else None
+
+
+def _folded(key: jax.Array, index: jax.Array) -> jax.Array:
+    """`key` (a random key, or an array of them) with `index` folded into each."""
+    if not jnp.shape(key):
+        return jax.random.fold_in(key, index)
+    return jax.vmap(lambda each: jax.random.fold_in(each, index))(key.reshape(-1)).reshape(jnp.shape(key))
+
+
 class NNXModel:
     """An `nnx.Module` as the loop runs it: its graph (split once), the Variables `wrt` trains and those it carries.
 
@@ -338,20 +356,34 @@ class NNXModel:
         )
 
     def merge(self, variables: Mapping[str, Any]) -> Any:
-        """The module, from values in the state's layout (inside a compiled step: traced arrays)."""
+        """The module, from values in the state's layout (inside a compiled step: traced arrays).
+
+        In a per-device step of several devices, the module's own rng streams draw with the device's index folded
+        into their keys: each device its own dropout mask, as the loop's streams (`training.step.device_rngs`); the
+        state keeps the one key (`carried` returns it as it came), so a resume draws the same.
+        """
+        index = _device_index()
         items = []
         for path, slot in self._slots.items():
-            variable = slot.kind(slot.live(_lookup(variables[slot.collection], path)))
-            items.append((path, variable))
+            value = slot.live(_lookup(variables[slot.collection], path))
+            if index is not None and slot.key_impl is not None:
+                value = _folded(value, index)
+            items.append((path, slot.kind(value)))
         for path, kind, shape in self._ephemeral:  # a cache or sown values, made anew
             items.append((path, kind(jnp.zeros(shape.shape, shape.dtype))))
         return nnx.merge(self.graphdef, nnx.from_flat_state(items))
 
-    def carried(self, module: Any) -> dict[str, Any]:
-        """The values a call changed, in the state's layout: every carried Variable but the frozen Params."""
+    def carried(self, module: Any, variables: Mapping[str, Any]) -> dict[str, Any]:
+        """The values a call changed, in the state's layout: every carried Variable but the frozen Params (a random
+        key as `variables` held it: a call draws from it, never replaces it, and `merge` may have folded it)."""
         found = dict(nnx.to_flat_state(nnx.state(module)))
         return _nest(
-            ((slot.collection, *path), slot.stored(_value(found[path])))
+            (
+                (slot.collection, *path),
+                _lookup(variables[slot.collection], path)
+                if slot.key_impl is not None
+                else slot.stored(_value(found[path])),
+            )
             for path, slot in self._slots.items()
             if slot.averaged and path in found
         )
@@ -378,7 +410,7 @@ class NNXModel:
         """linen's `apply`, as the step calls it: the module as configured, its changed Variables with `mutable`."""
         module = self.merge(variables)
         outputs = self.call(module, inputs, rngs)
-        return (outputs, self.carried(module)) if mutable else outputs
+        return (outputs, self.carried(module, variables)) if mutable else outputs
 
     def loss_apply(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """An `apply` whose output is NNX's `loss_fn(model, batch[, rngs])` (its first value where it returns
@@ -395,7 +427,7 @@ class NNXModel:
             else:
                 value = loss_fn(module, batch, self.rngs(rngs)) if by_place else loss_fn(module, batch)
             value = value[0] if isinstance(value, tuple | list) else value
-            return (value, self.carried(module)) if mutable else value
+            return (value, self.carried(module, variables)) if mutable else value
 
         return apply
 

@@ -79,3 +79,15 @@ class MLP(nnx.Module):
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         return self.Dense_1(hidden)[:, 0]
+
+
+class DropoutProbe(nnx.Module):
+    """`toy.DropoutProbe` in NNX, drawing from its own stream (`nnx.Dropout(..., rngs=rngs)`): its gradient is the
+    dropout mask (scaled), which shows which mask a device drew."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jnp.ones((64,)))
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.sum(self.dropout(jnp.ones((64,))) * self.w[...]) + 0 * x[:, 0]

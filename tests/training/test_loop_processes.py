@@ -64,3 +64,17 @@ def test_a_batch_poisoned_in_one_process_s_part_rolls_both_back_at_one_step_as_a
         for key, value in reference.items():
             if key.startswith("params/"):
                 np.testing.assert_array_equal(process[key], value, err_msg=key)
+
+
+def test_an_nnx_module_s_own_dropout_stream_draws_a_mask_a_device_and_keeps_one_key(tmp_path):
+    two = train(tmp_path, "two", "nnx_dropout", 2, n_steps=2)
+    magnitudes = np.unique(np.round(np.abs(two[0]["grads/w"]), 4))
+    assert len(magnitudes) >= 3, magnitudes  # equal masks on both devices give two magnitudes (see above)
+    keys = [key for key in two[0] if key.startswith("mutables/rng_key/")]
+    counts = [key for key in two[0] if key.startswith("mutables/rng_count/")]
+    assert keys and counts, sorted(two[0])
+    for key in keys + counts:  # the stream's state is one copy: the same on both processes
+        np.testing.assert_array_equal(two[0][key], two[1][key], err_msg=key)
+    one = train(tmp_path, "one", "nnx_dropout", 1, n_steps=2)[0]
+    for key in keys + counts:  # the key as the module made it; the count advanced once a step, as on one device
+        np.testing.assert_array_equal(two[0][key], one[key], err_msg=key)

@@ -16,7 +16,15 @@ import optax  # noqa: E402
 import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
 
-model = toy.MODELS[config["model"]]()
+if config["model"] == "nnx_dropout":  # a module drawing from its own stream: the module is init and apply
+    from flax import nnx  # noqa: E402
+
+    from flaxstate_testing import nnx_models  # noqa: E402
+
+    module = nnx_models.DropoutProbe(nnx.Rngs(0, dropout=1))
+    model = type("Module", (), {"init": module, "apply": module})
+else:
+    model = toy.MODELS[config["model"]]()
 batches = toy.batches(config.get("n_batches", config["n_steps"]), config["global_batch"])
 batches = [batch for index, batch in enumerate(batches) if index not in config.get("without", [])]
 data = toy.shard(batches, jax.process_index(), jax.process_count())
