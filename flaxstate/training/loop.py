@@ -13,11 +13,12 @@ interrupted call made, else a new one.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +46,20 @@ __all__ = ["CheckpointSource", "TrainLoop"]
 
 
 logger = logging.getLogger("flaxstate")
+
+_OPEN: weakref.WeakSet[Generator[Checkpoint, None, None]] = weakref.WeakSet()
+"""The loops' generators that a script may leave unfinished (`it = iter(loop); next(it)`, a notebook's kernel)."""
+
+
+def _close_open_loops() -> None:
+    """At exit, before the interpreter tears its modules down: ends each unfinished loop as leaving it early does
+    (its handlers put back, the writers' saves settled), where its generator's own end, during the teardown, would
+    print a traceback of modules already gone."""
+    for records in list(_OPEN):
+        records.close()
+
+
+atexit.register(_close_open_loops)  # after `background`'s hook (imported above), so it runs before it
 
 
 class TrainLoop:
@@ -309,6 +324,11 @@ class TrainLoop:
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
+        records = self._records()
+        _OPEN.add(records)
+        return records
+
+    def _records(self) -> Generator[Checkpoint, None, None]:
         with self._signals.installed(interrupts=False):  # SIGTERM, also while the caller handles a record
             while (target := self._next_target()) is not None:
                 try:

@@ -475,3 +475,30 @@ def test_the_host_never_waits_for_the_devices_between_records(tmp_path, per_disp
     # which the record waited for; every later draw overlaps the devices' work.
     ready = computing.count(False)
     assert ready <= 2 * segment.PREFETCH * per_dispatch, f"{ready} of 48 draws found the devices done"
+
+
+UNFINISHED = """
+import optax, flaxstate as fs
+from flaxstate_testing import toy
+model = toy.MLP()
+task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(6, 8))
+with fs.CheckpointFileWriter({run!r}) as writer:
+    records = iter(fs.TrainLoop(model.init, task, 0, n_steps=6, n_steps_per_checkpoint=2, stdout=False))
+    writer(next(records))
+print("end of script")
+"""
+
+
+def test_a_loop_left_unfinished_at_the_script_s_end_prints_nothing_and_keeps_the_script_s_status(tmp_path):
+    # The generator used to end during the interpreter's teardown: "Exception ignored in: <generator object
+    # TrainLoop.__iter__>" and a TypeError from modules already gone.
+    import subprocess
+    import sys
+
+    script = UNFINISHED.format(run=str(tmp_path / "run"))
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=processes.worker_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "end of script", result
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert (tmp_path / "run" / "2").is_dir()
