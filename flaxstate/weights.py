@@ -65,6 +65,8 @@ _DTYPES = {name: np.dtype(kind) for name, kind in _KINDS.items()}
 _NAMES = {kind: name for name, kind in _DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000
 """The largest header safetensors reads (its `MAX_HEADER_SIZE`): a file in a bucket is held to it too."""
+STAGING = ".export-"
+"""The prefix of an export's staging folder in its output folder: `.export-<pid>-<random>`."""
 READ_BYTES = 2**28
 """The most bytes of tensors an export reads at once (a larger tensor alone): what it holds, not a shard."""
 
@@ -146,14 +148,17 @@ def export_safetensors(
     stored = _stored_dtype(dtype)
     rules = _renamer(rename, "export_safetensors")
     transposed = re.compile(transpose) if transpose is not None else None
+    out = locations.run_directory(out_dir, "export_safetensors")  # a local path, or a checked bucket's URL
+    if not locations.is_url(out):
+        _check_out_dir(out)
     with _reading(source, use_ema, step) as (shapes, read, metadata):
         tensors = _tensors(shapes, rules, transposed, stored)
         shards = _shards(tensors, max_shard_bytes)
-        out = locations.run_directory(out_dir, "export_safetensors")  # a local path, or a checked bucket's URL
         if not locations.is_url(out):
             out.mkdir(parents=True, exist_ok=True)
+            _remove_stale_staging(out)
         # Beside the export on a disk (moved in by a rename); for a bucket on this host's disk, uploaded from there.
-        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=None if locations.is_url(out) else out))
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=None if locations.is_url(out) else out))
         try:
             names = _file_names(len(shards))
             for shard, name in zip(shards, names, strict=True):
@@ -369,6 +374,41 @@ def _as_stored(value: np.ndarray, tensor: _Tensor) -> np.ndarray:
     if tensor.transposed:
         value = value.T
     return np.ascontiguousarray(value.astype(tensor.dtype, copy=False))
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuses an output folder that is a file, or that cannot be made, naming it (before anything is read).
+
+    Raises:
+        ValueError: naming the path and the fault.
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export_safetensors: {out} is a file, not a folder; give a folder to write the files into.")
+    existing = next(parent for parent in (out, *out.parents) if parent.exists())
+    if not existing.is_dir():
+        raise ValueError(f"export_safetensors: {out} cannot be made: {existing} is a file, not a folder.")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"export_safetensors: {out} cannot be written: {existing} is not writable.")
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Removes the staging folders of exports into `out` that ended without finishing (killed: their process is
+    gone), so that none leaks; a running export's is left alone."""
+    for entry in out.glob(f"{STAGING}*"):
+        pid = entry.name.removeprefix(STAGING).split("-")[0]
+        if entry.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this id runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _move_in(staging: Path, out: Path) -> None:

@@ -1,7 +1,10 @@
 """Export to safetensors: what the `safetensors` package's own API reads back from a run, a record or a state."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import types
 
 import flax.linen as nn
@@ -475,3 +478,26 @@ def test_an_index_is_followed_only_to_files_in_its_folder_and_a_tensor_in_two_fi
     )
     with pytest.raises(ValueError, match="'v' is in both|holds the tensor 'v', which .* gives to model-2"):
         fs.SafetensorsReader(folder, target=None).params({**target, "v": np.zeros((1,), np.float32)})
+
+
+def test_an_output_that_is_a_file_is_named_and_a_killed_export_s_staging_is_removed_by_the_next(tmp_path):
+    trained(tmp_path, Wide())
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'file'))} is a file, not a folder"):
+        fs.export_safetensors(tmp_path / "run", tmp_path / "file")
+    with pytest.raises(ValueError, match=r"cannot be made: .*file is a file, not a folder"):
+        fs.export_safetensors(tmp_path / "run", tmp_path / "file" / "out")
+    refused = run_here("export", tmp_path / "run", tmp_path / "file")
+    assert refused.returncode == 2 and "is a file, not a folder" in refused.stderr and "damaged" not in refused.stderr
+    out = tmp_path / "hf"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = out / f"{weights.STAGING}{int(gone.stdout)}-x1"  # an export's, killed: its process is gone
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(bytes(1 << 20))
+    older = out / f"{weights.STAGING}abcd1234"  # named as earlier versions named theirs
+    older.mkdir()
+    running = out / f"{weights.STAGING}{os.getpid()}-y2"  # a running export's
+    running.mkdir()
+    fs.export_safetensors(tmp_path / "run", out)
+    assert sorted(entry.name for entry in out.iterdir()) == sorted(["model.safetensors", running.name])
