@@ -316,7 +316,9 @@ class _Writer:
         if resumed is None or self._best is not None or jax.process_index() != 0 or not self._store.shared:
             return
         stored = found.metas[resumed] or {}
-        changes = metadata_changes(stored.get("metadata"), self._metadata)
+        going_on, changes = environment.going_on(stored.get("metadata"), self._metadata, root="metadata")
+        if going_on:  # how a run is meant to go on: said once, not warned
+            logger.info("the run goes on from step %d in %s with %s", resumed, self.directory, ", ".join(going_on))
         if changes:
             logger.warning(
                 "the resumed run's metadata differs from the checkpoint at step %d in %s:\n  %s",
@@ -325,7 +327,7 @@ class _Writer:
                 "\n  ".join(changes),
             )
         if stored.get("environment") is not None:
-            moved = environment.changes(stored["environment"], self._environment, root="environment")
+            moved = environment.changes(stored["environment"], self._environment, root="environment", besides=going_on)
             if moved:
                 logger.warning(
                     "the resumed run's environment differs from the checkpoint at step %d in %s:\n  %s",

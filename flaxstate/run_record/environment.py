@@ -15,6 +15,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -74,13 +75,48 @@ def describe(session: Session | None = None) -> dict[str, Any]:
     }
 
 
-def changes(old: Any, new: Any, root: str = "value") -> list[str]:
-    """One line per entry of two JSON trees that differs: `path: old -> new` (`root` names a bare value)."""
+def _differing(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """`(path, old, new)` for each entry of two JSON trees that differs (`"(absent)"` where one has none)."""
     old_flat = tree_paths.flatten(old) if isinstance(old, Mapping) else {"": old}
     new_flat = tree_paths.flatten(new) if isinstance(new, Mapping) else {"": new}
     missing = object()
     return [
-        f"{key or root}: {old_flat.get(key, '(absent)')!r} -> {new_flat.get(key, '(absent)')!r}"
+        (key, old_flat.get(key, "(absent)"), new_flat.get(key, "(absent)"))
         for key in sorted(old_flat.keys() | new_flat.keys())
         if old_flat.get(key, missing) != new_flat.get(key, missing)
     ]
+
+
+def changes(old: Any, new: Any, root: str = "value", besides: list[str] | None = None) -> list[str]:
+    """One line per entry of two JSON trees that differs: `path: old -> new` (`root` names a bare value).
+
+    Args:
+        besides: changes already said (`going_on`'s): a command-line argument that only carries one of them
+            (`--steps 600` -> `--steps 1000`, or `--steps=...`) is left out.
+    """
+    said = [_numbers(line) for line in besides or ()]
+    return [
+        f"{key or root}: {before!r} -> {after!r}"
+        for key, before, after in _differing(old, new)
+        if not (key.startswith("command/") and _numbers(f"{before} {after}") in said)
+    ]
+
+
+STEP_COUNTS = re.compile(r"(^|[_/.])((n|num|max|total|train)_)?steps$")
+"""The names of a run's step count in its metadata (`steps`, `n_steps`, `num_steps`, `max_steps`, ...)."""
+
+
+def going_on(old: Any, new: Any, root: str = "value") -> tuple[list[str], list[str]]:
+    """Splits two metadata trees' differences into a changed step count (how a run is meant to go on: more
+    steps) and the rest, each one line `path: old -> new`."""
+    steps, rest = [], []
+    for key, before, after in _differing(old, new):
+        line = f"{key or root}: {before!r} -> {after!r}"
+        counts = all(isinstance(value, int) and not isinstance(value, bool) for value in (before, after))
+        (steps if counts and STEP_COUNTS.search(key) else rest).append(line)
+    return steps, rest
+
+
+def _numbers(text: str) -> list[str]:
+    """The numbers a line holds, in order."""
+    return re.findall(r"\d+", text.split(": ", 1)[-1])

@@ -202,3 +202,24 @@ def test_silent_fresh_starts_and_no_op_resumes_are_logged(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Resumed from the checkpoint at step 4" in out
     assert "step 4 is at or past n_steps (3): nothing to train" in out
+
+
+def test_more_steps_on_resume_are_said_once_as_information_and_other_changes_still_warn(tmp_path, caplog, monkeypatch):
+    # README's `make demo STEPS=1000`: the step count in the metadata and the command line that carries it.
+    monkeypatch.setattr(sys, "argv", ["digits.py", "--steps", "4", "--lr=0.01"])
+    train_into(tmp_path, make_loop(MODEL.init), metadata={"steps": 4, "lr": 0.01})
+    monkeypatch.setattr(sys, "argv", ["digits.py", "--steps", "6", "--lr=0.01"])
+    resumed = make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), n_steps=6)
+    with caplog.at_level(logging.INFO, logger="flaxstate"):
+        train_into(tmp_path, resumed, metadata={"steps": 6, "lr": 0.01})
+    said = [record for record in caplog.records if "goes on" in record.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and "steps: 4 -> 6" in said[0].getMessage()
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING], caplog.text
+    caplog.clear()
+    monkeypatch.setattr(sys, "argv", ["digits.py", "--steps", "8", "--lr=0.02"])
+    again = make_loop(fs.CheckpointFileReader(tmp_path, target=MODEL.init), n_steps=8)
+    with caplog.at_level(logging.INFO, logger="flaxstate"):
+        train_into(tmp_path, again, metadata={"steps": 8, "lr": 0.02})
+    warned = "\n".join(record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING)
+    assert "lr: 0.01 -> 0.02" in warned and "'--lr=0.01' -> '--lr=0.02'" in warned, warned
+    assert "steps: 6 -> 8" not in warned and "'6' -> '8'" not in warned, warned
