@@ -109,7 +109,8 @@ STEP_COUNTS = re.compile(r"(^|[_/.])((n|num|max|total|train)_)?steps$")
 def going_on(old: Any, new: Any, root: str = "value") -> tuple[list[str], list[str]]:
     """Splits two metadata trees' differences into a changed step count (how a run is meant to go on: more
     steps) and the rest, each one line `path: old -> new`."""
-    steps, rest = [], []
+    steps: list[str] = []
+    rest: list[str] = []
     for key, before, after in _differing(old, new):
         line = f"{key or root}: {before!r} -> {after!r}"
         counts = all(isinstance(value, int) and not isinstance(value, bool) for value in (before, after))
