@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import launch, plotting, weights
+from flaxstate import extras, launch, plotting, weights
 from flaxstate.checkpoint.catalog import (
     TOP_CHANGED,
     describe_state,
@@ -156,8 +156,7 @@ def command_diff(args: argparse.Namespace) -> int:
 
 def command_plot(args: argparse.Namespace) -> None:
     try:
-        import matplotlib
-
+        matplotlib = extras.require("matplotlib", "plot", "flaxstate plot")
         matplotlib.use("Agg")  # a file, not a window
         scalars = plotting.read_scalars(args.dir)
         figure = plotting.curves(scalars, f"flaxstate run {args.dir}")

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from flaxstate import locations, settings, tree_paths
+from flaxstate import extras, locations, settings, tree_paths
 from flaxstate.checkpoint import catalog
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.train_state import StateMismatchError
@@ -503,7 +503,7 @@ class SafetensorsReader:
                 no file holds, or a shape that differs (after `transpose`),
                 naming every path and both shapes; nothing is placed.
         """
-        from safetensors import safe_open
+        safe_open = extras.require("safetensors", "safetensors", "SafetensorsReader").safe_open
 
         flat = tree_paths.flatten(template)
         weight_map = _weight_map(self.path) if not self.path.is_file() else None
@@ -619,7 +619,7 @@ def _opened(file: Path, opened: contextlib.ExitStack) -> Any:
     """
     if locations.is_url(file):
         return _InBucket(file)
-    from safetensors import safe_open
+    safe_open = extras.require("safetensors", "safetensors", "SafetensorsReader").safe_open
 
     try:
         return opened.enter_context(safe_open(str(file), "numpy"))

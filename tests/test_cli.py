@@ -74,3 +74,23 @@ def test_a_reader_that_stops_early_is_no_error(digits_run):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 0, stderr
     assert "damaged" not in stderr and "Traceback" not in stderr
+
+
+def test_a_missing_extra_is_named_with_the_command_that_installs_it(digits_run, tmp_path, monkeypatch):
+    from flaxstate_testing.command_line import run_here
+
+    import flaxstate as fs
+
+    output_dir, _, _ = digits_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
+    plotted = run_here("plot", output_dir, "-o", tmp_path / "curves.png")
+    assert plotted.returncode == 2 and "pip install 'flaxstate[plot]'" in plotted.stderr, plotted
+    assert "needs the matplotlib package" in plotted.stderr
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    try:
+        fs.SafetensorsReader(tmp_path / "model.safetensors", target=None).params({})
+    except ImportError as error:
+        assert "pip install 'flaxstate[safetensors]'" in str(error) and "SafetensorsReader" in str(error)
+    else:
+        raise AssertionError("no ImportError without safetensors")
