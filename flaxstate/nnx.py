@@ -456,17 +456,26 @@ class NNXModel:
         """
         found = dict(nnx.to_flat_state(nnx.state(module)))
         self._check(found, f"{owner}'s {type(module).__name__}")
-        given = {(name, *path): value for name, tree in variables.items() for path, value in _flatten(tree)}
-        expected = {(slot.collection, *map(_key, path)): (path, slot) for path, slot in self._slots.items()}
         show = "/".join
-        missing = [
-            f"{show(key)} ({list(slot.stored_shape)})" for key, (_, slot) in expected.items() if key not in given
-        ]
-        unexpected = [f"{show(key)} ({list(np.shape(given[key]))})" for key in given if key not in expected]
-        differ = [
-            f"{show(key)} (expected {list(slot.stored_shape)}, found {list(np.shape(_unboxed(given[key])))})"
-            for key, (_, slot) in expected.items()
-            if key in given and tuple(np.shape(_unboxed(given[key]))) != slot.stored_shape
+        missing, differ, values = [], [], {}
+        for path, slot in self._slots.items():  # looked up as `merge` does: a Variable may hold a dict of arrays
+            key = (slot.collection, *map(_key, path))
+            try:
+                value = jax.tree.map(_unboxed, _lookup(variables[slot.collection], path), is_leaf=_is_boxed)
+            except (KeyError, TypeError, IndexError):
+                missing.append(f"{show(key)} ({list(slot.stored_shape)})")
+                continue
+            reference = slot.stored(_value(found[path]))
+            if _shapes(value) != _shapes(reference):
+                differ.append(f"{show(key)} (expected {_shapes(reference)}, found {_shapes(value)})")
+                continue
+            values[path] = (value, reference)
+        covered = {(slot.collection, *map(_key, path)) for path, slot in self._slots.items()}
+        given = {(name, *path): leaf for name, tree in variables.items() for path, leaf in _flatten(tree)}
+        unexpected = [
+            f"{show(key)} ({list(np.shape(_unboxed(leaf)))})"
+            for key, leaf in given.items()
+            if not any(key[:length] in covered for length in range(1, len(key) + 1))
         ]
         if missing or unexpected or differ:
             parts = (
@@ -477,9 +486,25 @@ class NNXModel:
             raise StateMismatchError(
                 f"{owner}: the state does not fit {type(module).__name__}: " + "; ".join(part for part in parts if part)
             )
-        for key, (path, slot) in expected.items():
-            found[path].set_raw_value(slot.live(jnp.array(_unboxed(given[key]), dtype=slot.dtype)))
+        for path, (value, reference) in values.items():
+            slot = self._slots[path]
+            placed = jax.tree.map(lambda leaf, like: jnp.array(leaf, dtype=np.asarray(like).dtype), value, reference)
+            found[path].set_raw_value(slot.live(placed))
         return module
+
+
+def _is_boxed(value: Any) -> bool:
+    return isinstance(value, nn.LogicallyPartitioned)
+
+
+def _shapes(tree: Any) -> Any:
+    """A value's shape (a list), or the shapes of a dict's (or a sequence's) arrays: what must match, and what an
+    error shows."""
+    if isinstance(tree, Mapping):
+        return {str(key): _shapes(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_shapes(value) for value in tree]
+    return list(np.shape(tree))
 
 
 def _unboxed(value: Any) -> Any:
@@ -498,7 +523,9 @@ def nnx_update(model: Any, source: Any, *, use_ema: bool = False, wrt: Any = Non
         model: the `nnx.Module` (the one trained, or one built alike).
         source: a `Checkpoint` record, a `TrainState` (`loop.state`), or a
             reader (`CheckpointFileReader`): its newest checkpoint is read
-            into the module's shapes, without the optimizer's state.
+            into the module's shapes, without the optimizer's state; or a
+            `SafetensorsReader`: the params from its files (its `rename`
+            and `transpose` applied), the module's other Variables kept.
         use_ema: the EMA of the parameters (`TrainTask(ema_decay=...)`)
             instead of the parameters.
         wrt: the Variables that were trained, as given to `TrainTask(wrt=)`
@@ -511,7 +538,7 @@ def nnx_update(model: Any, source: Any, *, use_ema: bool = False, wrt: Any = Non
     Raises:
         StateMismatchError: the module's Variables differ from the state's
             (missing, unexpected, or of another shape), naming the paths.
-        ValueError: `use_ema` for a state without an EMA.
+        ValueError: `use_ema` for a state without an EMA, or with a `SafetensorsReader`.
         TypeError: a source of another kind, or a model that is not a module.
 
     Example:
@@ -525,6 +552,14 @@ def nnx_update(model: Any, source: Any, *, use_ema: bool = False, wrt: Any = Non
     refuse_nnx_object(model, "nnx_update")
     if not is_module(model):
         raise TypeError(f"nnx_update takes an nnx.Module, got {type(model).__name__}.")
+    if callable(getattr(source, "params", None)):  # a SafetensorsReader: the params from its files, the rest kept
+        if use_ema:
+            raise ValueError("nnx_update(use_ema=True) takes a state or a run's reader; safetensors hold no EMA.")
+        from flaxstate.train_state import InferenceState
+
+        variables = NNXModel(model, nnx.Param if wrt is None else wrt, "nnx_update").variables_of(model, "nnx_update")
+        params = source.params(nn.meta.unbox(variables[PARAMS]))
+        return nnx_update(model, InferenceState.create({**variables, PARAMS: params}))
     state = getattr(source, "state", None) if not hasattr(source, "params") else source
     if state is None and callable(getattr(source, "restore", None)):  # a checkpoint reader
         from flaxstate.train_state import InferenceState  # the reader reads no optimizer state for it

@@ -469,7 +469,7 @@ def _dtype(x: Any) -> Any:
 def _global_batch(task: TrainTask, batch: Any) -> Any:
     if batch is None:
         batch = next(iter(task.data))
-    return batching.normalize(batch, "plan")
+    return batching.normalize(batch, "plan", whole=task.whole_batches)  # NNX's loss_fn(model, batch): whole
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct) -> int:

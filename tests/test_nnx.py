@@ -372,3 +372,60 @@ def test_whole_batches_are_fingerprinted_leaf_by_leaf_tuples_and_dicts_alike():
     dict_prints = [record.data_fingerprint for record in cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), 4, data=dicts)]
     again = [r.data_fingerprint for r in cnn_loop(nnx_models.CNN(rngs=nnx.Rngs(0)), 4, data=copy.deepcopy(dicts))]
     assert dict_prints == again and None not in dict_prints
+
+
+class Bag(nnx.Variable):
+    """A Variable of the user's own that holds a dict of arrays."""
+
+
+class Counting(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 1, rngs=rngs)
+        self.bag = Bag({"mean": jnp.zeros((4,)), "n": jnp.zeros((), jnp.int32)})
+
+    def __call__(self, x):
+        self.bag.value = {"mean": self.bag.value["mean"] + x.mean(axis=0), "n": self.bag.value["n"] + 1}
+        return self.linear(x)[:, 0]
+
+
+def test_nnx_update_writes_a_variable_that_holds_a_dict_and_names_its_shapes_where_they_differ():
+    model = Counting(nnx.Rngs(0))
+    task = fs.TrainTask(apply=model, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(3, 8))
+    record = list(fs.TrainLoop(model, task, 0, n_steps=3, n_steps_per_checkpoint=3, stdout=False))[-1]
+    fs.nnx_update(model, record)
+    assert int(model.bag.value["n"]) == 3
+    np.testing.assert_array_equal(model.bag.value["mean"], record.state.flax_mutables["bag"]["bag"]["mean"])
+    np.testing.assert_array_equal(model.linear.kernel[...], record.state.params["linear"]["kernel"])
+    other = Counting(nnx.Rngs(1))
+    other.bag.value = {"mean": jnp.zeros((5,)), "n": jnp.zeros((), jnp.int32)}
+    with pytest.raises(fs.StateMismatchError, match=r"bag/bag \(expected \{'mean': \[5\], 'n': \[\]\}, found"):
+        fs.nnx_update(other, record)
+
+
+def test_nnx_update_from_safetensors_files_puts_their_params_into_the_module_and_keeps_the_rest(tmp_path):
+    import safetensors.numpy
+
+    model = nnx_models.MLP(nnx.Rngs(0), calls=True)
+    model.calls[...] = 7
+    tensors = {"Dense_0.weight": np.full((16, 4), 0.5, np.float32), "Dense_0.bias": np.arange(16, dtype=np.float32),
+               "Dense_1.weight": np.ones((1, 16), np.float32), "Dense_1.bias": np.zeros((1,), np.float32)}  # fmt: skip
+    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = fs.SafetensorsReader(
+        tmp_path, target=model, rename=[(r"\.weight$", "/kernel"), (r"\.bias$", "/bias")], transpose="kernel"
+    )
+    assert fs.nnx_update(model, reader) is model
+    np.testing.assert_array_equal(model.Dense_0.kernel[...], tensors["Dense_0.weight"].T)
+    np.testing.assert_array_equal(model.Dense_0.bias[...], tensors["Dense_0.bias"])
+    assert int(model.calls[...]) == 7  # not in the files: kept
+    with pytest.raises(ValueError, match="safetensors hold no EMA"):
+        fs.nnx_update(model, reader, use_ema=True)
+
+
+def test_a_plan_of_the_guide_s_task_takes_nnx_s_loss_over_dict_batches():
+    # The NNX guide's first code block: `loss_fn(model, batch)` over dict batches, each batch whole.
+    model = nnx_models.CNN(rngs=nnx.Rngs(0))
+    task = fs.TrainTask(apply=model, optimizer=optax.adamw(0.005, 0.9), wrt=nnx.Param, loss=nnx_models.loss_fn,
+                        data=nnx_models.digits(2))  # fmt: skip
+    plan = fs.plan(model, task, target="cpu:4")
+    params = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert plan.per_device["params"] == params and plan.flops_per_step > 0
