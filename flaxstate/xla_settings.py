@@ -261,12 +261,21 @@ def use_xla_preset(name: str = "auto") -> XlaPreset:
         the preset applied.
 
     Raises:
-        ValueError: an unknown name, naming the presets.
+        ValueError: an unknown name, naming the presets; another preset than the one this process applied
+            already (a cell run again with another name), naming both.
         RuntimeError: JAX's backend is already up (XLA has read its flags): the call must come first.
     """
     chosen = preset(name)
-    if os.environ.get(PRESET_VARIABLE) == chosen.name:  # applied already (by the launcher, which tried the capture)
-        return chosen
+    applied = os.environ.get(PRESET_VARIABLE)
+    if applied == chosen.name or (name == "auto" and applied is not None):  # applied already (by the launcher, which
+        return preset(applied)  # tried the capture, or by an earlier call)
+    if applied is not None:
+        raise ValueError(
+            f"use_xla_preset({name!r}): the preset {applied!r} is applied in this process already, its flags in "
+            f"XLA_FLAGS; a second preset would not take them out. Restart the process (or the notebook's kernel) "
+            f"and call use_xla_preset({chosen.name!r}) once, or launch with `flaxstate launch --xla-preset "
+            f"{chosen.name}`."
+        )
     if private_apis.backends_initialized():
         raise RuntimeError(
             f"use_xla_preset({name!r}) after JAX started its backend: XLA has read its flags already. Call it "

@@ -135,3 +135,19 @@ def test_a_preset_the_launcher_applied_is_left_as_it_is_before_the_backend_start
     assert fs.use_xla_preset("hopper").name == "hopper"
     assert os.environ["XLA_FLAGS"] == launched["XLA_FLAGS"]
     assert xla_settings.CAPTURE_WHILE not in os.environ["XLA_FLAGS"]
+
+
+def test_a_second_preset_in_one_process_is_refused_naming_both_and_auto_keeps_the_first(monkeypatch):
+    # A notebook cell run again with another name: the first preset's flags would stay in force while the
+    # environment (and every checkpoint) said "none".
+    monkeypatch.setattr(xla_settings.private_apis, "backends_initialized", lambda: False)
+    monkeypatch.setattr(xla_settings, "capture_fails", lambda *args, **kwargs: None)
+    monkeypatch.delenv("FLAXSTATE_XLA_PRESET", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert fs.use_xla_preset("hopper").name == "hopper"
+    flags = os.environ["XLA_FLAGS"]
+    with pytest.raises(ValueError, match=r"use_xla_preset\('none'\): the preset 'hopper' is applied .*Restart"):
+        fs.use_xla_preset("none")
+    assert os.environ["XLA_FLAGS"] == flags and os.environ["FLAXSTATE_XLA_PRESET"] == "hopper"
+    assert fs.use_xla_preset("auto").name == "hopper" and fs.use_xla_preset("hopper").name == "hopper"
