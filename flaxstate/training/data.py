@@ -92,6 +92,8 @@ class DataStream:
         """The bytes of the first batch committed since the last `take_fingerprint` (data not `_indexed`)."""
         self._fingerprinted = 0
         """The committed batches that `take_fingerprint` has covered."""
+        self._n_skipped = 0
+        """Batches that rollbacks skipped (counted in `_n_drawn` and `_n_committed`, trained at no step)."""
 
     def peek(self) -> Any:
         """Returns the first batch without consuming it from the stream."""
@@ -213,6 +215,7 @@ class DataStream:
             else:
                 self._recreate(start + n_skip)
         self._n_committed = self._fingerprinted = start + n_skip
+        self._n_skipped += n_skip
         return n_skip
 
     def _draw(self) -> Any:
@@ -223,8 +226,11 @@ class DataStream:
                 return self._recreate_after(self._raised)
             if self._n_drawn == 0:
                 raise self._empty() from None
+            skipped = f" ({self._n_skipped} of them skipped by rollbacks)" if self._n_skipped else ""
+            step, trained = self._n_drawn - self._n_skipped + 1, self._n_committed - self._n_skipped
+            ahead = f" (drawn ahead: the loop stands at step {trained})" if trained != step - 1 else ""
             raise ValueError(
-                f"{self._task_name}.data ran out after {self._n_drawn} batches, at step {self._n_drawn + 1}; "
+                f"{self._task_name}.data ran out after {self._n_drawn} batches{skipped}, at step {step}{ahead}; "
                 "repeat it (e.g. grain's .repeat()) or lower n_steps."
             ) from None
         except BaseException as error:  # a KeyboardInterrupt too: a generator it passes through is finished
@@ -282,6 +288,7 @@ class DataStream:
         """
         position = position or {}
         n_batches = int(position.get("n_batches", n_batches))
+        self._n_skipped = sum(len(entry.get("skipped_steps", ())) for entry in position.get("rollbacks") or ())
         saved_processes = position.get("processes")
         if saved_processes is not None and int(saved_processes) != jax.process_count() and not self._global:
             logger.warning(

@@ -250,3 +250,13 @@ def test_a_spike_is_a_rise_above_the_median_whatever_the_loss_s_sign():
     assert list(loop(data))[-1].rollbacks == (
         {"at_step": 12, "to_step": 10, "reason": "spike", "skipped_steps": [11, 12]},
     )
+
+
+def test_data_that_runs_out_after_a_rollback_names_the_loop_s_step_and_the_batches_skipped():
+    loop = loop_of("linen", poisoned(12, bad=[7]), n_steps=20, rollback=fs.Rollback())
+    ran_out = (
+        r"ran out after 12 batches \(3 of them skipped by rollbacks\), at step 10 \(drawn ahead: the loop stands at"
+    )
+    with pytest.raises(ValueError, match=ran_out + r" step 8\);"):
+        list(loop)
+    assert loop.step == 8
