@@ -7,7 +7,7 @@ them) and stored as the checkpoints' metadata. The model is linen's, or with
 `--api nnx` the same MLP as a Flax NNX module, given to the loop itself.
 
     python examples/digits.py --steps 600 --output-dir runs/digits
-    python examples/digits.py --api nnx --output-dir runs/digits-nnx
+    python examples/digits.py --api nnx  # runs/digits-nnx by default: another model, a directory of its own
 
 Several processes (one per host, or several on one machine) join with the
 standard coordinator settings, as flags or JAX's environment variables:
@@ -98,8 +98,9 @@ class Config:
 
     steps: int = 600
     """Total training steps."""
-    output_dir: str = "runs/digits"
-    """Checkpoints, the goodput ledger and TensorBoard logs; a second run resumes from the newest checkpoint."""
+    output_dir: str | None = None
+    """Checkpoints, the goodput ledger and TensorBoard logs; a second run resumes from the newest checkpoint.
+    By default runs/digits, or runs/digits-nnx with --api nnx (another model: a directory of its own)."""
     devices: int | None = None
     """Local devices to use (all by default)."""
     batch_size: int = 64
@@ -126,6 +127,9 @@ def join_processes(config: Config) -> None:
 
 
 def main(config: Config) -> None:
+    if config.output_dir is None:  # each model its own run: the NNX module cannot resume the linen MLP's checkpoints
+        config = dataclasses.replace(config, output_dir="runs/digits-nnx" if config.api == "nnx" else "runs/digits")
+    assert config.output_dir is not None
     join_processes(config)
     devices = jax.devices() if config.devices is None else list(jax.devices())[: config.devices]
     train_data, eval_data = digits(config.batch_size)

@@ -119,11 +119,17 @@ def renamed_against(
             expected = {k: v for k, v in expected.items() if not k.startswith("state/")}
         difference = tree_paths.diff(expected, renamed)
         if difference:
-            raise StateMismatchError(
-                f"{what} does not match the model:\n"
-                + difference.describe()
-                + "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
-            )
+            params = {path for path in expected if path.startswith("target/")}
+            if params and not params & renamed.keys():  # not one parameter in common: another model's checkpoints
+                advice = (
+                    "\nIt holds another model's checkpoints (none of this model's parameter paths is in it, as for a "
+                    "linen model's run read by an NNX module): give this run a directory of its own (another "
+                    "output_dir), or restore into the model it was saved from. rename= maps the paths of an earlier "
+                    "layout of the same model."
+                )
+            else:
+                advice = "\nRestore into the model it was saved from, or map old paths to new ones with rename=."
+            raise StateMismatchError(f"{what} does not match the model:\n" + difference.describe() + advice)
     return new_path, expected
 
 

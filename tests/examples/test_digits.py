@@ -47,3 +47,29 @@ def test_the_example_splits_fill_whole_batches(batch_size):
     assert x.shape == (batch_size, 64) and x.dtype == np.float32 and y.shape == (batch_size,)
     assert len(evaluation) == 297 // batch_size
     assert all(x.shape == (batch_size, 64) for x, _ in evaluation)
+
+
+def test_the_readme_s_next_command_trains_the_nnx_module_beside_the_linen_run_in_a_directory_of_its_own(
+    digits_run, tmp_path
+):
+    # README: `make demo`, then `examples/digits.py --api nnx` in the same folder; the NNX run used to find the
+    # linen run's checkpoints in runs/digits and die with a 40-line StateMismatchError that suggested rename=.
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from flax import nnx
+
+    shutil.copytree(digits_run[0], tmp_path / "runs" / "digits")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", "20", "--api", "nnx"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "runs" / "digits-nnx" / "20").is_dir() and "No checkpoint found" in done.stdout
+    with pytest.raises(fs.StateMismatchError, match="another model's checkpoints .* a directory of its own"):
+        fs.nnx_update(digits.NNXMLP(rngs=nnx.Rngs(0)), fs.CheckpointFileReader(tmp_path / "runs" / "digits"))
