@@ -382,7 +382,7 @@ class CheckpointFileWriter(_Writer):
     def __init__(
         self,
         output_dir: str | Path | LocalTier,
-        keep: int = 1,
+        keep: int = local_tier.KEEP,
         metadata: Any = None,
         every_seconds: float | None = None,
         overwrite: bool = False,
@@ -390,7 +390,7 @@ class CheckpointFileWriter(_Writer):
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = True,
         per_process: bool = False,
-        peers: int = 0,
+        peers: int = local_tier.PEERS,
         host_memory_budget: HostMemoryBudget | int | None = None,
         every: policies.Every = None,
         min_seconds: float | None = None,

@@ -55,15 +55,29 @@ class LocalTier:
         object.__setattr__(self, "keep", settings.count("LocalTier", "keep", self.keep))
 
 
+class Unset(int):
+    """A door's default for `keep` or `peers` (1, 0), told apart from the same number given: beside a `LocalTier`,
+    a `keep=1` given says otherwise than `LocalTier(d, keep=3)`, the default does not."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+KEEP = Unset(1)
+"""The doors' default `keep` (a writer's, `fs.plan`'s `local_keep`)."""
+PEERS = Unset(0)
+"""The doors' default `peers`."""
+
+
 def settings_of(tier: LocalTier, owner: str, *, keep: int, peers: int, names: tuple[str, str]) -> tuple[int, int]:
     """The `keep` and `peers` of a door given a `LocalTier`: the tier's, where the door's own keywords (named
-    `names`) are left at their defaults (1 and 0) or say the same.
+    `names`) are left out (`KEEP`, `PEERS`) or say the same.
 
     Raises:
-        ValueError: a keyword that says otherwise than the tier, naming both.
+        ValueError: a keyword given that says otherwise than the tier, naming both.
     """
-    for name, given, default, held in ((names[0], keep, 1, tier.keep), (names[1], peers, 0, tier.peers)):
-        if given != default and given != held:
+    for name, given, held in ((names[0], keep, tier.keep), (names[1], peers, tier.peers)):
+        if not isinstance(given, Unset) and given != held:
             raise ValueError(
                 f"{owner} got {tier!r} and {name}={given!r}: the tier says {held}. Give it to the LocalTier "
                 f"and leave {name} out."

@@ -64,6 +64,7 @@ def test_the_writer_and_the_reader_take_the_tier_as_they_take_its_keywords(tmp_p
     [
         ({"keep": 3}, r"got LocalTier\(.*keep=2\) and keep=3: the tier says 2"),
         ({"peers": 1}, r"got LocalTier\(.*peers=0.*\) and peers=1: the tier says 0"),
+        ({"keep": 1}, r"got LocalTier\(.*keep=2\) and keep=1: the tier says 2"),  # the default's value, given
     ],
 )
 def test_a_writer_given_a_tier_and_keywords_that_say_otherwise_is_refused_before_the_directory_is_touched(
@@ -89,6 +90,11 @@ def test_the_plan_counts_the_tier_s_host_memory_as_its_keywords_say(tmp_path):
     assert by_object.per_host["local_tier"] == 3 * one_step // 2  # keep + 1 steps: 3 against 2
     with pytest.raises(ValueError, match="plan got LocalTier.* and local_keep=3: the tier says 2"):
         fs.plan(model.init, task, local_dir=tier, local_keep=3, **options)
+    with pytest.raises(ValueError, match="plan got LocalTier.* and local_keep=1: the tier says 2"):
+        fs.plan(model.init, task, local_dir=tier, local_keep=1, **options)
+    peered = fs.LocalTier("/dev/shm/run", peers=1)
+    with pytest.raises(ValueError, match="plan got LocalTier.* and peers=0: the tier says 1"):
+        fs.plan(model.init, task, local_dir=peered, peers=0, **options)
 
 
 def test_the_command_line_lists_a_local_tier_s_steps_as_readable_and_says_where_its_ledger_is(tmp_path):
