@@ -429,3 +429,31 @@ def test_a_plan_of_the_guide_s_task_takes_nnx_s_loss_over_dict_batches():
     plan = fs.plan(model, task, target="cpu:4")
     params = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert plan.per_device["params"] == params and plan.flops_per_step > 0
+
+
+def test_plain_orbax_reads_a_step_of_a_module_whose_dropout_holds_its_own_rngs_with_the_guide_s_template(tmp_path):
+    # docs/guides/nnx.md: the streams' counts as they are, their keys as the raw data the state holds.
+    module = nnx_models.MLP(nnx.Rngs(0, dropout=1), dropout=0.25)
+    task = fs.TrainTask(apply=module, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(4, 8))
+    with fs.CheckpointFileWriter(tmp_path) as writer:
+        for record in fs.TrainLoop(module, task, 0, n_steps=4, n_steps_per_checkpoint=4, stdout=False):
+            writer(record)
+    abstract = nnx.eval_shape(lambda: nnx_models.MLP(nnx.Rngs(0, dropout=1), dropout=0.25))
+
+    def raw(keys):  # a random key is stored as its raw data (jax.random.key_data)
+        return jax.tree.map(lambda key: jax.eval_shape(jax.random.key_data, key), keys)
+
+    template = {
+        "target": nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+        "flax_mutables": {
+            "rng_count": nnx.to_pure_dict(nnx.state(abstract, nnx.RngCount)),
+            "rng_key": raw(nnx.to_pure_dict(nnx.state(abstract, nnx.RngKey))),
+        },
+    }
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "4" / "model", template)
+    expected = {"target": record.state.params, "flax_mutables": record.state.flax_mutables}
+    assert fs.tree_paths.flatten(restored).keys() == fs.tree_paths.flatten(expected).keys()
+    for path, value in fs.tree_paths.flatten(expected).items():
+        np.testing.assert_array_equal(fs.tree_paths.flatten(restored)[path], value, err_msg=path)
+    counts = [v for k, v in fs.tree_paths.flatten(restored).items() if k.startswith("flax_mutables/rng_count/")]
+    assert counts and all(int(count) == 4 for count in counts), counts
