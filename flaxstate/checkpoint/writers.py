@@ -58,7 +58,7 @@ from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.locations import local_path, run_directory
 from flaxstate.records import Checkpoint
-from flaxstate.run_record import environment
+from flaxstate.run_record import console, environment
 from flaxstate.run_record.ledger import Ledger
 from flaxstate.sharding import logical_axes_by_path
 
@@ -150,6 +150,19 @@ class _Writer:
         self._ledger = Ledger(directory) if ledger and self._store.shared else None
         claims.register(key, self)
         self._key = key
+        console.say(self._where())
+
+    def _where(self) -> str:
+        """The line that says where this writer's checkpoints go."""
+        if self._best is not None:
+            which = "lowest" if self._best.mode == "min" else "highest"
+            return f"The checkpoints of the {which} {self._best.key} go to {self.directory} (the best {self._keep})."
+        if not self._store.shared:
+            return (
+                f"Local checkpoints go to {self.output_dir}/process-<index> (each process's part, the newest "
+                f"{self._keep})."
+            )
+        return f"Checkpoints go to {self.directory} (the newest {self._keep})."
 
     @property
     def per_process(self) -> bool:

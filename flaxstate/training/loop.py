@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from flaxstate import background, settings, sharding
 from flaxstate.records import Checkpoint
+from flaxstate.run_record import console
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, startup
@@ -204,6 +205,7 @@ class TrainLoop:
             init_names, apply_names = startup.rng_names(collections)
             where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
             self._progress = ProgressDisplay(stdout)
+            console.listen(self._progress.log)  # what the writers say (where their checkpoints go)
             self._signals = Signals(handle_preemption)
             look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat, max_device_batch)
             n_microbatches = look.n_microbatches

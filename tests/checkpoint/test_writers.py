@@ -316,3 +316,26 @@ def test_a_run_writer_and_a_best_writer_save_the_same_steps_on_two_processes_und
         assert all("done" in output for output in outputs), outputs
         assert saved_steps(out) == list(range(1, 11))
         assert saved_steps(out / "lowest-eval-loss") == list(range(1, 11))
+
+
+def test_each_writer_says_once_where_its_checkpoints_go_where_the_loop_prints(tmp_path, capsys):
+    import optax
+    from flaxstate_testing import toy
+
+    model = toy.MLP()
+    task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(4, 8))
+    loop = fs.TrainLoop(model.init, task, 0, n_steps=4, n_steps_per_checkpoint=2)
+    with (
+        fs.CheckpointFileWriter(tmp_path / "run", keep=3) as writer,
+        fs.LowestCheckpointFileWriter(tmp_path / "run", metric="loss", group="train") as best,
+    ):
+        for record in loop:
+            best(writer(record.with_metrics({"train": {"loss": record.loss}})))
+    out = capsys.readouterr().out
+    assert out.count(f"Checkpoints go to {tmp_path / 'run'} (the newest 3).") == 1, out
+    assert out.count(f"The checkpoints of the lowest train/loss go to {tmp_path / 'run' / 'lowest-train-loss'}") == 1
+    quiet = fs.TrainLoop(model.init, task, 0, n_steps=4, n_steps_per_checkpoint=2, stdout=False)
+    with fs.CheckpointFileWriter(tmp_path / "other") as writer:
+        for record in quiet:
+            writer(record)
+    assert "Checkpoints go to" not in capsys.readouterr().out  # the loop prints nothing: nor do its writers
