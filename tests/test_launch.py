@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 from flaxstate_testing import processes
+from flaxstate_testing.checkpoints import saved_steps
 
 from flaxstate import launch
 from flaxstate.run_record import goodput, ledger
@@ -682,3 +683,26 @@ def test_a_round_s_failure_names_the_process_and_how_it_ended_and_gives_the_shel
     assert str(killed) == "process 2 was killed by SIGKILL" and killed.exit_status == 128 + 9
     assert str(exited) == "process 0 exited with status 3" and exited.exit_status == 3
     assert str(launch.Failure(1, -200)) == "process 1 was killed by signal 200"
+
+
+def test_a_notice_between_records_after_a_save_stops_the_launched_processes_at_one_step_and_saves_it(tmp_path):
+    """SIGTERM to the launcher (forwarded to both processes, as a cluster manager's notice) while they evaluate after
+    their writer saved step 20: both stop at step 20, save it, exit 0, and nothing restarts."""
+    config = {"n_steps": 100, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2, "global_batch": 8,
+              "per_dispatch": 5, "slow_eval": 0.25, "eval_after_save": True, "output_dir": str(tmp_path / "run"),
+              "out": str(tmp_path / "a.npz"), "n_processes": 2}  # fmt: skip
+    script = f"""
+        import runpy, sys
+        sys.argv = ["resume", {json.dumps(config)!r}]
+        runpy.run_module("flaxstate_testing.workers.resume", run_name="__main__")
+    """
+    launched = Launched(tmp_path, script)
+    try:
+        launched.wait_for("eval batch 2", count=2, timeout=240)
+        launched.process.send_signal(signal.SIGTERM)
+        assert launched.finish(timeout=120) == 0, launched.output
+    finally:
+        launched.kill()
+    assert {"[0] record 20 preempted", "[1] record 20 preempted"} <= set(launched.lines), launched.output
+    assert not any("record 25" in line or "record 30" in line for line in launched.lines), launched.output
+    assert saved_steps(tmp_path / "run")[-1] == 20
