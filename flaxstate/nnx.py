@@ -466,8 +466,10 @@ class NNXModel:
                 missing.append(f"{show(key)} ({list(slot.stored_shape)})")
                 continue
             reference = slot.stored(_value(found[path]))
-            if _shapes(value) != _shapes(reference):
-                differ.append(f"{show(key)} (expected {_shapes(reference)}, found {_shapes(value)})")
+            if _shapes(value, reference) != _shapes(reference, reference):
+                differ.append(
+                    f"{show(key)} (expected {_shapes(reference, reference)}, found {_shapes(value, reference)})"
+                )
                 continue
             values[path] = (value, reference)
         covered = {(slot.collection, *map(_key, path)) for path, slot in self._slots.items()}
@@ -488,8 +490,7 @@ class NNXModel:
             )
         for path, (value, reference) in values.items():
             slot = self._slots[path]
-            placed = jax.tree.map(lambda leaf, like: jnp.array(leaf, dtype=np.asarray(like).dtype), value, reference)
-            found[path].set_raw_value(slot.live(placed))
+            found[path].set_raw_value(slot.live(_placed(value, reference)))
         return module
 
 
@@ -497,13 +498,20 @@ def _is_boxed(value: Any) -> bool:
     return isinstance(value, nn.LogicallyPartitioned)
 
 
-def _shapes(tree: Any) -> Any:
-    """A value's shape (a list), or the shapes of a dict's (or a sequence's) arrays: what must match, and what an
-    error shows."""
-    if isinstance(tree, Mapping):
-        return {str(key): _shapes(value) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_shapes(value) for value in tree]
+def _placed(value: Any, like: Any) -> Any:
+    """A value given for a Variable as a jax array of the module's dtype (a dict's, array by array)."""
+    if isinstance(like, Mapping):
+        return {key: _placed(value[key], like[key]) for key in like}
+    return jnp.array(value, dtype=np.asarray(like).dtype)
+
+
+def _shapes(tree: Any, like: Any) -> Any:
+    """A value's shape (a list), or where the Variable holds a dict (`like`), the shapes of its arrays by key: what
+    must match, and what an error shows."""
+    if isinstance(like, Mapping):
+        if not isinstance(tree, Mapping):
+            return f"a {type(tree).__name__}"
+        return {str(key): _shapes(value, like.get(key)) for key, value in tree.items()}
     return list(np.shape(tree))
 
 
