@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STEPS ?= 600
 
-.PHONY: demo test lint install bench docs
+.PHONY: demo test test-fast test-processes lint install bench docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,15 @@ lint: install
 	$(BIN)/ruff format --check flaxstate tests examples benchmarks docs
 	$(BIN)/mypy flaxstate
 
-test: install lint
-	$(BIN)/python -m pytest -q
+# The tests in their tiers (tests/README.md): `test-fast` those that run in one process (the edit-test loop),
+# `test-processes` those that start processes or send signals; `make test` runs both.
+test: test-fast test-processes
+
+test-fast: install lint
+	$(BIN)/python -m pytest -q -m "not processes"
+
+test-processes: install
+	$(BIN)/python -m pytest -q -m processes
 
 bench: install
 	$(BIN)/python benchmarks/loop_overhead.py

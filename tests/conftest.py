@@ -1,5 +1,6 @@
 import ast
 import functools
+import multiprocessing.process
 import os
 import re
 import shutil
@@ -52,10 +53,12 @@ def digits_run(tmp_path_factory):
 
 
 STARTS_PROCESSES = re.compile(
-    r"processes\.(run|start)\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
-    r"KernelManager|start_new_kernel|os\.kill\(|\.send_signal\(|\bdigits_run\b"
+    r"processes\.(run|start|watched)\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
+    r"KernelManager|start_new_kernel|os\.kill\(|\.send_signal\(|\bdigits_run\b|"
+    r"\"workers\": [1-9]|capture_fails\("
 )
-"""What in a test's code starts a process (a worker, a server, a kernel, a command) or sends a signal."""
+"""What in a test's code starts a process (a worker, a server, a kernel, a command) or sends a signal: among them
+`fs.global_batches(workers=N)`'s grain worker processes and `xla_settings.capture_fails`'s probe process."""
 
 
 def _sources(path: Path) -> dict[str, str]:
@@ -108,6 +111,47 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(item, "originalname", item.name)
         if name in starting or set(getattr(item, "fixturenames", ())) & (starting | {"digits_run"}):
             item.add_marker(pytest.mark.processes)
+
+
+LIBRARY_COMMANDS = frozenset({"git", "nvidia-smi"})
+"""The commands flaxstate itself runs at its edges (the run record's commit, the GPU's model): short, and not a
+test's processes, so a test in one process may run them."""
+
+
+def _program(args) -> str:
+    """The program a `subprocess.Popen` runs: its first argument's name (a shell command's first word)."""
+    first = os.fsdecode(args if isinstance(args, str | bytes | os.PathLike) else next(iter(args), ""))
+    return os.path.basename(first.split()[0]) if first.strip() else ""
+
+
+@pytest.fixture(autouse=True)
+def _one_process_unless_marked(request, monkeypatch):
+    """Keeps the tiers true: a test not marked `processes` that starts a process (a worker, a server, a command
+    other than flaxstate's own `git` and `nvidia-smi`, a fork) fails, naming what it started, instead of running
+    in the quick tier as a test that only looks quick. `STARTS_PROCESSES` then needs the name of what it used."""
+    if request.node.get_closest_marker("processes") is not None:
+        yield
+        return
+
+    def refused(what: str):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process ({what}) but is not marked `processes`: tests/conftest.py "
+            "marks a test that calls a helper named in STARTS_PROCESSES (or a fixture that does); name yours there"
+        )
+
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self, args, *positional, **keywords):
+        if _program(args) not in LIBRARY_COMMANDS:
+            refused(f"subprocess {args!r}"[:200])
+        popen_init(self, args, *positional, **keywords)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, lambda *args, _name=name, **keywords: refused(f"os.{_name}"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: refused("multiprocessing"))
+    yield
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -245,7 +245,9 @@ def test_eval_loop_weights_each_batch_by_its_examples(capsys):
     np.testing.assert_allclose(summary.metrics["eval"]["close"], float((abs(outputs - y[:19]) < 1.0).mean()))
 
 
-def test_stdout_shows_size_and_progress(capsys):
+def test_stdout_shows_size_and_progress(capsys, monkeypatch):
+    # rich's width without a terminal: 80 columns truncated the line before its "4/4" under pytest-xdist
+    monkeypatch.setenv("COLUMNS", "160")
     data = toy.batches(4, 8)
     task = fs.TrainTask(apply=MLP.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=data)
     list(fs.TrainLoop(MLP.init, task, jax.random.key(0), n_steps=4, n_steps_per_checkpoint=2, stdout=True))
