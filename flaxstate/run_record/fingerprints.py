@@ -70,7 +70,27 @@ def _sums(words: jax.Array, place: jax.Array, layout: jax.Array) -> tuple[jax.Ar
     mixed = (words ^ ((place + layout) * _ODD)) * _MIX
     second = mixed ^ (mixed >> 15)
     zero = jnp.uint32(0)
-    return jax.lax.reduce((first, second), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,))
+    every = tuple(range(words.ndim))
+    return jax.lax.reduce((first, second), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), every)
+
+
+def _typed_sharding(leaf: jax.Array) -> bool:
+    """Whether a leaf's type carries its sharding (an axis of an Explicit mesh, `jax.make_mesh`'s default): such
+    a leaf cannot be flattened without naming the flat array's sharding (JAX's `ShardingTypeError`)."""
+    return any(axis is not None for axis in jax.typeof(leaf).sharding.spec)
+
+
+def _places(words: jax.Array, offset: int) -> jax.Array:
+    """Each word's place (`offset` plus its flat index, modulo 2^32) in the words' own shape and sharding: what
+    `arange` over the flattened words gives, for words that stay sharded as they are."""
+    sharding = jax.typeof(words).sharding
+    place = jnp.uint32(offset % 2**32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        index = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis, out_sharding=sharding)
+        place = place + index * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return place
 
 
 def _layout(leaf: jax.Array) -> np.uint32:
@@ -99,7 +119,12 @@ def _lanes(leaves: Sequence[jax.Array]) -> jax.Array:
             leaf = jax.random.key_data(leaf)
         words = _words(leaf)
         if 0 < leaf.size <= _SMALL:
+            if _typed_sharding(leaf):  # gathered: a few KiB, concatenated with the others
+                leaf = jax.sharding.reshard(leaf, jax.typeof(leaf).sharding.update(spec=jax.sharding.PartitionSpec()))
             groups.setdefault(leaf.dtype, []).append((leaf, offset, layout))
+        elif leaf.size and _typed_sharding(words):  # summed where its shards are, in its own shape
+            lanes = _sums(words, _places(words, offset), jnp.uint32(layout))
+            first, second = first + lanes[0], second + lanes[1]
         elif leaf.size:
             place = jnp.arange(words.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)
             lanes = _sums(words.reshape(-1), place, jnp.uint32(layout))

@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 from flaxstate_testing import toy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxstate as fs
 from flaxstate.run_record import fingerprints
@@ -97,6 +99,27 @@ def test_a_state_s_fingerprint_is_the_definition_s_leaf_by_leaf_sums():
     assert max(leaf.size for leaf in leaves) > fingerprints._SMALL and sum(x.size for x in many) > fingerprints._GROUP
     assert fingerprint(leaves) == reference(leaves)
     assert fingerprint(leaves[::-1]) == reference(leaves[::-1])
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_state_on_a_mesh_of_any_axis_type_has_the_definition_s_fingerprint(axis_type):
+    # On `jax.make_mesh`'s Explicit axes (its default) an array's type carries its sharding, and flattening it
+    # raised JAX's ShardingTypeError ("This reshape is not supported ... float32[32,4@fsdp]").
+    mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    rng = np.random.default_rng(2)
+    placed = [
+        (rng.random((32, 4), dtype=np.float32), P(None, "fsdp")),  # small: concatenated with the others
+        (rng.random((300, 40), dtype=np.float32), P("fsdp", None)),  # large: summed alone
+        (rng.integers(-9, 9, (64, 8, 16)).astype(jnp.bfloat16), P(None, "fsdp", None)),
+        (rng.integers(0, 2**31, (70, 80), dtype=np.int32), P("fsdp")),
+        (np.float32(3.0), P()),
+    ]
+    leaves = [jax.device_put(value, NamedSharding(mesh, spec)) for value, spec in placed]
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("fsdp")))
+    leaves.append(keys)
+    assert str(jax.typeof(leaves[0])) == ("float32[32,4@fsdp]" if axis_type == "Explicit" else "float32[32,4]")
+    assert fingerprint(leaves) == reference(leaves)
+    assert fingerprint(leaves) == fingerprint([jnp.asarray(np.asarray(x)) for x in leaves[:-1]] + [keys])
 
 
 def test_the_leaves_order_counts_and_zeros_are_not_nothing():
