@@ -13,12 +13,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flaxstate import extras
 from flaxstate.locations import run_directory
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-INSTALL = "pip install 'flaxstate[plot]'"
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -30,15 +29,12 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
         ValueError: a URL of a scheme flaxstate does not read, or a bucket that cannot be reached.
     """
     run_dir = run_directory(run_dir, "flaxstate.plot")
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError as error:
-        raise ImportError(f"flaxstate.plot reads event files with tensorboard: {INSTALL}") from error
+    accumulator = extras.require("tensorboard.backend.event_processing.event_accumulator", "plot", "flaxstate.plot")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} does not exist or is not a directory: give a run's directory.")
     if not list(run_dir.glob("events.out.tfevents.*")):
         raise FileNotFoundError(f"{run_dir} holds no TensorBoard event files; write them with flaxstate.SummaryWriter.")
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events = accumulator.EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
@@ -89,12 +85,9 @@ def curves(scalars: dict[str, list[tuple[int, float]]], title: str) -> Figure:
 @functools.cache
 def _figure_class() -> Any:
     """A `Figure` that shows as its PNG in a notebook: made without pyplot, no backend would display it."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise ImportError(f"flaxstate.plot draws with matplotlib: {INSTALL}") from error
+    base: Any = extras.require("matplotlib.figure", "plot", "flaxstate.plot").Figure
 
-    class Curves(Figure):
+    class Curves(base):
         """A run's curves (`plot`)."""
 
         def _repr_png_(self) -> bytes:
