@@ -8,6 +8,7 @@ catches SIGTERM); a failure shows every process's output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TESTS = Path(__file__).parents[1]
@@ -149,6 +150,20 @@ class Watched:
             raise AssertionError(f"the worker did not exit within {timeout} s:\n{self.output[-4000:]}") from None
         self._reader.join(10)
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def watched(script: str, config: dict, n_processes: int, n_devices: int = 1) -> Iterator[list[Watched]]:
+    """`n_processes` workers of `script` joined on a free port, each `Watched`; all killed by their process groups
+    and reaped when the block ends, whatever happened in it (a test signals them and `finish`es them inside)."""
+    port = free_port()
+    workers = [Watched(start(script, config, i, n_processes, port, n_devices)) for i in range(n_processes)]
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            kill(worker.process)
+            worker.process.wait(timeout=30)
 
 
 def kill_all_after(workers: list[Watched], line: str, timeout: float) -> None:

@@ -134,19 +134,12 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_both_resume_
     settings = {"global_batch": 8, "n_steps": 100}
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), **settings)
-    port = processes.free_port()
-    workers = [
-        processes.Watched(processes.start("resume", dict(config, data_sleep=0.1), index, 2, port)) for index in (0, 1)
-    ]
-    try:
+    with processes.watched("resume", dict(config, data_sleep=0.1), 2) as workers:
         for worker in workers:
             worker.wait_for("record 20", timeout=180)
         os.kill(workers[1].process.pid, signal.SIGTERM)  # process 1 only
         signalled = time.monotonic()
         codes = [worker.finish(timeout=90) for worker in workers]
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
     print(f"SIGTERM to the last exit: {time.monotonic() - signalled:.2f} s")
     assert codes == [0, 0], "\n".join(worker.output for worker in workers)
     stopped = [preempted_steps(worker.output) for worker in workers]
@@ -214,17 +207,12 @@ def test_a_notice_between_records_after_a_save_stops_two_processes_at_one_step_a
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), **settings)
     config.update(slow_eval=0.25, eval_after_save=True)  # 10 s to evaluate: the notice reaches both meanwhile
-    port = processes.free_port()
-    workers = [processes.Watched(processes.start("resume", config, index, 2, port)) for index in (0, 1)]
-    try:
+    with processes.watched("resume", config, 2) as workers:
         for worker in workers:
             worker.wait_for("eval batch 2", timeout=180)
         for worker in workers:
             os.kill(worker.process.pid, signal.SIGTERM)  # during the evaluation at step 20, after its save
         codes = [worker.finish(timeout=120) for worker in workers]
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
     report = "\n".join(worker.output for worker in workers)
     assert codes == [0, 0], report
     stopped = [preempted_steps(worker.output) for worker in workers]

@@ -252,19 +252,11 @@ def test_sigterm_to_one_process_of_an_fsdp_run_stops_both_at_one_step_then_resum
     root, _ = runs
     directory = str(tmp_path / "preempted")
     slow = {"mesh": FSDP, "dir": directory, "steps": LONG, "data_sleep": 0.3}
-    port = processes.free_port()
-    workers = [
-        processes.Watched(processes.start("sharded.py", {"model": MODEL, "phases": [slow]}, i, 2, port))
-        for i in range(2)
-    ]
-    try:
+    with processes.watched("sharded.py", {"model": MODEL, "phases": [slow]}, 2) as workers:
         for worker in workers:
             worker.wait_for("record 4", timeout=120)
         os.kill(workers[1].process.pid, signal.SIGTERM)  # process 1 only: process 0 hears of it from JAX
         codes = [worker.finish(timeout=90) for worker in workers]
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
     outputs = "\n".join(worker.output for worker in workers)
     assert codes == [0, 0], outputs
     stopped = [re.findall(r"^record (\d+) preempted$", worker.output, flags=re.MULTILINE) for worker in workers]

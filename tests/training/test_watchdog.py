@@ -68,11 +68,7 @@ def test_a_stuck_data_reader_ends_the_process_with_the_restart_status_naming_the
 def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_path, reference):
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), resume=False, data_sleep=0.05)
-    port = processes.free_port()
-    workers = [
-        processes.Watched(processes.start("resume", dict(config, hang_timeout=5), index, 2, port)) for index in (0, 1)
-    ]
-    try:
+    with processes.watched("resume", dict(config, hang_timeout=5), 2) as workers:
         for worker in workers:  # record 20's save waited for step 10's: a step is saved before the stop
             worker.wait_for("record 20", timeout=120)
         os.kill(workers[1].process.pid, signal.SIGSTOP)
@@ -82,10 +78,6 @@ def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_pat
         output = workers[0].output
         assert "flaxstate watchdog: process 0: no progress for 5 s at step" in output
         assert "Thread 0x" in output and "exits with status 75" in output
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
-            worker.process.wait(timeout=30)
     steps = saved_steps(run_dir)
     restarted = tmp_path / "b.npz"
     outputs = processes.run("resume", dict(config, resume=True, data_sleep=0, out=str(restarted)), n_processes=2)
@@ -118,17 +110,12 @@ REQUESTED = dict(CONFIG, resume=False, data_sleep=0.05, every_seconds=3600, keep
 def test_sigusr1_to_one_of_two_processes_makes_both_save_the_same_step_and_train_on(tmp_path):
     run_dir = tmp_path / "run"
     config = dict(REQUESTED, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), slow_process=1, logger=True)
-    port = processes.free_port()
-    workers = [processes.Watched(processes.start("resume", config, index, 2, port)) for index in (0, 1)]
-    try:
+    with processes.watched("resume", config, 2) as workers:
         for worker in workers:
             worker.wait_for("record 20", timeout=180)
         os.kill(workers[1].process.pid, signal.SIGUSR1)
         for worker in workers:
             assert worker.finish(timeout=240) == 0
-    finally:
-        for worker in workers:
-            processes.kill(worker.process)
     requested = [[line.split()[1] for line in w.output.splitlines() if line.endswith("requested")] for w in workers]
     assert len(requested[0]) == 1 and requested[0] == requested[1]
     assert saved_steps(run_dir) == [int(requested[0][0]), 60]

@@ -15,6 +15,7 @@ Modes (config["mode"]):
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
 import signal
@@ -94,6 +95,9 @@ def restore_interrupts() -> None:
         print(f"{outcome.split()[0]} {attempt} {outcome}", flush=True)
     restored = reader.restore(template)
     print(f"DONE {int(restored.step)}", flush=True)
+    # It exits now. Once (under xdist beside another test, 2 cores) it did not within 60 s after every attempt
+    # was interrupted, and not again in 5 runs with a CPU burner: should it hang again, its threads say where.
+    faulthandler.dump_traceback_later(45, exit=True)
 
 
 def rotating_writer() -> None:
