@@ -402,7 +402,7 @@ class CheckpointFileWriter(_Writer):
         *,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = True,
-        per_process: bool = False,
+        per_process: bool | None = None,
         peers: int = local_tier.PEERS,
         host_memory_budget: HostMemoryBudget | int | None = None,
         every: policies.Every = None,
@@ -432,7 +432,9 @@ class CheckpointFileWriter(_Writer):
                 (`flaxstate.run_record.ledger`; `flaxstate goodput DIR` reads
                 it): a line each record and save, fsync'd. A per-process
                 writer keeps none (the persistent tier's writer does).
-            per_process: a local tier (`flaxstate.checkpoint.stores.local`): each
+            per_process: a local tier (`flaxstate.checkpoint.stores.local`; left
+                out, False, or what a `LocalTier` says: False beside one is
+                an error): each
                 process saves the arrays its devices hold (a replicated
                 array once) into `output_dir/process-<index>/`, a directory
                 on its own host (`/dev/shm/run`, a local SSD), with no
@@ -491,12 +493,19 @@ class CheckpointFileWriter(_Writer):
         """
         limit = budget.of(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
         tier: LocalTier | None = None
+        if per_process is not None:
+            per_process = settings.flag("CheckpointFileWriter", "per_process", per_process)
         if isinstance(output_dir, LocalTier):
             keep, peers = local_tier.settings_of(
                 output_dir, "CheckpointFileWriter", keep=keep, peers=peers, names=("keep", "peers")
             )
+            if per_process is False:
+                raise ValueError(
+                    f"CheckpointFileWriter got {output_dir!r} and per_process=False: a LocalTier is saved per "
+                    "process. Leave per_process out, or give a directory for a persistent writer."
+                )
             tier, output_dir, per_process = output_dir, Path(output_dir.directory), True
-        per_process = settings.flag("CheckpointFileWriter", "per_process", per_process)
+        per_process = bool(per_process)
         policy = policies.from_keywords("CheckpointFileWriter", every, every_seconds, min_seconds, mtbf)
         when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)

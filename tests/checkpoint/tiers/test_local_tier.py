@@ -65,6 +65,8 @@ def test_the_writer_and_the_reader_take_the_tier_as_they_take_its_keywords(tmp_p
         ({"keep": 3}, r"got LocalTier\(.*keep=2\) and keep=3: the tier says 2"),
         ({"peers": 1}, r"got LocalTier\(.*peers=0.*\) and peers=1: the tier says 0"),
         ({"keep": 1}, r"got LocalTier\(.*keep=2\) and keep=1: the tier says 2"),  # the default's value, given
+        ({"per_process": False}, r"got LocalTier\(.*\) and per_process=False: a LocalTier is saved per process"),
+        ({"per_process": "false"}, r"per_process"),  # a string is refused as ever, beside a tier too
     ],
 )
 def test_a_writer_given_a_tier_and_keywords_that_say_otherwise_is_refused_before_the_directory_is_touched(
@@ -73,6 +75,11 @@ def test_a_writer_given_a_tier_and_keywords_that_say_otherwise_is_refused_before
     with pytest.raises(ValueError, match=message):
         fs.CheckpointFileWriter(fs.LocalTier(tmp_path / "local", keep=2), **given)
     assert not (tmp_path / "local").exists()
+
+
+def test_a_writer_given_a_tier_and_per_process_true_is_that_tier(tmp_path):
+    with fs.CheckpointFileWriter(fs.LocalTier(tmp_path / "local", keep=2), per_process=True) as writer:
+        assert writer.per_process and "keep=2" in repr(writer)
 
 
 def test_the_plan_counts_the_tier_s_host_memory_as_its_keywords_say(tmp_path):
