@@ -161,8 +161,9 @@ def watched(script: str, config: dict, n_processes: int, n_devices: int = 1) -> 
     try:
         yield workers
     finally:
-        for worker in workers:
+        for worker in workers:  # every one killed before any is waited for: a wait that fails kills no fewer
             kill(worker.process)
+        for worker in workers:
             worker.process.wait(timeout=30)
 
 

@@ -96,7 +96,7 @@ def restore_interrupts() -> None:
     restored = reader.restore(template)
     print(f"DONE {int(restored.step)}", flush=True)
     # It exits now. Once (under xdist beside another test, 2 cores) it did not within 60 s after every attempt
-    # was interrupted, and not again in 5 runs with a CPU burner: should it hang again, its threads say where.
+    # was interrupted, and not again in 5 runs (3 with a CPU burner): should it hang again, its threads say where.
     faulthandler.dump_traceback_later(45, exit=True)
 
 
