@@ -34,6 +34,7 @@ and the bar rises with them. A number is honoured as given, in every phase.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import enum
@@ -45,6 +46,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
+from weakref import WeakSet
 
 import jax
 
@@ -60,6 +62,9 @@ SLOW_FLOOR_SECONDS = 3600.0
 """`"auto"`: the least time that fires while the loop compiles or restores (a slow `Phase`)."""
 LOOK_SECONDS = 1.0
 """How often the thread looks (at most; less for a timeout below 4 s)."""
+
+JOIN_SECONDS = 10.0
+"""How long `close` waits for the thread (a look takes microseconds; the bound keeps a wedged one from hanging)."""
 
 HangTimeout = float | Literal["auto"] | None
 
@@ -197,6 +202,7 @@ class Watchdog:
                 target=self._run, args=(self._stop,), name="flaxstate-watchdog", daemon=True
             )
             self._thread.start()
+            _RUNNING.add(self)
         if phase is not None:
             self.enter(phase)
         self._beats += 1
@@ -208,9 +214,19 @@ class Watchdog:
             self._beats += 1
 
     def close(self) -> None:
-        """Stops the thread (a later `watching()` starts another)."""
+        """Stops the thread and waits for it to end (a later `watching()` starts another).
+
+        A daemon thread still asking the devices (`is_ready`) when the
+        interpreter tears down is killed inside jaxlib, and that aborts the
+        process; so the thread ends here, before the caller goes on (and at
+        exit, see `_close_all`).
+        """
         self._stop.set()
-        self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(JOIN_SECONDS)
+        _RUNNING.discard(self)
+        self._outputs.clear()  # the devices' arrays are not held past the watch
 
     def limit(self, phase: Phase) -> float:
         """The seconds without progress that fire in `phase`."""
@@ -273,3 +289,16 @@ class Watchdog:
         print(f"flaxstate watchdog: {advice}", file=stderr, flush=True)
         if self.exit_process:
             os._exit(EXIT_STATUS)
+
+
+_RUNNING: WeakSet[Watchdog] = WeakSet()
+"""The watchdogs whose thread runs: a loop left unfinished (or kept) at the script's end still has one."""
+
+
+def _close_all() -> None:
+    """At exit, before the interpreter tears down: ends every watchdog's thread (see `Watchdog.close`)."""
+    for watchdog in list(_RUNNING):
+        watchdog.close()
+
+
+atexit.register(_close_all)

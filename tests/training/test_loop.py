@@ -498,8 +498,12 @@ def test_a_loop_left_unfinished_at_the_script_s_end_prints_nothing_and_keeps_the
     import sys
 
     script = UNFINISHED.format(run=str(tmp_path / "run"))
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=processes.worker_env(), capture_output=True, text=True, timeout=120
+    result = subprocess.run(  # faulthandler: a crash at exit prints every thread's stack
+        [sys.executable, "-X", "faulthandler", "-c", script],
+        env=processes.worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0 and result.stdout.strip() == "end of script", result
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr

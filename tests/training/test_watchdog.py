@@ -246,3 +246,46 @@ def test_run_called_once_a_cell_keeps_one_watchdog_thread_which_a_dropped_loop_s
     gc.collect()
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_close_returns_once_the_thread_has_ended_and_holds_no_device_arrays():
+    # A daemon thread that asks the devices while the interpreter tears down is killed inside jaxlib ("terminate
+    # called after throwing an instance of ..." / "FATAL: exception not rethrown", status -6): close waits for it.
+    for _ in range(5):
+        dog = watchdog.Watchdog(60)
+        with dog.watching():
+            dog.dispatched(np.zeros(3))
+            (thread,) = [t for t in threading.enumerate() if t.name == "flaxstate-watchdog" and t.is_alive()]
+        dog.close()
+        assert not thread.is_alive()
+        assert dog._devices_done() == 0  # noqa: SLF001 - its outputs dropped
+
+
+UNFINISHED_AT_EXIT = """
+import atexit, threading
+# Registered before flaxstate's import, so it runs after flaxstate's own exit hooks, just before the teardown.
+atexit.register(lambda: print("threads at teardown:", sorted(t.name for t in threading.enumerate())))
+import optax, flaxstate as fs
+from flaxstate_testing import toy
+model = toy.MLP()
+task = fs.TrainTask(apply=model.apply, optimizer=optax.sgd(0.1), loss=toy.mse, data=toy.batches(4, 8))
+kept = fs.TrainLoop(model.init, task, 0, n_steps=2, n_steps_per_checkpoint=2, stdout=False)
+list(kept)  # a finished loop keeps its watchdog for a next run() (a notebook's habit)
+left = iter(fs.TrainLoop(model.init, task, 0, n_steps=4, n_steps_per_checkpoint=2, stdout=False))
+next(left)  # and one left unfinished
+"""
+
+
+def test_no_watchdog_thread_is_left_when_the_interpreter_tears_down():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", UNFINISHED_AT_EXIT],
+        env=processes.worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result
+    assert "threads at teardown: ['MainThread']" in result.stdout, result.stdout + result.stderr
