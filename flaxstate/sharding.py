@@ -28,7 +28,7 @@ from typing import Any, cast
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flaxstate import tree_paths
 
@@ -329,10 +329,16 @@ def resolve(
 ) -> Partitioning:
     """`partitioning`, or one made from the keywords that came before it (`devices=`, `mesh=`, `axis_rules=`).
 
+    Inside `jax.set_mesh(mesh)`, `mesh=` may be left out: the context's mesh
+    is used (with `axis_rules=`).
+
     Raises:
-        ValueError: `partitioning` with any of the keywords, or keywords that
-            `Partitioning` refuses, naming `owner`.
+        ValueError: `partitioning` with any of the keywords, keywords that
+            `Partitioning` refuses, a mesh that differs from the `jax.set_mesh`
+            one around the call, or that context without `axis_rules=`, naming
+            `owner`.
     """
+    context = context_mesh()
     if partitioning is not None:
         keywords = (("devices", devices), ("mesh", mesh), ("axis_rules", axis_rules))
         given = [name for name, value in keywords if value is not None]
@@ -343,9 +349,48 @@ def resolve(
             )
         if not isinstance(partitioning, Partitioning):
             raise TypeError(f"{owner} partitioning= takes an fs.Partitioning, got {type(partitioning).__name__}.")
+        _check_context(owner, "partitioning.mesh", partitioning.mesh, context)
         return partitioning
+    if context is not None and devices is None:
+        _check_context(owner, "mesh=", mesh, context)
+        if axis_rules is None:
+            raise ValueError(
+                f"{owner} is inside jax.set_mesh({describe_mesh(context)}) but has no axis_rules=: give the rules "
+                "that map the model's axis names and 'batch' to that mesh's axes (e.g. [('batch', "
+                f"{context.axis_names[0]!r})]) to shard over it, or make it outside the mesh context (or with "
+                "devices=) for data-parallel work."
+            )
+        mesh = context
     _check_arguments(owner, devices, mesh, axis_rules)
     return Partitioning(devices=devices, mesh=mesh, axis_rules=axis_rules)
+
+
+def context_mesh() -> Mesh | None:
+    """The mesh that `jax.set_mesh` set for the calling thread, or `None` outside any."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """A mesh's axes, sizes and axis types, as an error names it: `{'fsdp': 2} (Explicit)`."""
+    return f"{dict(mesh.shape)} ({', '.join(sorted({kind.name for kind in mesh.axis_types}))})"
+
+
+def uses_context(mesh: Mesh) -> bool:
+    """Whether work on `mesh` is traced under `jax.set_mesh(mesh)`: an axis that is not Auto (JAX's sharding in
+    types: `PartitionSpec`s and `out_sharding=` resolve against the mesh context), or the caller's own mesh
+    context. An Auto mesh given without one is traced as before, without it."""
+    return any(kind != AxisType.Auto for kind in mesh.axis_types) or context_mesh() == mesh
+
+
+def _check_context(owner: str, what: str, mesh: Mesh | None, context: Mesh | None) -> None:
+    """Refuses a mesh that differs from the caller's `jax.set_mesh` one, naming both."""
+    if mesh is not None and context is not None and mesh != context:
+        raise ValueError(
+            f"{owner}'s {what} ({describe_mesh(mesh)}) is not the mesh of the jax.set_mesh around it "
+            f"({describe_mesh(context)}): leave {what.rstrip('=')} out to use the context's mesh, or give the same "
+            "mesh to both."
+        )
 
 
 def logical_axes_by_path(state: PyTree) -> dict[str, list[str | None]]:

@@ -159,6 +159,10 @@ class EvalLoop:
         Returns:
             the record with the evaluation's metrics.
         """
+        with self._placement.context():
+            return self._evaluate(checkpoint)
+
+    def _evaluate(self, checkpoint: Checkpoint) -> Summary:
         noticed = checkpoint.preemption_noticed
         if checkpoint.preempted:
             return self._cut_short(checkpoint, None, 0)

@@ -149,6 +149,8 @@ class TrainLoop:
                 logical axis rules (e.g. `[("batch", ("data", "fsdp")), ("embed",
                 "fsdp")]`): each leaf sharded by its logical axes, each process
                 feeding its part of the global batch (see `flaxstate.training.placement`).
+                Inside `jax.set_mesh(mesh)`, `mesh=` may be left out; a mesh with
+                Explicit axes (`jax.make_mesh`) or the context's is traced under it.
             partitioning: `fs.Partitioning`, the devices or the mesh and rules
                 stated once for this loop, an `EvalLoop` and `global_batches`
                 (instead of `devices=`, `mesh=` and `axis_rules=`).
@@ -186,7 +188,8 @@ class TrainLoop:
                 is empty, of the wrong structure or does not split over the
                 devices and microbatches; axis rules that do not fit the mesh or
                 the state (naming the path); a resume whose data cannot be moved
-                to the examples already trained (see `TrainTask.data`).
+                to the examples already trained (see `TrainTask.data`); a `mesh=`
+                that is not the mesh of the `jax.set_mesh` around it (naming both).
             TypeError: `rng` is neither a key nor an int.
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
@@ -204,88 +207,92 @@ class TrainLoop:
             flops_per_step = check_flops_per_step(flops_per_step)
             init_names, apply_names = startup.rng_names(collections)
             where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
-            self._progress = ProgressDisplay(stdout)
-            console.listen(self._progress.log)  # what the writers say (where their checkpoints go)
-            self._signals = Signals(handle_preemption)
-            look = startup.first_look(task, where, n_microbatches, input_sample, self._watchdog.beat, max_device_batch)
-            n_microbatches = look.n_microbatches
-            if max_device_batch is not None and n_microbatches > 1:
-                logger.info(
-                    "TrainLoop(max_device_batch=%d): %d microbatches a step, each device's %d examples of a "
-                    "global batch of %d over %d processes",
-                    max_device_batch,
-                    n_microbatches,
-                    look.device_batch,
-                    look.batch_size,
-                    jax.process_count(),
+            self._placement = where
+            with where.context():  # a mesh whose shardings are types: traced under `jax.set_mesh`
+                self._progress = ProgressDisplay(stdout)
+                console.listen(self._progress.log)  # what the writers say (where their checkpoints go)
+                self._signals = Signals(handle_preemption)
+                look = startup.first_look(
+                    task, where, n_microbatches, input_sample, self._watchdog.beat, max_device_batch
                 )
-            phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
-            with self._watchdog.watching(phase):
-                begun = startup.start(
-                    init=init,
-                    task=task,
-                    rng=rng,
+                n_microbatches = look.n_microbatches
+                if max_device_batch is not None and n_microbatches > 1:
+                    logger.info(
+                        "TrainLoop(max_device_batch=%d): %d microbatches a step, each device's %d examples of a "
+                        "global batch of %d over %d processes",
+                        max_device_batch,
+                        n_microbatches,
+                        look.device_batch,
+                        look.batch_size,
+                        jax.process_count(),
+                    )
+                phase = Phase.RESTORING if isinstance(init, CheckpointSource) else Phase.COMPILING_STATE
+                with self._watchdog.watching(phase):
+                    begun = startup.start(
+                        init=init,
+                        task=task,
+                        rng=rng,
+                        placement=where,
+                        look=look,
+                        init_names=init_names,
+                        progress=self._progress,
+                    )
+                if rollback is not None and rollback.lr_scale is not None:
+                    rolling.learning_rate_holder(begun.state)  # before any compile
+                restored_position = None if begun.restored is None else begun.restored.data_position
+                self._run_id = begun.run_id
+                self._restored_step = begun.restored_step
+                self._check_ema_decays = task.check_ema_decays
+                # A schedule's bad decay fails before any training.
+                self._check_ema_decays(begun.restored_step or 0, n_steps)
+                self._ema_checked = n_steps
+                """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
+                self._program = Program.build(
                     placement=where,
-                    look=look,
-                    init_names=init_names,
-                    progress=self._progress,
+                    task=task,
+                    rng_names=apply_names,
+                    mutable=mutable_collections,
+                    n_microbatches=n_microbatches,
+                    state=begun.state,
+                    rng=begun.rng,
+                    given_flops=flops_per_step,
+                    record_gradients=record_gradients,
                 )
-            if rollback is not None and rollback.lr_scale is not None:
-                rolling.learning_rate_holder(begun.state)  # before any compile
-            restored_position = None if begun.restored is None else begun.restored.data_position
-            self._run_id = begun.run_id
-            self._restored_step = begun.restored_step
-            self._check_ema_decays = task.check_ema_decays
-            # A schedule's bad decay fails before any training.
-            self._check_ema_decays(begun.restored_step or 0, n_steps)
-            self._ema_checked = n_steps
-            """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
-            self._program = Program.build(
-                placement=where,
-                task=task,
-                rng_names=apply_names,
-                mutable=mutable_collections,
-                n_microbatches=n_microbatches,
-                state=begun.state,
-                rng=begun.rng,
-                given_flops=flops_per_step,
-                record_gradients=record_gradients,
-            )
-            self._recorder = Recorder.create(
-                placement=where,
-                shardings=self._program.shardings,
-                record_memory=record_memory,
-                look=look,
-                begun=begun,
-                progress=self._progress,
-                peak_flops_per_device=peak_flops_per_device,
-                preemption_noticed=self._signals.noticed_here,
-                microbatches=(n_microbatches, max_device_batch),
-            )
-            self._runner = SegmentRunner(
-                program=self._program,
-                placement=where,
-                data=look.data,
-                signals=self._signals,
-                progress=self._progress,
-                n_microbatches=n_microbatches,
-                state=begun.state,
-                rng=begun.rng,
-                watchdog=self._watchdog,
-                global_batch=look.global_batch,
-                loss_scaling=task.loss_scale is not None,
-                rollback=rollback,
-                rollbacks=rolling.made(restored_position),
-                loss_window=(restored_position or {}).get("loss_window"),
-            )
-            if rollback is not None:  # the point the first record's steps go back to
-                self._runner.hold(self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0])
-            self._rollback_scale = None if rollback is None else rollback.lr_scale
-            self._made: Checkpoint | None = None
-            """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
-            self._outside: float | None = None
-            """Seconds between the previous record's return (or the start) and the next record's training."""
-            self._returned_at = time.perf_counter()
+                self._recorder = Recorder.create(
+                    placement=where,
+                    shardings=self._program.shardings,
+                    record_memory=record_memory,
+                    look=look,
+                    begun=begun,
+                    progress=self._progress,
+                    peak_flops_per_device=peak_flops_per_device,
+                    preemption_noticed=self._signals.noticed_here,
+                    microbatches=(n_microbatches, max_device_batch),
+                )
+                self._runner = SegmentRunner(
+                    program=self._program,
+                    placement=where,
+                    data=look.data,
+                    signals=self._signals,
+                    progress=self._progress,
+                    n_microbatches=n_microbatches,
+                    state=begun.state,
+                    rng=begun.rng,
+                    watchdog=self._watchdog,
+                    global_batch=look.global_batch,
+                    loss_scaling=task.loss_scale is not None,
+                    rollback=rollback,
+                    rollbacks=rolling.made(restored_position),
+                    loss_window=(restored_position or {}).get("loss_window"),
+                )
+                if rollback is not None:  # the point the first record's steps go back to
+                    self._runner.hold(self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0])
+                self._rollback_scale = None if rollback is None else rollback.lr_scale
+                self._made: Checkpoint | None = None
+                """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
+                self._outside: float | None = None
+                """Seconds between the previous record's return (or the start) and the next record's training."""
+                self._returned_at = time.perf_counter()
         except BaseException:  # a failed construction leaves no thread behind (a notebook keeps its traceback)
             self._watchdog.close()
             raise
@@ -322,7 +329,8 @@ class TrainLoop:
         By default read-only numpy arrays in host memory (see `record_memory`),
         valid for as long as they are held.
         """
-        return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
+        with self._placement.context():
+            return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
@@ -410,7 +418,7 @@ class TrainLoop:
             if self.n_steps > self._ema_checked:  # run(n) or next_step() went past the steps checked
                 self._check_ema_decays(self._ema_checked, self.n_steps)
                 self._ema_checked = self.n_steps
-            with self._signals.installed(interrupts=True), self._watchdog.watching():
+            with self._signals.installed(interrupts=True), self._watchdog.watching(), self._placement.context():
                 self._recorder.views.clear()  # the newest record's device view ends where the state is donated
                 record = self._made = self._record(*self._train_rolling_back(target), self._outside)
             self._outside = None

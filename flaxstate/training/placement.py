@@ -18,7 +18,10 @@ it into one of two strategies behind one interface (`Placement`):
   devices hold along the batch axes (`BatchLayout.process_part`): FSDP over
   two processes, half each; tensor-parallel (`data=1, model=2`), the whole
   batch each. Dropout rngs are drawn per step for the global batch, so the
-  masks do not depend on the mesh.
+  masks do not depend on the mesh. A mesh whose shardings are types (an
+  Explicit axis, `jax.make_mesh`'s default) or that the caller set with
+  `jax.set_mesh` is traced under `jax.set_mesh` (`Sharded.context`), on the
+  caller's thread and on the compile threads alike.
 
 The step functions themselves (`flaxstate.training.step`) carry no mode: a
 placement hands them its `Across` (how devices are told apart and averaged)
@@ -28,6 +31,7 @@ rules) is a third class here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flaxstate import sharding
 from flaxstate.sharding import AxisRules, BatchLayout, Partitioning, logical_shardings
 from flaxstate.training import batching
 
@@ -118,12 +123,15 @@ class Placement(Protocol):
 
     def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
 
+    def context(self) -> contextlib.AbstractContextManager[Any]: ...
+
 
 def create(partitioning: Partitioning) -> DataParallel | Sharded:
     """The data-parallel or sharded placement of a partitioning (its rules were checked when it was made)."""
     if partitioning.mesh is None or partitioning.axis_rules is None or partitioning.batch_layout is None:
-        return DataParallel(batching.mesh_of(partitioning.devices))
-    return Sharded(partitioning.mesh, tuple(partitioning.axis_rules), partitioning.batch_layout)
+        return DataParallel(batching.mesh_of(partitioning.devices), sharding.context_mesh() is not None)
+    mesh = partitioning.mesh
+    return Sharded(mesh, tuple(partitioning.axis_rules), partitioning.batch_layout, sharding.uses_context(mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +140,20 @@ class DataParallel:
 
     Attributes:
         mesh: the devices, on one axis (`batching.AXIS`).
+        in_context: made inside the caller's `jax.set_mesh` (`devices=`
+            given there): traced with that context cleared, on every thread.
     """
 
     mesh: Mesh
+    in_context: bool = False
 
     @property
     def across(self) -> Across:
         return _PerDevice(self.mesh.size)
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """No mesh context: its programs name their shardings on its one Auto axis (a caller's is cleared)."""
+        return jax.set_mesh(None) if self.in_context else contextlib.nullcontext()
 
     @property
     def n_local_devices(self) -> int:
@@ -225,11 +240,19 @@ class Sharded:
         mesh: the devices, with named axes.
         axis_rules: flax-style logical axis rules, checked against the mesh.
         batch_layout: how a batch lies on the mesh.
+        in_context: traced under `jax.set_mesh(mesh)` (see `context`).
     """
 
     mesh: Mesh
     axis_rules: AxisRules
     batch_layout: BatchLayout
+    in_context: bool = False
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """`jax.set_mesh(mesh)` where the run is traced under it (`in_context`: an Explicit axis, or the caller's
+        own `jax.set_mesh`), on whichever thread traces; else nothing, so an Auto mesh's programs stay as they
+        were."""
+        return jax.set_mesh(self.mesh) if self.in_context else contextlib.nullcontext()
 
     @property
     def across(self) -> Across:

@@ -251,8 +251,13 @@ class Program:
             for p, n in programs
             if not (p is self.update(1) and n == 1)  # compiled by the FLOPs count's job
         ]
+
+        def in_context(job: Callable[[], Any]) -> Any:
+            with self._placement.context():  # `jax.set_mesh` is the thread's own: the caller's is not here
+                return job()
+
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=len(jobs), thread_name_prefix="flaxstate-compile"
         ) as pool:
-            for done in [pool.submit(job) for job in jobs]:
+            for done in [pool.submit(in_context, job) for job in jobs]:
                 done.result()

@@ -1,7 +1,11 @@
 """Trains an NNX module annotated as Flax's GSPMD guide does (`nnx.with_partitioning`) over a mesh of the
 processes' devices (`fsdp`), the annotations its logical axes; prints one `result {json}` line from process 0:
 the bytes of the kernel's shards each process holds against the kernel's, its partition spec, and the final
-parameters (whole, gathered) and batch statistics."""
+parameters (whole, gathered) and batch statistics.
+
+With `"explicit": true`, the mesh is `jax.make_mesh`'s (Explicit axes), the module calls its layers with
+`out_sharding=` as JAX's explicit sharding asks, and the data and the loop are made inside `jax.set_mesh` with no
+`mesh=`."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import flaxstate as fs  # noqa: E402
 from flaxstate_testing import toy  # noqa: E402
@@ -31,21 +36,36 @@ class Annotated(nnx.Module):
         self.out = nnx.Linear(64, 1, kernel_init=out, use_bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if EXPLICIT:  # the kernels' `fsdp` axis meets the batch's: the output's sharding is named, not inferred
+            hidden = self.linear(x, out_sharding=P("fsdp", None))
+            return self.out(nnx.relu(self.norm(hidden)), out_sharding=P("fsdp", None))[:, 0]
         return self.out(nnx.relu(self.norm(self.linear(x))))[:, 0]
+
+
+EXPLICIT = bool(config.get("explicit"))
 
 
 with nnx.use_eager_sharding(False):  # the annotations as metadata: the loop places the state
     module = Annotated(nnx.Rngs(0))
-mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
 rules = (("batch", "fsdp"), ("hidden", "fsdp"), ("embed", None))
 examples = toy.batches(16, 8, seed=3)
 x = np.concatenate([batch[0] for batch in examples])
 y = np.concatenate([batch[1] for batch in examples])
-data = fs.global_batches((x, y), batch_size=8, mesh=mesh, axis_rules=rules, shuffle=False)
-task = fs.TrainTask(apply=module, optimizer=optax.adam(1e-2), loss=lambda o, t: jnp.mean((o - t) ** 2), data=data)
-loop = fs.TrainLoop(
-    init=module, task=task, rng=0, n_steps=6, stdout=False, mesh=mesh, axis_rules=rules, record_memory="device"
-)
+
+
+def make_loop(**mesh):
+    data = fs.global_batches((x, y), batch_size=8, axis_rules=rules, shuffle=False, **mesh)
+    loss = lambda o, t: jnp.mean((o - t) ** 2)  # noqa: E731
+    task = fs.TrainTask(apply=module, optimizer=optax.adam(1e-2), loss=loss, data=data)
+    options = dict(n_steps=6, stdout=False, axis_rules=rules, record_memory="device")
+    return fs.TrainLoop(init=module, task=task, rng=0, **options, **mesh)
+
+
+if EXPLICIT:
+    with jax.set_mesh(jax.make_mesh((jax.device_count(),), ("fsdp",))):
+        loop = make_loop()
+else:
+    loop = make_loop(mesh=jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)))
 record = list(loop)[-1]  # its state on the devices, where it lives
 kernel = record.state.params["linear"]["kernel"]
 held = sum(shard.data.nbytes for shard in kernel.addressable_shards)
@@ -57,6 +77,7 @@ if jax.process_index() == 0:
         "held": int(held),
         "kernel": int(kernel.nbytes),
         "spec": [str(axis) for axis in kernel.sharding.spec],
+        "axis_types": [kind.name for kind in kernel.sharding.mesh.axis_types],
         "final": {path: np.asarray(leaf).tolist() for path, leaf in fs.tree_paths.flatten(whole).items()},
     }
     print("result", json.dumps(result), flush=True)
