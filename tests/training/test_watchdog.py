@@ -68,7 +68,8 @@ def test_a_stuck_data_reader_ends_the_process_with_the_restart_status_naming_the
 def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_path, reference):
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), resume=False, data_sleep=0.05)
-    with processes.watched("resume", dict(config, hang_timeout=5), 2) as workers:
+    # The 5 s from the first record on: two processes compiling beside a CPU burner took longer, and fired there.
+    with processes.watched("resume", dict(config, hang_timeout_from_record=5), 2) as workers:
         for worker in workers:  # record 20's save waited for step 10's: a step is saved before the stop
             worker.wait_for("record 20", timeout=120)
         os.kill(workers[1].process.pid, signal.SIGSTOP)

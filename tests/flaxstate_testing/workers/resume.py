@@ -163,7 +163,7 @@ loop = fs.TrainLoop(
     n_steps_per_dispatch=config.get("per_dispatch", 1),
     stdout=False,
     handle_preemption=config.get("handle_preemption", True),
-    hang_timeout=config.get("hang_timeout", "auto"),
+    hang_timeout="auto" if config.get("hang_timeout_from_record") else config.get("hang_timeout", "auto"),
     mesh=mesh,
     axis_rules=toy.SHARDED_RULES if mesh is not None else None,
     rollback=fs.Rollback() if config.get("rollback") else None,
@@ -225,6 +225,8 @@ for checkpoint in loop:
     if checkpoint.rollbacks:
         print("rollbacks", len(checkpoint.rollbacks), "at", checkpoint.step, flush=True)
     print("record", checkpoint.step, "preempted" if checkpoint.preempted else "", *requested, flush=True)
+    if config.get("hang_timeout_from_record"):  # a short timeout once compiled: a loaded host compiles slowly
+        loop._watchdog.timeout = config["hang_timeout_from_record"]  # noqa: SLF001 - what hang_timeout= sets
     if checkpoint.step == config.get("sigterm_after_save"):
         os.kill(os.getpid(), signal.SIGTERM)  # the save runs in the background now
 final = loop.state
