@@ -198,10 +198,9 @@ class Watchdog:
             return
         if self._thread is None:
             self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._run, args=(self._stop,), name="flaxstate-watchdog", daemon=True
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._run, args=(self._stop,), name="flaxstate-watchdog", daemon=True)
+            thread.start()  # then kept: a Ctrl-C inside `start` leaves no thread that is never started
+            self._thread = thread
             _RUNNING.add(self)
         if phase is not None:
             self.enter(phase)
@@ -224,7 +223,10 @@ class Watchdog:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(JOIN_SECONDS)
+            try:
+                thread.join(JOIN_SECONDS)
+            except RuntimeError:  # not started yet (a Ctrl-C inside `start`): it sees the stop at once
+                pass
         _RUNNING.discard(self)
         self._outputs.clear()  # the devices' arrays are not held past the watch
 

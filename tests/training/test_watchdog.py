@@ -290,3 +290,25 @@ def test_no_watchdog_thread_is_left_when_the_interpreter_tears_down():
     )
     assert result.returncode == 0, result
     assert "threads at teardown: ['MainThread']" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_ctrl_c_while_the_thread_starts_leaves_a_watchdog_that_closes_and_starts_again(monkeypatch):
+    # A notebook's stop button landed in `Thread.start`; close (at the failed construction) then joined a thread
+    # never started: "RuntimeError: cannot join thread before it is started" instead of the KeyboardInterrupt.
+    started = threading.Thread.start
+
+    def interrupted(thread):
+        if thread.name == "flaxstate-watchdog":
+            raise KeyboardInterrupt
+        started(thread)
+
+    dog = watchdog.Watchdog(60)
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with dog.watching():
+            pass
+    dog.close()
+    monkeypatch.setattr(threading.Thread, "start", started)
+    with dog.watching():
+        assert any(t.name == "flaxstate-watchdog" and t.is_alive() for t in threading.enumerate())
+    dog.close()
