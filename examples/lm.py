@@ -12,11 +12,12 @@ logs land in --output-dir, with the settings as the checkpoint's metadata.
 
     python examples/lm.py --steps 300 --output-dir runs/lm
 
-Its params leave as an HF-style safetensors folder (names from `HF`), and a
-fine-tune starts from one (`--init-from`), resuming its own checkpoints:
+Its params leave as an HF-style safetensors folder (names and layouts from
+`HF_MAP`, a `fs.WeightMap`), and a fine-tune starts from one (`--init-from`),
+resuming its own checkpoints:
 
-    python -c "import flaxstate as fs, lm; fs.export_safetensors('runs/lm', 'export/lm', \
-        rename=lm.hf_names(), transpose=lm.HF_TRANSPOSE)"   # from examples/
+    PYTHONPATH=examples python -c "import lm; print(lm.HF_MAP.to_json(), end='')" > lm-hf.json
+    flaxstate export runs/lm export/lm --map lm-hf.json
     python examples/lm.py --init-from export/lm --output-dir runs/tuned
 
 Two processes on one machine, FSDP (each feeds half of the batch) or
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 from typing import Literal
 
@@ -127,37 +127,28 @@ class Config:
 VOCAB = 256
 """Bytes: the text's vocabulary (`Config.vocab`'s default)."""
 
-HF = {
-    "Embed_0/embedding": "model.embed_tokens.weight",
-    "position": "model.embed_positions.weight",
-    "Block_{}/RMSNorm_0/scale": "model.layers.{}.input_layernorm.weight",
-    "Block_{}/DenseGeneral_0/kernel": "model.layers.{}.self_attn.q_proj.weight",
-    "Block_{}/DenseGeneral_1/kernel": "model.layers.{}.self_attn.k_proj.weight",
-    "Block_{}/DenseGeneral_2/kernel": "model.layers.{}.self_attn.v_proj.weight",
-    "Block_{}/DenseGeneral_3/kernel": "model.layers.{}.self_attn.o_proj.weight",
-    "Block_{}/RMSNorm_1/scale": "model.layers.{}.post_attention_layernorm.weight",
-    "Block_{}/Dense_0/kernel": "model.layers.{}.mlp.up_proj.weight",
-    "Block_{}/Dense_0/bias": "model.layers.{}.mlp.up_proj.bias",
-    "Block_{}/Dense_1/kernel": "model.layers.{}.mlp.down_proj.weight",
-    "Block_{}/Dense_1/bias": "model.layers.{}.mlp.down_proj.bias",
-    "RMSNorm_0/scale": "model.norm.weight",
-    "Dense_0/kernel": "lm_head.weight",
-}
-"""The params' tree paths and their names in an HF-style export (`{}`: a block's index): transformers' Llama
-names, for the layers' own layout (without `--scan-layers`). The attention projections keep flax's
-`(embed, heads, head_dim)` layout; the 2-D kernels are stored `(out, in)` (`HF_TRANSPOSE`)."""
-
-HF_TRANSPOSE = r"Dense_\d+/kernel$"
-"""The tree paths of the 2-D kernels, which HF stores `(out, in)`."""
-
-
-def hf_names(to_hf: bool = True) -> list[tuple[str, str]]:
-    """`HF` as the `rename` rules of `fs.export_safetensors` (`to_hf`), or of `fs.SafetensorsReader` (back)."""
-    rules = []
-    for path, name in HF.items():
-        source, target = (path, name) if to_hf else (name, path)
-        rules.append(("^" + re.escape(source).replace(r"\{\}", r"(\d+)") + "$", target.replace("{}", r"\1")))
-    return rules
+HF_MAP = fs.WeightMap(
+    {
+        "Embed_0/embedding": "model.embed_tokens.weight",
+        "position": "model.embed_positions.weight",
+        "Block_{i}/RMSNorm_0/scale": "model.layers.{i}.input_layernorm.weight",
+        "Block_{i}/DenseGeneral_0/kernel": ("model.layers.{i}.self_attn.q_proj.weight", "(h d) e -> e h d"),
+        "Block_{i}/DenseGeneral_1/kernel": ("model.layers.{i}.self_attn.k_proj.weight", "(h d) e -> e h d"),
+        "Block_{i}/DenseGeneral_2/kernel": ("model.layers.{i}.self_attn.v_proj.weight", "(h d) e -> e h d"),
+        "Block_{i}/DenseGeneral_3/kernel": ("model.layers.{i}.self_attn.o_proj.weight", "e (h d) -> h d e"),
+        "Block_{i}/RMSNorm_1/scale": "model.layers.{i}.post_attention_layernorm.weight",
+        "Block_{i}/Dense_0/kernel": ("model.layers.{i}.mlp.up_proj.weight", "o i -> i o"),
+        "Block_{i}/Dense_0/bias": "model.layers.{i}.mlp.up_proj.bias",
+        "Block_{i}/Dense_1/kernel": ("model.layers.{i}.mlp.down_proj.weight", "o i -> i o"),
+        "Block_{i}/Dense_1/bias": "model.layers.{i}.mlp.down_proj.bias",
+        "RMSNorm_0/scale": "model.norm.weight",
+        "Dense_0/kernel": ("lm_head.weight", "v e -> e v"),
+    }
+)
+"""The params' tree paths and their names and layouts in an HF-style export, read both ways: transformers' Llama
+names and shapes, for the layers' own layout (without `--scan-layers`). The attention projections are held
+`(embed, heads, head_dim)` (and `o` `(heads, head_dim, embed)`) and stored as HF's 2-D `(heads * head_dim, embed)`;
+the other 2-D kernels are stored `(out, in)`."""
 
 
 HELD_OUT = 0.05
@@ -321,7 +312,7 @@ def main(config: Config) -> None:
     held_out_batches = batches(held_out, config, mesh)
     start = model.init
     if config.init_from is not None:
-        start = fs.SafetensorsReader(config.init_from, model.init, rename=hf_names(False), transpose=HF_TRANSPOSE)
+        start = fs.SafetensorsReader(config.init_from, model.init, map=HF_MAP)
     loop = fs.TrainLoop(
         init=fs.CheckpointFileReader(config.output_dir, target=start),  # resume, or start from init or the files
         task=fs.TrainTask(

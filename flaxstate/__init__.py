@@ -63,6 +63,7 @@ __all__ = [
     "TrainLoop",
     "TrainState",
     "TrainTask",
+    "WeightMap",
     "XlaPreset",
     "global_batches",
     "logical_shardings",
@@ -98,18 +99,18 @@ if TYPE_CHECKING:
         RunHistory,
         SavePolicy,
     )
+    from flaxstate.checkpoint.safetensors import SafetensorsReader, WeightMap, export_safetensors
     from flaxstate.planning import Plan, plan
-    from flaxstate.weights import SafetensorsReader, export_safetensors
 
 _ELSEWHERE = {
     **dict.fromkeys(("Plan", "plan"), "flaxstate.planning"),
-    **dict.fromkeys(("SafetensorsReader", "export_safetensors"), "flaxstate.weights"),
+    **dict.fromkeys(("SafetensorsReader", "WeightMap", "export_safetensors"), "flaxstate.checkpoint.safetensors"),
 }
 _LAZY = {name: _ELSEWHERE.get(name, "flaxstate.checkpoint") for name in __all__ if name not in globals()}
 """The public names not imported above, each with its module (the checkpoint package's unless `_ELSEWHERE` says):
 their modules import orbax and tensorstore (0.2 s), so they are imported at their first use, and `import
 flaxstate` for a training loop alone takes 0.03 s beyond JAX and Flax."""
-_SUBPACKAGES = ("checkpoint", "planning", "weights")
+_SUBPACKAGES = ("checkpoint", "planning")
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,9 @@ flaxstate audit DIR [--json]      each resume's verdict: replayed bit for bit, o
 flaxstate diff A B [--step-a N] [--step-b N]
                                   what differs between two checkpoints: metadata, environment, tree, values
                                   (exit 0: nothing, 1: something, 2: an error)
-flaxstate export DIR OUT [--step N] [--dtype bfloat16] [--ema]
-                                  the params as safetensors files (`model.safetensors`, or shards and their index)
+flaxstate export DIR OUT [--step N] [--dtype bfloat16] [--ema] [--map FILE.json]
+                                  the params as safetensors files (`model.safetensors`, or shards and their index),
+                                  named and laid out by a `WeightMap`'s table (`WeightMap.to_json`)
 flaxstate launch [--processes N] [--max-restarts R] [--grace S] [--min-processes K] -- CMD ...
                                   N processes of CMD on this machine, all started again after a failure
                                   (`flaxstate.launch`)
@@ -30,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flaxstate import extras, launch, plotting, weights
+from flaxstate import extras, launch, plotting
 from flaxstate.checkpoint.catalog import (
     TOP_CHANGED,
     describe_state,
@@ -42,6 +43,7 @@ from flaxstate.checkpoint.catalog import (
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.damage import summary as damage_summary
 from flaxstate.checkpoint.errors import CheckpointError
+from flaxstate.checkpoint.safetensors import WeightMap, export_safetensors
 from flaxstate.locations import is_url, run_directory
 from flaxstate.records import format_bytes
 from flaxstate.run_record import audit, goodput, ledger
@@ -263,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default=None, help="the dtype to store, e.g. bfloat16 (default: the params')")
     export.add_argument("--ema", action="store_true", help="the EMA of the params (TrainTask(ema_decay=...))")
     export.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, help="the most bytes a file (default 5 GiB)")
+    export.add_argument(
+        "--map",
+        default=None,
+        help='a JSON file of one object {"tree path pattern": "file name pattern" | ["file name pattern", "layout"]}: '
+        "fs.WeightMap's table (default: the tree paths as names, as held)",
+    )
     export.set_defaults(run=command_export)
     starter = commands.add_parser(
         "launch", help="N processes of a command on this machine, all started again after a failure"
@@ -297,8 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def command_export(args: argparse.Namespace) -> None:
     try:
-        out = weights.export_safetensors(
-            args.dir, args.out, dtype=args.dtype, use_ema=args.ema, max_shard_bytes=args.max_shard_bytes, step=args.step
+        weight_map = None if args.map is None else WeightMap.from_json(args.map)
+        out = export_safetensors(
+            args.dir,
+            args.out,
+            map=weight_map,
+            dtype=args.dtype,
+            use_ema=args.ema,
+            max_shard_bytes=args.max_shard_bytes,
+            step=args.step,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -35,7 +35,7 @@ from flaxstate.locations import local_path, run_directory
 from flaxstate.records import CheckpointFile
 
 if TYPE_CHECKING:
-    from flaxstate.weights import SafetensorsReader
+    from flaxstate.checkpoint.safetensors import SafetensorsReader
 
 logger = logging.getLogger("flaxstate")
 

@@ -363,3 +363,15 @@ def test_a_run_in_the_bucket_exports_to_the_bucket_and_a_run_starts_from_those_f
     for path, value in tree_paths.flatten(started.state.params).items():
         np.testing.assert_array_equal(value, params[path], err_msg=path)
     assert reader.bytes_read == sum(value.nbytes for value in params.values())
+    # The same through a map: HF-style names, the kernels (out, in), into the bucket and back, by byte ranges.
+    rules = {"Dense_{n}/kernel": ("dense.{n}.weight", "o i -> i o"), "Dense_{n}/bias": "dense.{n}.bias"}
+    weight_map = fs.WeightMap({**rules, "BatchNorm_0/{p}": "norm.{p}"})
+    fs.export_safetensors(url, f"{out}-mapped", map=weight_map)
+    with fsspec.open(f"{out}-mapped/model.safetensors", "rb") as file:
+        stored = safetensors.numpy.load(file.read())
+    assert sorted(stored) == sorted(weight_map.entry(path).name for path in params)
+    np.testing.assert_array_equal(stored["dense.1.weight"], params["Dense_1/kernel"].T)
+    mapped = fs.SafetensorsReader(f"{out}-mapped", model.init, map=weight_map)
+    for path, value in tree_paths.flatten(mapped.params(jax.tree.map(np.asarray, record.state.params))).items():
+        np.testing.assert_array_equal(value, params[path], err_msg=path)
+    assert mapped.bytes_read == sum(value.nbytes for value in params.values())

@@ -286,16 +286,34 @@ def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):
 
 
 def hf_name(path):
-    """A tree path's name in the LM example's HF-style export (its one rule of `lm.hf_names()`)."""
-    (name,) = (re.sub(*rule, path) for rule in lm.hf_names() if re.search(rule[0], path))
-    return name
+    """A tree path's name in the LM example's HF-style export (`lm.HF_MAP`)."""
+    return lm.HF_MAP.entry(path).name
+
+
+def hf_layout(path, value):
+    """A param as the LM example's export holds it, rearranged by hand: HF's 2-D `(heads * head_dim, embed)`
+    attention projections (`o`: `(embed, heads * head_dim)`), the other 2-D kernels `(out, in)`."""
+    if re.search(r"DenseGeneral_[012]/kernel$", path):  # (embed, heads, head_dim)
+        return value.transpose(1, 2, 0).reshape(-1, value.shape[0])
+    if path.endswith("DenseGeneral_3/kernel"):  # (heads, head_dim, embed)
+        return value.transpose(2, 0, 1).reshape(value.shape[2], -1)
+    return value.T if re.search(r"Dense_\d+/kernel$", path) else value
+
+
+def tree_layout(path, tensor, held):
+    """The inverse of `hf_layout`, to the shape the params hold (`held`)."""
+    if re.search(r"DenseGeneral_[012]/kernel$", path):
+        return tensor.reshape(held[1], held[2], held[0]).transpose(2, 0, 1)
+    if path.endswith("DenseGeneral_3/kernel"):
+        return tensor.reshape(held[2], held[0], held[1]).transpose(1, 2, 0)
+    return tensor.T if re.search(r"Dense_\d+/kernel$", path) else tensor
 
 
 def exported(directory, out):
-    """The run directory's newest step exported with the LM example's HF names, as its tensors by name."""
+    """The run directory's newest step exported with the LM example's map, as its tensors by name."""
     import safetensors.numpy
 
-    fs.export_safetensors(directory, out, rename=lm.hf_names(), transpose=lm.HF_TRANSPOSE)
+    fs.export_safetensors(directory, out, map=lm.HF_MAP)
     return safetensors.numpy.load_file(out / "model.safetensors")
 
 
@@ -305,10 +323,11 @@ def test_a_two_process_fsdp_run_exports_as_its_checkpoint_holds_and_as_one_devic
     step, stored = params(root / "fsdp")
     assert sorted(sharded) == sorted(one) == sorted(hf_name(path) for path in stored)
     assert {"model.layers.0.mlp.up_proj.weight", "lm_head.weight", "model.embed_tokens.weight"} <= set(sharded)
-    for path, value in stored.items():  # bit for bit what the two processes saved, the 2-D kernels (out, in)
-        expected = value.T if re.search(lm.HF_TRANSPOSE, path) else value
-        np.testing.assert_array_equal(sharded[hf_name(path)], expected, err_msg=path)
+    for path, value in stored.items():  # bit for bit what the two processes saved, in HF's layouts
+        np.testing.assert_array_equal(sharded[hf_name(path)], hf_layout(path, value), err_msg=path)
     assert sharded["lm_head.weight"].shape == (256, MODEL["embed"])  # (vocab, embed): out, in
+    q = sharded["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (MODEL["heads"] * MODEL["head_dim"], MODEL["embed"]), q.shape  # HF's, 2-D
     assert_close((step, sharded), (N, one))
 
 
@@ -329,7 +348,7 @@ def test_the_lm_example_fine_tunes_from_an_export_of_its_own_run_then_resumes_it
     fresh = lm.Transformer(config).init(jax.random.key(0), np.zeros((1, config.seq_len), np.int32))
     fresh = tree_paths.flatten(nn.meta.unbox(fresh))
     for path, value in first[1].items():
-        start = export[hf_name(path)].T if re.search(lm.HF_TRANSPOSE, path) else export[hf_name(path)]
+        start = tree_layout(path, export[hf_name(path)], value.shape)
         bound = config.learning_rate * (1 + 1e-4 * np.abs(start).max()) * 1.001
         assert np.abs(value - start).max() <= bound, path
     assert max(np.abs(fresh["params/" + path] - value).max() for path, value in first[1].items()) > 2 * bound

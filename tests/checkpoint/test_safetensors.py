@@ -20,7 +20,9 @@ from flaxstate_testing.command_line import run_here
 from safetensors import safe_open
 
 import flaxstate as fs
-from flaxstate import tree_paths, weights
+from flaxstate import tree_paths
+from flaxstate.checkpoint.safetensors import INDEX, STAGING, files
+from flaxstate.checkpoint.safetensors import export as exporting
 from flaxstate.checkpoint.stores import orbax_manager
 
 
@@ -77,7 +79,7 @@ def test_a_run_s_params_export_bit_for_bit_and_nothing_of_the_optimizer_is_read(
         return original(self, step, paths)
 
     monkeypatch.setattr(orbax_manager.CheckpointStore, "read_paths", spy)
-    monkeypatch.setattr(weights, "READ_BYTES", 1)  # every tensor read, written and dropped alone
+    monkeypatch.setattr(exporting, "READ_BYTES", 1)  # every tensor read, written and dropped alone
     out = fs.export_safetensors(tmp_path / "run", tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     loaded = safetensors.numpy.load_file(out / "model.safetensors")
@@ -361,7 +363,7 @@ def test_an_fsdp_start_from_a_file_reads_only_each_process_s_parts_and_trains_as
 def test_a_file_in_a_bucket_is_read_by_byte_ranges_of_the_rows_each_part_covers(tmp_path, monkeypatch):
     # The bucket's reader on a local file (`locations.read_range` reads both): its parts equal safe_open's, and
     # each part asks for the bytes of its rows alone.
-    from flaxstate import locations, weights
+    from flaxstate import locations
 
     tensors = {"w": np.arange(30, dtype=np.float32).reshape(6, 5), "b": np.arange(4, dtype=ml_dtypes.bfloat16),
                "s": np.asarray(7, np.int32)}  # fmt: skip
@@ -369,7 +371,7 @@ def test_a_file_in_a_bucket_is_read_by_byte_ranges_of_the_rows_each_part_covers(
     ranges = []
     read_range = locations.read_range
     monkeypatch.setattr(locations, "read_range", lambda path, a, b: ranges.append((a, b)) or read_range(path, a, b))
-    in_bucket = weights._InBucket(tmp_path / "model.safetensors")
+    in_bucket = files.InBucket(tmp_path / "model.safetensors")
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as local:
         assert sorted(in_bucket.keys()) == sorted(local.keys())
         for name in local.keys():
@@ -434,7 +436,7 @@ def test_a_bucket_s_file_is_checked_as_safe_open_checks_one_and_refused_naming_i
     with pytest.raises(Exception):  # noqa: B017  (safetensors_rust.SafetensorError)
         safe_open(str(path), "numpy")
     with pytest.raises(ValueError, match=rf"{path} is not a safetensors file that can be read: .*{re.escape(fault)}"):
-        weights._InBucket(path)
+        files.InBucket(path)
     with pytest.raises(ValueError, match=rf"{path} is not a safetensors file that can be read"):  # on a disk
         fs.SafetensorsReader(path, target=None).params({"a": np.zeros((1,), np.float32)})
 
@@ -442,10 +444,10 @@ def test_a_bucket_s_file_is_checked_as_safe_open_checks_one_and_refused_naming_i
 def test_an_empty_object_is_refused_and_a_good_file_read_whole(tmp_path):
     (tmp_path / "empty.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="holds 0 bytes"):
-        weights._InBucket(tmp_path / "empty.safetensors")
+        files.InBucket(tmp_path / "empty.safetensors")
     tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "z": np.zeros((0, 4), np.int8)}
     safetensors.numpy.save_file(tensors, str(tmp_path / "good.safetensors"), metadata={"format": "np"})
-    np.testing.assert_array_equal(weights._InBucket(tmp_path / "good.safetensors").get_tensor("a"), tensors["a"])
+    np.testing.assert_array_equal(files.InBucket(tmp_path / "good.safetensors").get_tensor("a"), tensors["a"])
 
 
 def test_an_index_is_followed_only_to_files_in_its_folder_and_a_tensor_in_two_files_is_refused(tmp_path):
@@ -455,27 +457,25 @@ def test_an_index_is_followed_only_to_files_in_its_folder_and_a_tensor_in_two_fi
     folder.mkdir()
     target = {"w": np.zeros((2,), np.float32)}
     for entry in ["../elsewhere/model.safetensors", "/etc/passwd", "sub/model.safetensors", "..", "passwd"]:
-        (folder / weights.INDEX).write_text(json.dumps({"weight_map": {"w": entry}}))
+        (folder / INDEX).write_text(json.dumps({"weight_map": {"w": entry}}))
         with pytest.raises(ValueError, match=rf"maps 'w' to {re.escape(repr(entry))}: only the name of a"):
             fs.SafetensorsReader(folder, target=None).params(target)
     for text, fault in [("{not json", "not a JSON object"), ('{"weight_map": ["w"]}', "its weight_map is list"),
                         ("[1]", "not a JSON object")]:  # fmt: skip
-        (folder / weights.INDEX).write_text(text)
-        with pytest.raises(ValueError, match=rf"{re.escape(str(folder / weights.INDEX))} is not .*{fault}"):
+        (folder / INDEX).write_text(text)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(folder / INDEX))} is not .*{fault}"):
             fs.SafetensorsReader(folder, target=None)
-    (folder / weights.INDEX).unlink()
+    (folder / INDEX).unlink()
     safetensors.numpy.save_file({"w": np.ones((2,), np.float32)}, str(folder / "model.safetensors"))
     safetensors.numpy.save_file({"w": np.full((2,), 9, np.float32)}, str(folder / "model_old.safetensors"))
     with pytest.raises(ValueError, match="the tensor 'w' is in both .*model.safetensors and .*model_old.safetensors"):
         fs.SafetensorsReader(folder, target=None).params(target)
-    (folder / weights.INDEX).write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    (folder / INDEX).write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
     np.testing.assert_array_equal(fs.SafetensorsReader(folder, target=None).params(target)["w"], np.ones(2))
     safetensors.numpy.save_file({"w": np.ones((2,), np.float32), "v": np.ones((1,), np.float32)},
                                 str(folder / "model.safetensors"))  # fmt: skip
     safetensors.numpy.save_file({"v": np.ones((1,), np.float32)}, str(folder / "model-2.safetensors"))
-    (folder / weights.INDEX).write_text(
-        json.dumps({"weight_map": {"w": "model.safetensors", "v": "model-2.safetensors"}})
-    )
+    (folder / INDEX).write_text(json.dumps({"weight_map": {"w": "model.safetensors", "v": "model-2.safetensors"}}))
     with pytest.raises(ValueError, match="'v' is in both|holds the tensor 'v', which .* gives to model-2"):
         fs.SafetensorsReader(folder, target=None).params({**target, "v": np.zeros((1,), np.float32)})
 
@@ -492,12 +492,12 @@ def test_an_output_that_is_a_file_is_named_and_a_killed_export_s_staging_is_remo
     out = tmp_path / "hf"
     out.mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = out / f"{weights.STAGING}{int(gone.stdout)}-x1"  # an export's, killed: its process is gone
+    killed = out / f"{STAGING}{int(gone.stdout)}-x1"  # an export's, killed: its process is gone
     killed.mkdir()
     (killed / "model.safetensors").write_bytes(bytes(1 << 20))
-    older = out / f"{weights.STAGING}abcd1234"  # named as earlier versions named theirs
+    older = out / f"{STAGING}abcd1234"  # named as earlier versions named theirs
     older.mkdir()
-    running = out / f"{weights.STAGING}{os.getpid()}-y2"  # a running export's
+    running = out / f"{STAGING}{os.getpid()}-y2"  # a running export's
     running.mkdir()
     fs.export_safetensors(tmp_path / "run", out)
     assert sorted(entry.name for entry in out.iterdir()) == sorted(["model.safetensors", running.name])
