@@ -238,7 +238,8 @@ def test_flaxstate_export_map_reads_the_table_from_json(tmp_path):
     assert bad.returncode == 2 and "bad.json holds a JSON list" in bad.stderr and not (tmp_path / "other").exists()
 
 
-def test_a_two_process_fsdp_import_through_a_layout_reads_only_each_process_s_heads(tmp_path):
+@pytest.mark.parametrize("cut", ["heads", "head_dim"])
+def test_a_two_process_fsdp_import_through_a_layout_reads_each_process_s_heads_or_the_tensor_once(tmp_path, cut):
     rng = np.random.default_rng(1)
     tensors = {"linear.weight": rng.normal(size=(64, 4)).astype(np.float32),  # (heads * head_dim, embed)
                "out.weight": rng.normal(size=(1, 64)).astype(np.float32)}  # fmt: skip
@@ -246,14 +247,16 @@ def test_a_two_process_fsdp_import_through_a_layout_reads_only_each_process_s_he
     whole = sum(t.nbytes for t in tensors.values())
     results = {}
     for n_processes in (2, 1):
-        config = {"path": str(tmp_path / "model.safetensors"), "heads": True}
+        config = {"path": str(tmp_path / "model.safetensors"), "heads": cut}
         outputs = processes.run("safetensors_import", config, n_processes, 240)
         results[n_processes] = [
             json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
             for out in outputs
         ]
-    for process in results[2]:  # each reads the rows of its heads alone, and holds them as (embed, heads, dim)
-        assert process["read"] == whole // 2 and process["shards_match"] and process["spec"] == ["None", "fsdp", "None"]
+    spec = ["None", "fsdp", "None"] if cut == "heads" else ["None", "None", "fsdp"]
+    for process in results[2]:  # heads: the rows of its heads alone; head_dim: no part is one block, read once
+        assert process["read"] == (whole // 2 if cut == "heads" else whole), process
+        assert process["shards_match"] and process["spec"] == spec, process
         np.testing.assert_allclose(process["loss"], results[1][0]["loss"], rtol=1e-5)
     assert results[1][0]["read"] == whole and results[1][0]["shards_match"]
 
@@ -281,3 +284,34 @@ def test_a_dry_run_lists_every_param_beside_its_tensor_and_both_shapes_reading_n
         fs.WeightMap(rules).pairs(template)
     assert "no rule covers norm/scale [16]" in str(raised.value)
     assert f"{layer}/o/kernel [4, 4, 16] -> model.layers.0.self_attn.o_proj.weight: 'o i -> i o'" in str(raised.value)
+
+
+def test_a_part_cut_in_heads_or_embed_reads_its_block_of_the_file_and_one_cut_in_head_dim_reads_none():
+    from flaxstate.checkpoint.safetensors.weight_map import Layout
+
+    e, h, d = 6, 4, 3
+    tree = np.arange(e * h * d, dtype=np.float32).reshape(e, h, d)
+    stored = {  # each layout's file array, by hand
+        "(h d) e -> e h d": tree.transpose(1, 2, 0).reshape(h * d, e),
+        "e (h d) -> e h d": tree.reshape(e, h * d),
+        "o i -> i o": tree[:, :, 0].T,
+    }
+    cuts = [  # a part's index into the tree, and whether it is one block of the file
+        ((slice(0, 3),), True),
+        ((slice(3, 6), slice(None)), True),
+        ((slice(None), slice(2, 4)), True),
+        ((slice(1, 2), slice(1, 3)), True),
+        ((slice(None), slice(1, 2), slice(0, 2)), True),
+        ((slice(None), slice(None), slice(0, 1)), False),
+        ((slice(None), slice(1, 3), slice(0, 2)), False),
+    ]
+    for pattern, file in stored.items():
+        layout = Layout(pattern)
+        held = tree[:, :, 0] if pattern == "o i -> i o" else tree
+        for cut, block in cuts:
+            cut = cut[: held.ndim]
+            within = layout.file_index(cut, held.shape)
+            assert (within is not None) == (block or held.ndim == 2), (pattern, cut)
+            if within is not None:
+                np.testing.assert_array_equal(layout.to_tree(file[within], held[cut].shape), held[cut])
+        np.testing.assert_array_equal(layout.to_file(held), file)

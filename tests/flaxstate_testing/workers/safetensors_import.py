@@ -2,8 +2,8 @@
 the processes' devices; prints one `result {json}` line a process: the bytes it read of the file, whether the
 kernel's shard it holds is the file's part, and the loss after two steps.
 
-With `heads`, the kernels are 3-D (`(embed, heads, head_dim)`, sharded in heads) and the files hold them as HF
-does, `(heads * head_dim, embed)`: a `WeightMap` layout reads them."""
+With `heads` ("heads" or "head_dim": the axis sharded), the kernels are 3-D (`(embed, heads, head_dim)`) and the
+files hold them as HF does, `(heads * head_dim, embed)`: a `WeightMap` layout reads them."""
 
 from __future__ import annotations
 
@@ -36,10 +36,14 @@ class Annotated(nnx.Module):
 
 
 class Heads(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        heads = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden", None))
+    """Sharded in heads (`heads="heads"`: each part is one block of the file's rows) or in head_dim (each part is
+    not: the file's tensor is read once, whole, by each process)."""
+
+    def __init__(self, rngs: nnx.Rngs, cut: str) -> None:
+        axes = ("hidden", None) if cut == "heads" else (None, "hidden")
+        heads = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", *axes))
         self.linear = nnx.LinearGeneral(4, (8, 8), kernel_init=heads, use_bias=False, rngs=rngs)
-        out = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("hidden", None, "embed"))
+        out = nnx.with_partitioning(nnx.initializers.lecun_normal(), (*axes, "embed"))
         self.out = nnx.LinearGeneral((8, 8), 1, axis=(-2, -1), kernel_init=out, use_bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -47,7 +51,7 @@ class Heads(nnx.Module):
 
 
 with nnx.use_eager_sharding(False):  # the annotations as metadata: the loop places the state
-    module = Heads(nnx.Rngs(0)) if config.get("heads") else Annotated(nnx.Rngs(0))
+    module = Heads(nnx.Rngs(0), config["heads"]) if config.get("heads") else Annotated(nnx.Rngs(0))
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",))
 rules = (("batch", "fsdp"), ("hidden", "fsdp"), ("embed", None))
 examples = toy.batches(4, 8, seed=3)
