@@ -37,7 +37,7 @@ from flax.core import DenyList
 from jax.sharding import Mesh
 
 from flaxstate import host_memory as host_plan
-from flaxstate import private_apis, settings, tree_paths
+from flaxstate import private_apis, settings, sharding, tree_paths
 from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.tiers import local_tier
@@ -180,7 +180,7 @@ def plan(
     task: TrainTask,
     *,
     target: str,
-    mesh_shape: Mapping[str, int] | None = None,
+    mesh_shape: Mapping[str, int] | jax.sharding.AbstractMesh | None = None,
     axis_rules: AxisRules | None = None,
     batch: Any = None,
     n_microbatches: int = 1,
@@ -204,7 +204,11 @@ def plan(
         task: the task (its step, loss and optimizer; its data gives the default batch).
         target: a TPU topology name ("v5e:2x2"), "cpu:N", or "local".
         mesh_shape: axis sizes, e.g. `{"data": 2, "fsdp": 8}`, multiplying to the
-            target's devices (with `axis_rules`); by default data parallelism over all.
+            target's devices (with `axis_rules`), or a `jax.sharding.AbstractMesh`
+            (its sizes and axis types: `Explicit` axes are planned as the loop
+            runs them); by default the mesh of the `jax.set_mesh` around the
+            call (its names, sizes and axis types, on the target's devices),
+            else data parallelism over all.
         axis_rules: flax-style logical axis rules, as `TrainLoop` takes them.
         batch: one global batch (arrays or `jax.ShapeDtypeStruct`s, as the data
             yields them); by default the first batch of `task.data`, as it is.
@@ -235,8 +239,9 @@ def plan(
         the `Plan`.
 
     Raises:
-        ValueError: before any compile: a `mesh_shape` whose product is not the
-            device count; axis rules without a mesh shape, or naming no mesh
+        ValueError: before any compile: a `mesh_shape` (or the context's mesh)
+            whose product is not the device count; a `mesh_shape` that differs
+            from the context's mesh; axis rules without a mesh shape, or naming no mesh
             axis; a global batch that does not divide over the batch's parts
             and the microbatches; an unknown target or TPU topology (listing
             some known ones); `jax[tpu]` not installed (naming the extra);
@@ -251,6 +256,32 @@ def plan(
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
+    with where.context():  # an Explicit mesh's model is traced under it, as the loop traces it
+        return _plan(
+            init, task, where, devices, target, batch, n_microbatches, n_steps_per_dispatch, input_sample,
+            device_memory, record_memory, record_gradients, tier, host_memory, host_memory_budget, max_device_batch,
+        )  # fmt: skip
+
+
+def _plan(
+    init: Any,
+    task: TrainTask,
+    where: Any,
+    devices: list[Any],
+    target: str,
+    batch: Any,
+    n_microbatches: int,
+    n_steps_per_dispatch: int,
+    input_sample: Any,
+    device_memory: int | None,
+    record_memory: str,
+    record_gradients: bool,
+    tier: LocalTier | None,
+    host_memory: int | None,
+    host_memory_budget: HostMemoryBudget | None,
+    max_device_batch: int | None,
+) -> Plan:
+    """`plan` once its options are checked and its placement made."""
     global_batch = _global_batch(task, batch)
     max_device_batch = startup.check_max_device_batch("plan", max_device_batch, n_microbatches)
     if max_device_batch is not None:
@@ -426,19 +457,31 @@ def target_devices(target: str) -> list[Any]:
 
 
 def _partitioning(
-    devices: list[Any], mesh_shape: Mapping[str, int] | None, axis_rules: AxisRules | None
+    devices: list[Any], mesh_shape: Mapping[str, int] | jax.sharding.AbstractMesh | None, axis_rules: AxisRules | None
 ) -> Partitioning:
+    context = sharding.context_mesh()
+    if context is not None:
+        given = mesh_shape if isinstance(mesh_shape, Mapping) or mesh_shape is None else dict(mesh_shape.shape)
+        if given is not None and dict(given) != dict(context.shape):
+            raise ValueError(
+                f"plan's mesh_shape {dict(given)} is not the mesh of the jax.set_mesh around it "
+                f"({sharding.describe_mesh(context)}): leave mesh_shape out to plan the context's mesh (on the "
+                "target's devices), or give the same axes to both."
+            )
+        mesh_shape = mesh_shape if isinstance(mesh_shape, jax.sharding.AbstractMesh) else context.abstract_mesh
     if mesh_shape is None:
         if axis_rules is not None:
             raise ValueError("plan takes axis_rules with a mesh_shape (the mesh axes the rules name).")
         return Partitioning(mesh=Mesh(np.array(devices), ("data",)), axis_rules=[("batch", "data")])
-    sizes = dict(mesh_shape)
+    kinds = mesh_shape.axis_types if isinstance(mesh_shape, jax.sharding.AbstractMesh) else None
+    sizes = dict(mesh_shape.shape) if isinstance(mesh_shape, jax.sharding.AbstractMesh) else dict(mesh_shape)
     if math.prod(sizes.values()) != len(devices):
+        where = " (the mesh of the jax.set_mesh around it)" if context is not None else ""
         raise ValueError(
-            f"mesh_shape {sizes} holds {math.prod(sizes.values())} devices, and the target has {len(devices)}: "
-            "give axis sizes that multiply to the device count."
+            f"mesh_shape {sizes}{where} holds {math.prod(sizes.values())} devices, and the target has "
+            f"{len(devices)}: give axis sizes that multiply to the device count."
         )
-    mesh = Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
+    mesh = Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes), axis_types=kinds)
     rules = axis_rules if axis_rules is not None else [("batch", tuple(sizes))]
     return Partitioning(mesh=mesh, axis_rules=rules)
 

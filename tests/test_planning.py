@@ -275,3 +275,44 @@ def test_max_device_batch_plans_the_microbatches_the_loop_would_choose(kind):
         fs.plan(init, task, target="cpu:2", n_microbatches=2, max_device_batch=3)
     with pytest.raises(ValueError, match="plan max_device_batch must be a positive int, got 0"):
         fs.plan(init, task, target="cpu:2", max_device_batch=0)
+
+
+class Resharded(nnx.Module):
+    """A model written the explicit way: its activations resharded by a bare `PartitionSpec`, which needs the mesh
+    context (under an Auto mesh without one, `reshard` refuses)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(
+            256, 1024, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")), rngs=rngs
+        )
+        self.down = nnx.Linear(
+            1024, 256, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", "embed")), rngs=rngs
+        )
+
+    def __call__(self, x):
+        h = jax.sharding.reshard(nnx.relu(self.up(x)), jax.sharding.PartitionSpec(None, "model"))
+        return self.down(h, out_sharding=jax.sharding.PartitionSpec()).sum(-1)
+
+
+TENSOR_PARALLEL = [("batch", None), ("mlp", "model"), ("embed", None)]
+"""The hidden units split over `model`, the batch whole: `Resharded`'s layout."""
+
+
+def test_an_explicit_mesh_plans_the_sharded_bytes_of_an_auto_one_and_traces_under_its_context():
+    explicit = jax.sharding.AbstractMesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with nnx.use_eager_sharding(False):
+        model = Resharded(nnx.Rngs(0))
+    task = fs.TrainTask(apply=model, optimizer=optax.adam(1e-3), loss=mse, data=task_of(MLP()).data)
+    sharded = fs.plan(model, task, target="cpu:4", mesh_shape=explicit, axis_rules=TENSOR_PARALLEL)
+    assert sharded.per_device["params"] < sharded.per_device["optimizer"] and sharded.flops_per_step > 0
+    assert sharded.per_device["params"] == 2 * 256 * 1024 * 4 // 4 + (1024 + 256) * 4  # kernels a quarter, biases whole
+    with pytest.raises(ValueError, match="not under a mesh context"):  # on an Auto mesh, its bare spec has no context
+        fs.plan(model, task, target="cpu:4", mesh_shape={"model": 4}, axis_rules=TENSOR_PARALLEL)
+
+    with jax.set_mesh(jax.make_mesh((1,), ("model",))):  # the caller's context: its axes, on the target's devices
+        local = fs.plan(model, task, target="local", axis_rules=TENSOR_PARALLEL)
+        assert local.mesh_shape == {"model": 1} and local.fits is not False
+        with pytest.raises(ValueError, match=r"mesh_shape \{'model': 1\} \(the mesh of the jax.set_mesh around it\)"):
+            fs.plan(model, task, target="cpu:4", axis_rules=TENSOR_PARALLEL)
+        with pytest.raises(ValueError, match=r"plan's mesh_shape \{'model': 4\} is not the mesh of the jax.set_mesh"):
+            fs.plan(model, task, target="cpu:4", mesh_shape={"model": 4}, axis_rules=TENSOR_PARALLEL)
