@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STEPS ?= 600
 
-.PHONY: demo test test-fast test-processes lint install bench docs
+.PHONY: demo test test-fast test-processes lint install bench docs docs-install docs-site quick-tier process-tier
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,12 +24,17 @@ lint: install
 
 # The tests in their tiers (tests/README.md): `test-fast` those that run in one process (the edit-test loop),
 # `test-processes` those that start processes or send signals; `make test` runs both.
+# `quick-tier` and `process-tier` run a tier alone on a venv already installed (CI's lanes: see .ci/run).
 test: test-fast test-processes
 
-test-fast: install lint
+test-fast: install lint quick-tier
+
+test-processes: install process-tier
+
+quick-tier:
 	$(BIN)/python -m pytest -q -m "not processes"
 
-test-processes: install
+process-tier:
 	$(BIN)/python -m pytest -q -m processes
 
 bench: install
@@ -40,8 +45,13 @@ bench: install
 # `make docs` says so; DOCS_BROWSER=required (CI's) makes a missing browser an error.
 CHROMIUM ?= $(shell command -v chromium 2>/dev/null)
 DOCS_BROWSER ?= optional
-docs: $(BIN)/python
+docs: docs-install docs-site
+
+docs-install: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[docs]'
+
+# The site and its checks alone, on a venv that has the docs' extra (CI builds it beside the tests: see .ci/run).
+docs-site:
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 	@if [ -n "$(CHROMIUM)" ]; then \
 		CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest -q -p no:cacheprovider docs/tests; \
