@@ -8,7 +8,7 @@ survive crashes and restore anywhere.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flaxstate import launch as _launch  # noqa: F401  (registers `flaxstate launch`'s processes with JAX)
+from flaxstate import clusters as _clusters  # noqa: F401  (registers `flaxstate launch`'s processes with JAX)
 from flaxstate.global_batches import GlobalBatches, global_batches
 from flaxstate.nnx import nnx_functions, nnx_update
 from flaxstate.plotting import plot

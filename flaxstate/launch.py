@@ -10,8 +10,8 @@ checkpoint through the tiers, as any restart does.
 
 Each process finds its peers through `jax.distributed.initialize()` with no
 arguments, the call a script makes under SLURM or on a TPU pod: importing
-flaxstate registers `LaunchedCluster`, one of JAX's cluster environments,
-present where the launcher set `FLAXSTATE_COORDINATOR_ADDRESS`,
+flaxstate registers `LaunchedCluster` (`flaxstate.clusters`), one of JAX's
+cluster environments, present where the launcher set `FLAXSTATE_COORDINATOR_ADDRESS`,
 `FLAXSTATE_PROCESS_COUNT` and `FLAXSTATE_PROCESS_ID`. `FLAXSTATE_RESTARTS`
 says how many restarts came before (torchrun's `TORCHELASTIC_RESTART_COUNT`).
 With no GPU the launcher also sets `JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo`
@@ -88,56 +88,20 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
-from flaxstate import private_apis, settings, xla_settings
+from flaxstate import settings, xla_settings
+from flaxstate.clusters import (  # noqa: F401  (the launcher's variables, which its processes read)
+    COORDINATOR,
+    LOCAL_PROCESS_ID,
+    LOST_FILE,
+    PROCESS_COUNT,
+    PROCESS_ID,
+    RESTARTS,
+)
 
-COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
-PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
-PROCESS_ID = "FLAXSTATE_PROCESS_ID"
-LOCAL_PROCESS_ID = "FLAXSTATE_LOCAL_PROCESS_ID"
-RESTARTS = "FLAXSTATE_RESTARTS"
-LOST_FILE = "FLAXSTATE_LOST_FILE"
-"""A file of process indices that a cluster's health check declares lost (one a line), read after a failure."""
 LOST_AFTER = 2
 """Rounds in a row that one process index fails before `--min-processes` counts it lost."""
-
-
-def _register_cluster() -> None:
-    """Registers `LaunchedCluster` with JAX's cluster environments (a JAX without them is left alone)."""
-    base: Any = private_apis.cluster_env()
-    if base is None:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
-        return
-
-    class LaunchedCluster(base):
-        """The processes of `flaxstate launch` (see the module)."""
-
-        name = "flaxstate"
-
-        @classmethod
-        def is_env_present(cls) -> bool:
-            return COORDINATOR in os.environ
-
-        @classmethod
-        def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
-            address = os.environ[COORDINATOR]
-            return f"{address.rsplit(':', 1)[0]}:{override_coordinator_port}" if override_coordinator_port else address
-
-        @classmethod
-        def get_process_count(cls) -> int:
-            return int(os.environ[PROCESS_COUNT])
-
-        @classmethod
-        def get_process_id(cls) -> int:
-            return int(os.environ[PROCESS_ID])
-
-        @classmethod
-        def get_local_process_id(cls) -> int | None:
-            local = os.environ.get(LOCAL_PROCESS_ID)
-            return None if local is None else int(local)
-
-
-_register_cluster()
 
 
 CACHE = "JAX_COMPILATION_CACHE_DIR"

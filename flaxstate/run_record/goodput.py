@@ -24,6 +24,10 @@ split into productive step time and buckets of lost time:
 - `down_time`: the gap before a session, from the previous session's last
   event to this one's process start (in the total: all gaps).
 
+Each session also says which cluster manager started it and its restart of
+the job (`manager`: `flaxstate.clusters.manager()`, such as `{"name": "slurm",
+"job": "81", "restarts": 1}` after a requeue; `None` where none said).
+
 `productive` plus the buckets equals `wall_time`; `goodput` is
 `productive / wall_time`. A ledger cut short (a process killed right after
 its session line) ends its session no earlier than its events account for,
@@ -200,6 +204,7 @@ def _account(session: SessionEvents, resumed_at: int | None, down_time: float) -
         "device_kind": session.start.get("device_kind"),
         "microbatches": session.start.get("microbatches"),
         "programs": session.start.get("programs"),
+        "manager": session.start.get("manager"),
         "audit": _audit(session),
         "failed": not session.ended and resumed_at is not None,
         "lost_per_failure": lost_seconds if not session.ended and resumed_at is not None else None,
@@ -282,6 +287,13 @@ def _verdict(logged: dict[str, Any] | None) -> str:
     return str(logged["verdict"]) + ("" if step is None else f" at step {step}")
 
 
+def _started_by(manager: dict[str, Any] | None) -> str:
+    """A session's manager as the report's table gives it: `slurm, restart 1`, `flaxstate launch, restart 0`."""
+    if not manager:
+        return "-"
+    return f"{manager['name']}, restart {manager['restarts']}"
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The report as a table: a column each session and one for the total, seconds and percent of wall time."""
     columns = [(f"session {index + 1}", account) for index, account in enumerate(summary["sessions"])]
@@ -309,6 +321,9 @@ def format_report(summary: dict[str, Any]) -> str:
                 ("loss a failure, realized", "lost_per_failure"),
             )
         ]
+    managers = [account.get("manager") for account in summary["sessions"]]
+    if any(managers):  # which manager started each session, and its restart of the job
+        rows.append(["started by", *[_started_by(each) for each in managers], ""])
     audits = [account.get("audit") for account in summary["sessions"]]
     if any(audits):
         rows.append(["resume audit", *[_verdict(each) for each in audits], ""])

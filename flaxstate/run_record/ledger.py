@@ -50,7 +50,7 @@ from typing import IO, Any
 
 import jax
 
-from flaxstate import settings
+from flaxstate import clusters, settings
 from flaxstate.locations import as_path, is_url
 from flaxstate.records import MEMORY_FIELDS, Checkpoint
 from flaxstate.run_record import audit
@@ -190,6 +190,7 @@ class Ledger:
                 "microbatches": session.n_microbatches,
                 "max_device_batch": session.max_device_batch,
                 "programs": session.programs,
+                "manager": clusters.manager(),
             }
             if session.restored_step is not None:
                 self._begin_audit(started)

@@ -12,12 +12,13 @@ import jax
 def setup() -> dict:
     """Reads the worker's config and joins the other processes (gloo on the CPU).
 
-    Under `flaxstate launch`, it joins them as a script under SLURM does,
-    with `jax.distributed.initialize()` and no arguments, and prints its
-    process id (`pid <n>`) for the tests that send it signals.
+    Under `flaxstate launch` and under `srun` (SLURM sets `SLURM_STEP_ID`
+    in a job step's tasks), it joins them as a script under SLURM does, with
+    `jax.distributed.initialize()` and no arguments, and prints its process
+    id (`pid <n>`) for the tests that send it signals.
     """
     config = json.loads(sys.argv[1])
-    if os.environ.get("FLAXSTATE_COORDINATOR_ADDRESS"):
+    if os.environ.get("FLAXSTATE_COORDINATOR_ADDRESS") or "SLURM_STEP_ID" in os.environ:
         import flaxstate  # noqa: F401  (registers the launcher's processes with JAX)
 
         jax.distributed.initialize()

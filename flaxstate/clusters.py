@@ -1,0 +1,131 @@
+"""The cluster managers a process may run under, what `import flaxstate` needs of them, apart from the launcher.
+
+`flaxstate launch` (`flaxstate.launch`, the supervisor) tells its processes where
+their peers are through the variables below; importing flaxstate registers
+`LaunchedCluster`, one of JAX's cluster environments, present where the
+launcher set them, so that `jax.distributed.initialize()` with no arguments
+joins them as it joins a job step's tasks under SLURM (JAX's own
+`SlurmCluster`: `SLURM_JOB_ID`, `SLURM_STEP_NODELIST`, `SLURM_NTASKS`,
+`SLURM_PROCID`, `SLURM_LOCALID`).
+
+`manager()` says which manager started this process and how many times it
+started the job again before: the run's ledger keeps it with each session, so
+that `flaxstate goodput` shows each session with its restart.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flaxstate import private_apis
+
+COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
+PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
+PROCESS_ID = "FLAXSTATE_PROCESS_ID"
+LOCAL_PROCESS_ID = "FLAXSTATE_LOCAL_PROCESS_ID"
+RESTARTS = "FLAXSTATE_RESTARTS"
+"""The rounds `flaxstate launch` started before this one (torchrun's `TORCHELASTIC_RESTART_COUNT`)."""
+LOST_FILE = "FLAXSTATE_LOST_FILE"
+"""A file of process indices that a cluster's health check declares lost (one a line), read after a failure."""
+
+SLURM_JOB = "SLURM_JOB_ID"
+SLURM_RESTARTS = "SLURM_RESTART_COUNT"
+"""The times SLURM requeued the job before this run of it (absent before the first requeue)."""
+
+
+def manager() -> dict[str, Any] | None:
+    """The manager that started this process, innermost first, and the restarts of the job it made before.
+
+    Returns:
+        `{"name": "flaxstate launch", "restarts": N}` under the launcher,
+        `{"name": "slurm", "job": ID, "restarts": N}` in a SLURM job, or
+        `None` (a process started by hand, or by a manager that says nothing).
+    """
+    if RESTARTS in os.environ:
+        return {"name": "flaxstate launch", "restarts": int(os.environ[RESTARTS])}
+    if SLURM_JOB in os.environ:
+        return {"name": "slurm", "job": os.environ[SLURM_JOB], "restarts": int(os.environ.get(SLURM_RESTARTS, "0"))}
+    return None
+
+
+REGISTERED: dict[str, Any] = {}
+"""The cluster environments this module registered with JAX, by name (none with a JAX that has no clusters)."""
+
+
+def batch_shell_error() -> str:
+    """What `jax.distributed.initialize()` says in a SLURM batch script's own shell (jax#30073)."""
+    return (
+        f"jax.distributed.initialize() was called in the shell of a SLURM batch script (job "
+        f"{os.environ.get(SLURM_JOB, '?')}), not in a task of a job step: the job's "
+        f"{os.environ.get('SLURM_NTASKS', '?')} tasks are started by srun alone. Run the training with srun in the "
+        f"batch script (`srun python train.py`, as examples/slurm/train.sbatch does)."
+    )
+
+
+def _register_cluster() -> None:
+    """Registers `LaunchedCluster`, and `SlurmBatchShell` after JAX's `SlurmCluster`, with JAX's cluster
+    environments (a JAX without them is left alone)."""
+    base: Any = private_apis.cluster_env()
+    if base is None:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
+        return
+
+    class LaunchedCluster(base):
+        """The processes of `flaxstate launch` (see the module)."""
+
+        name = "flaxstate"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return COORDINATOR in os.environ
+
+        @classmethod
+        def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
+            address = os.environ[COORDINATOR]
+            return f"{address.rsplit(':', 1)[0]}:{override_coordinator_port}" if override_coordinator_port else address
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ[PROCESS_COUNT])
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ[PROCESS_ID])
+
+        @classmethod
+        def get_local_process_id(cls) -> int | None:
+            local = os.environ.get(LOCAL_PROCESS_ID)
+            return None if local is None else int(local)
+
+    class SlurmBatchShell(base):
+        """A SLURM job's batch script run without `srun`: present where `SLURM_JOB_ID` is set and no job step's
+        (`SLURM_STEP_ID`, which JAX's `SlurmCluster` needs with `SLURM_STEP_NODELIST`). Asked where the
+        coordinator is, it says why there is none and what to do, instead of JAX's "coordinator_address should
+        be defined"."""
+
+        name = "slurm-batch-shell"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return SLURM_JOB in os.environ and "SLURM_STEP_ID" not in os.environ and COORDINATOR not in os.environ
+
+        @classmethod
+        def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
+            raise RuntimeError(batch_shell_error())
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ.get("SLURM_NTASKS", "1"))
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ.get("SLURM_PROCID", "0"))
+
+        @classmethod
+        def get_local_process_id(cls) -> int | None:
+            return None
+
+    REGISTERED.update({"flaxstate": LaunchedCluster, "slurm-batch-shell": SlurmBatchShell})
+
+
+_register_cluster()

@@ -1,0 +1,102 @@
+"""`flaxstate.clusters`: which manager started a process, from the variables each sets, and what a run's ledger
+and `flaxstate goodput` say of it. (Real managers: tests/cluster/test_slurm.py; the launcher: tests/test_launch.py.)"""
+
+import pytest
+
+from flaxstate import clusters
+from flaxstate.run_record import goodput
+
+SLURM_TASK = {  # what `srun -n 2` sets in its second task (a one-node cluster, job 81 requeued twice)
+    "SLURM_JOB_ID": "81",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_RESTART_COUNT": "2",
+}
+
+
+@pytest.fixture(autouse=True)
+def no_manager(monkeypatch):
+    for name in [*SLURM_TASK, clusters.RESTARTS, clusters.COORDINATOR]:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_process_started_by_hand_has_no_manager():
+    assert clusters.manager() is None
+
+
+def test_a_slurm_task_names_its_job_and_its_requeues_and_a_first_run_has_none(monkeypatch):
+    for name, value in SLURM_TASK.items():
+        monkeypatch.setenv(name, value)
+    assert clusters.manager() == {"name": "slurm", "job": "81", "restarts": 2}
+    monkeypatch.delenv("SLURM_RESTART_COUNT")  # SLURM sets it from the first requeue on
+    assert clusters.manager() == {"name": "slurm", "job": "81", "restarts": 0}
+
+
+def test_the_launcher_inside_a_slurm_job_is_the_manager_that_restarts_the_processes(monkeypatch):
+    for name, value in SLURM_TASK.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(clusters.RESTARTS, "1")
+    assert clusters.manager() == {"name": "flaxstate launch", "restarts": 1}
+
+
+def session(at, manager, step):
+    return [
+        {
+            "event": "session",
+            "time": at,
+            "pid": 1,
+            "startup": 1.0,
+            "restored_step": step - 10 or None,
+            "run_id": "r",
+            "manager": manager,
+        },
+        {
+            "event": "record",
+            "time": at + 11.0,
+            "step": step,
+            "steps": 10,
+            "elapsed": 10.0,
+            "compile": 0.0,
+            "data_wait": 0.0,
+            "idle": 0.0,
+            "outside": 0.0,
+            "run_id": "r",
+        },
+    ]
+
+
+def test_goodput_shows_each_session_s_manager_and_restart_and_a_ledger_without_them_shows_no_row():
+    first, second = {"name": "slurm", "job": "81", "restarts": 0}, {"name": "slurm", "job": "81", "restarts": 1}
+    events = session(0.0, first, 10) + session(100.0, second, 20)
+    report = goodput.report(events)
+    assert [account["manager"] for account in report["sessions"]] == [first, second]
+    [row] = [line for line in goodput.format_report(report).splitlines() if line.startswith("started by")]
+    assert row.split()[2:] == ["slurm,", "restart", "0", "slurm,", "restart", "1"]
+    older = session(0.0, None, 10) + session(100.0, None, 20)  # a ledger of an earlier flaxstate's
+    assert "started by" not in goodput.format_report(goodput.report(older))
+
+
+BATCH_SHELL = {  # what sbatch sets in a batch script's own shell: a job, and no job step
+    "SLURM_JOB_ID": "81",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_NODELIST": "localhost",
+}
+
+
+def test_a_batch_script_s_shell_is_told_to_run_the_training_under_srun(monkeypatch):
+    # jax#30073: JAX's SlurmCluster is not present there (no SLURM_STEP_NODELIST), and its own error says only
+    # "coordinator_address should be defined". flaxstate's environment is present there alone and says why.
+    shell = clusters.REGISTERED["slurm-batch-shell"]
+    for name, value in BATCH_SHELL.items():
+        monkeypatch.setenv(name, value)
+    assert shell.is_env_present()
+    with pytest.raises(RuntimeError, match=r"shell of a SLURM batch script \(job 81\).*2 tasks are started by srun"):
+        shell.get_coordinator_address(timeout_secs=None, override_coordinator_port=None)
+    for name, value in SLURM_TASK.items():  # a task of `srun`'s step: JAX's SlurmCluster's, not this one's
+        monkeypatch.setenv(name, value)
+    assert not shell.is_env_present()
