@@ -49,6 +49,36 @@ def manager() -> dict[str, Any] | None:
     return None
 
 
+def launcher_refusal() -> str | None:
+    """Why `flaxstate launch` must not start processes here, under SLURM, or `None` where it may.
+
+    Inside a one-node job (its batch script, or a job step of one task) the
+    launcher does what it does on any machine: it starts N processes there and
+    starts them again after a failure, and SLURM requeues the job as a whole.
+    Inside a job step of several tasks each task would start N processes of
+    its own, and a job of several nodes needs processes on every node, which
+    only `srun` starts: both are refused, naming `srun`.
+    """
+    if SLURM_JOB not in os.environ:
+        return None
+    job = os.environ[SLURM_JOB]
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")))
+    if "SLURM_STEP_ID" in os.environ and tasks > 1:
+        return (
+            f"flaxstate launch runs in each of the {tasks} tasks of a SLURM job step (job {job}): each would start "
+            f"processes of its own. Start the training's processes with srun alone (`srun -n {tasks} python "
+            "train.py`); SLURM restarts the job (--requeue: docs/guides/cluster.md)."
+        )
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    if nodes > 1:
+        return (
+            f"flaxstate launch starts processes on this node only, and SLURM job {job} has {nodes} nodes: start "
+            "the training's processes with srun (one task a GPU or a node); SLURM restarts the job (--requeue: "
+            "docs/guides/cluster.md)."
+        )
+    return None
+
+
 REGISTERED: dict[str, Any] = {}
 """The cluster environments this module registered with JAX, by name (none with a JAX that has no clusters)."""
 

@@ -90,7 +90,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from flaxstate import settings, xla_settings
+from flaxstate import clusters, settings, xla_settings
 from flaxstate.clusters import (  # noqa: F401  (the launcher's variables, which its processes read)
     COORDINATOR,
     LOCAL_PROCESS_ID,
@@ -553,8 +553,12 @@ def launch(
         else the failing process's status (128 + a signal's number).
 
     Raises:
-        ValueError: no command, a count, restarts, grace or least count out of range, or an unknown preset.
+        ValueError: no command, a count, restarts, grace or least count out of range, or an unknown preset;
+            or a SLURM job where the launcher cannot start the job's processes (`clusters.launcher_refusal`).
     """
+    refusal = clusters.launcher_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
     if n_processes is None:
         n_processes = max(1, local_gpus())
     cache = default_compilation_cache() if compilation_cache == "" else compilation_cache

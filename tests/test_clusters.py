@@ -3,7 +3,7 @@ and `flaxstate goodput` say of it. (Real managers: tests/cluster/test_slurm.py; 
 
 import pytest
 
-from flaxstate import clusters
+from flaxstate import clusters, launch
 from flaxstate.run_record import goodput
 
 SLURM_TASK = {  # what `srun -n 2` sets in its second task (a one-node cluster, job 81 requeued twice)
@@ -19,7 +19,7 @@ SLURM_TASK = {  # what `srun -n 2` sets in its second task (a one-node cluster, 
 
 @pytest.fixture(autouse=True)
 def no_manager(monkeypatch):
-    for name in [*SLURM_TASK, clusters.RESTARTS, clusters.COORDINATOR]:
+    for name in [*SLURM_TASK, "SLURM_STEP_NUM_TASKS", "SLURM_JOB_NUM_NODES", clusters.RESTARTS, clusters.COORDINATOR]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -100,3 +100,27 @@ def test_a_batch_script_s_shell_is_told_to_run_the_training_under_srun(monkeypat
     for name, value in SLURM_TASK.items():  # a task of `srun`'s step: JAX's SlurmCluster's, not this one's
         monkeypatch.setenv(name, value)
     assert not shell.is_env_present()
+
+
+@pytest.mark.parametrize(
+    ("variables", "refused"),
+    [
+        ({}, None),  # no SLURM: the launcher's own machine
+        (BATCH_SHELL, None),  # a one-node job's batch script: the launcher starts and restarts its processes
+        (
+            {**BATCH_SHELL, "SLURM_JOB_NUM_NODES": "2"},
+            "SLURM job 81 has 2 nodes: start the training's processes with srun",
+        ),
+        ({**SLURM_TASK, "SLURM_STEP_NUM_TASKS": "2"}, "runs in each of the 2 tasks of a SLURM job step (job 81)"),
+        ({**SLURM_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # `srun -n 1 flaxstate launch ...`
+    ],
+)
+def test_the_launcher_refuses_a_slurm_job_whose_processes_only_srun_can_start(monkeypatch, variables, refused):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    if refused is None:
+        assert clusters.launcher_refusal() is None
+    else:
+        assert refused in clusters.launcher_refusal() and "srun" in clusters.launcher_refusal()
+        with pytest.raises(ValueError, match="srun"):
+            launch.launch(["true"], 2)  # before any process starts

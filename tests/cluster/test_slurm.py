@@ -296,3 +296,29 @@ def test_a_batch_script_without_srun_is_told_to_run_the_training_under_srun(clus
         in output
     )
     assert "the job's 2 tasks are started by srun alone" in output, output
+
+
+def test_flaxstate_launch_in_a_one_node_job_trains_and_in_a_step_of_two_tasks_is_refused_naming_srun(
+    cluster, tmp_path, straight
+):
+    # The launcher's decision under SLURM (flaxstate.clusters.launcher_refusal): in a one-node job's batch script
+    # it starts its processes and restarts them as on any machine (its sessions say "flaxstate launch"); in each
+    # task of `srun -n 2` it would start processes of its own, and says so before it starts any.
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"))
+    launcher = [sys.executable, "-m", "flaxstate", "launch", "--processes", "2", "--compilation-cache", "none", "--"]
+    script = tmp_path / "launch.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n{' '.join(launcher + WORKER)} '{json.dumps(config)}'\n")
+    job_id = cluster.sbatch(script, f"--output={tmp_path}/job-%j.out", cwd=tmp_path)
+    job = cluster.wait_job(job_id, ENDED, 300)
+    output = (tmp_path / f"job-{job_id}.out").read_text()
+    assert job["JobState"] == "COMPLETED", f"{job}\n{output}"
+    assert_equal_files(tmp_path / "a.npz", straight)
+    sessions = goodput.report(ledger.read_events(run_dir / ledger.FILENAME))["sessions"]
+    assert [session["manager"] for session in sessions] == [{"name": "flaxstate launch", "restarts": 0}]
+
+    refused = cluster.srun("-n", "2", *launcher, "true", cwd=tmp_path)
+    assert refused.finish(timeout=120) != 0, refused.output
+    message = "flaxstate launch runs in each of the 2 tasks of a SLURM job step"
+    assert {line.split(": ")[0] for line in refused.lines if message in line} == {"0", "1"}, refused.output
+    assert "srun -n 2 python train.py" in refused.output and "[0]" not in refused.output, refused.output
