@@ -30,6 +30,9 @@ LOST_FILE = "FLAXSTATE_LOST_FILE"
 """A file of process indices that a cluster's health check declares lost (one a line), read after a failure."""
 
 SLURM_JOB = "SLURM_JOB_ID"
+SLURM_STEP = "SLURM_STEP_ID"
+"""Set in the tasks of a job step (`srun`), not in the batch script's own shell."""
+SLURM_TASKS = "SLURM_NTASKS"
 SLURM_RESTARTS = "SLURM_RESTART_COUNT"
 """The times SLURM requeued the job before this run of it (absent before the first requeue)."""
 
@@ -62,8 +65,8 @@ def launcher_refusal() -> str | None:
     if SLURM_JOB not in os.environ:
         return None
     job = os.environ[SLURM_JOB]
-    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")))
-    if "SLURM_STEP_ID" in os.environ and tasks > 1:
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get(SLURM_TASKS, "1")))
+    if SLURM_STEP in os.environ and tasks > 1:
         return (
             f"flaxstate launch runs in each of the {tasks} tasks of a SLURM job step (job {job}): each would start "
             f"processes of its own. Start the training's processes with srun alone (`srun -n {tasks} python "
@@ -88,7 +91,7 @@ def batch_shell_error() -> str:
     return (
         f"jax.distributed.initialize() was called in the shell of a SLURM batch script (job "
         f"{os.environ.get(SLURM_JOB, '?')}), not in a task of a job step: the job's "
-        f"{os.environ.get('SLURM_NTASKS', '?')} tasks are started by srun alone. Run the training with srun in the "
+        f"{os.environ.get(SLURM_TASKS, '?')} tasks are started by srun alone. Run the training with srun in the "
         f"batch script (`srun python train.py`, as examples/slurm/train.sbatch does)."
     )
 
@@ -137,7 +140,7 @@ def _register_cluster() -> None:
 
         @classmethod
         def is_env_present(cls) -> bool:
-            return SLURM_JOB in os.environ and "SLURM_STEP_ID" not in os.environ and COORDINATOR not in os.environ
+            return SLURM_JOB in os.environ and SLURM_STEP not in os.environ and COORDINATOR not in os.environ
 
         @classmethod
         def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
@@ -145,7 +148,7 @@ def _register_cluster() -> None:
 
         @classmethod
         def get_process_count(cls) -> int:
-            return int(os.environ.get("SLURM_NTASKS", "1"))
+            return int(os.environ.get(SLURM_TASKS, "1"))
 
         @classmethod
         def get_process_id(cls) -> int:

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from flaxstate_testing import processes
-from flaxstate_testing.checkpoints import saved_steps
+from flaxstate_testing.checkpoints import data_fingerprints, saved_steps
 
 from flaxstate import launch
 from flaxstate.run_record import goodput, ledger
@@ -364,16 +364,6 @@ def test_a_lost_file_s_damaged_bytes_and_lines_that_name_no_process_are_ignored_
         "flaxstate launch: process 1 exited with status 5; [2] lost: restart 1 of 3 goes on with 2 processes "
         "(of 4; --min-processes 2).",
     ], launched.output
-
-
-def data_fingerprints(run_dir) -> dict[int, str]:
-    """Each record's fingerprint of the global examples trained since the one before, by step (the newest
-    session's where several logged a step)."""
-    return {
-        event["step"]: event["data_fp"]
-        for event in ledger.read_events(run_dir / ledger.FILENAME)
-        if event["event"] == "record"
-    }
 
 
 @pytest.fixture(scope="module")

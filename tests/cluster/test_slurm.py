@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 from flaxstate_testing import processes, slurm
-from flaxstate_testing.checkpoints import saved_steps
+from flaxstate_testing.checkpoints import assert_equal_files, data_fingerprints, saved_steps
+from flaxstate_testing.command_line import run_here
 
 from flaxstate.run_record import goodput, ledger
 
@@ -36,16 +36,6 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 def cluster(tmp_path_factory):
     with slurm.Cluster(tmp_path_factory.mktemp("slurm")) as started:
         yield started
-
-
-def assert_equal_files(got, want, **close):
-    with np.load(got) as got_arrays, np.load(want) as want_arrays:
-        assert got_arrays.keys() == want_arrays.keys()
-        for key in want_arrays:
-            if close:
-                np.testing.assert_allclose(got_arrays[key], want_arrays[key], err_msg=key, **close)
-            else:
-                np.testing.assert_array_equal(got_arrays[key], want_arrays[key], err_msg=key)
 
 
 def preempted_steps(output):
@@ -170,26 +160,15 @@ def test_scontrol_requeue_of_a_running_job_runs_it_again_from_its_last_record_bi
         {"name": "slurm", "job": job_id, "restarts": 0},
         {"name": "slurm", "job": job_id, "restarts": 1},
     ]
-    shown = flaxstate_command("goodput", str(run_dir))
-    assert re.search(r"started by\s+slurm, restart 0\s+slurm, restart 1", shown), shown
-    audited = flaxstate_command("audit", str(run_dir))
-    assert f"nothing replayed (resumed from step {stopped_at}, the newest step reached)" in audited, audited
+    shown = run_here("goodput", run_dir)
+    assert shown.returncode == 0 and re.search(r"started by\s+slurm, restart 0\s+slurm, restart 1", shown.stdout), shown
+    audited = run_here("audit", run_dir)
+    assert audited.returncode == 0, audited
+    assert f"nothing replayed (resumed from step {stopped_at}, the newest step reached)" in audited.stdout, audited
 
 
 def lines_of(output, task):
     return "\n".join(line for line in output.splitlines() if line.startswith(f"{task}: "))
-
-
-def flaxstate_command(*args):
-    done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=processes.worker_env(),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def test_a_time_limit_s_signal_saves_each_task_s_last_record_before_the_kill(cluster, tmp_path):
@@ -230,8 +209,8 @@ def test_a_task_killed_by_sigkill_ends_the_step_and_the_job_requeued_by_its_scri
     assert_equal_files(tmp_path / "a.npz", straight)
     sessions = goodput.report(ledger.read_events(run_dir / ledger.FILENAME))["sessions"]
     assert [session["manager"]["restarts"] for session in sessions] == [0, 1]
-    audited = flaxstate_command("audit", str(run_dir))
-    assert "resume audit: steps 11-20 replayed bit for bit" in audited, audited
+    audited = run_here("audit", run_dir)
+    assert audited.returncode == 0 and "resume audit: steps 11-20 replayed bit for bit" in audited.stdout, audited
 
 
 def test_a_job_submitted_again_with_fewer_tasks_trains_the_same_examples_with_the_same_global_batch(cluster, tmp_path):
@@ -257,15 +236,6 @@ def test_a_job_submitted_again_with_fewer_tasks_trains_the_same_examples_with_th
     assert_equal_files(tmp_path / "a.npz", tmp_path / "straight.npz", rtol=1e-5, atol=1e-6)
     sessions = goodput.report(ledger.read_events(run_dir / ledger.FILENAME))["sessions"]
     assert [(each["processes"], each["microbatches"]) for each in sessions] == [(2, 1), (1, 2)]
-
-
-def data_fingerprints(run_dir) -> dict[int, str]:
-    """Each record's fingerprint of the global examples since the one before, by step (the newest session's)."""
-    return {
-        event["step"]: event["data_fp"]
-        for event in ledger.read_events(run_dir / ledger.FILENAME)
-        if event["event"] == "record"
-    }
 
 
 def test_the_readme_example_s_two_writers_save_every_step_on_srun_two_tasks(cluster, tmp_path):

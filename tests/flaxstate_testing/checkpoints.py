@@ -17,6 +17,27 @@ from flaxstate.run_record import audit, ledger
 from flaxstate_testing import toy
 
 
+def assert_equal_files(got: Path, want: Path, **close: float) -> None:
+    """Two `.npz` files of final parameters hold the same arrays: bit for bit, or within `close`'s `rtol`/`atol`."""
+    with np.load(got) as got_arrays, np.load(want) as want_arrays:
+        assert got_arrays.keys() == want_arrays.keys()
+        for key in want_arrays:
+            if close:
+                np.testing.assert_allclose(got_arrays[key], want_arrays[key], err_msg=key, **close)
+            else:
+                np.testing.assert_array_equal(got_arrays[key], want_arrays[key], err_msg=key)
+
+
+def data_fingerprints(run_dir: Path) -> dict[int, str]:
+    """Each record's fingerprint of the global examples trained since the one before, by step (the newest
+    session's where several logged a step)."""
+    return {
+        event["step"]: event["data_fp"]
+        for event in ledger.read_events(Path(run_dir) / ledger.FILENAME)
+        if event["event"] == "record"
+    }
+
+
 def saved_steps(directory: Path) -> list[int]:
     """The steps saved in `directory` (its numeric subdirectories), in order."""
     return sorted(int(path.name) for path in Path(directory).iterdir() if path.name.isdigit())

@@ -11,11 +11,10 @@ import signal
 import time
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flaxstate_testing import processes, toy
-from flaxstate_testing.checkpoints import saved_steps
+from flaxstate_testing.checkpoints import assert_equal_files, saved_steps
 
 import flaxstate as fs
 
@@ -29,13 +28,6 @@ def newest_step(directory):
 
 def preempted_steps(output):
     return [int(step) for step in re.findall(r"^record (\d+) preempted$", output, flags=re.MULTILINE)]
-
-
-def assert_equal_files(path, reference):
-    with np.load(path) as got, np.load(reference) as want:
-        assert got.keys() == want.keys()
-        for key in want:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 def reference_run(tmp_path, n_processes=1, **settings):

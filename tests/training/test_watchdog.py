@@ -16,19 +16,12 @@ import time
 import numpy as np
 import pytest
 from flaxstate_testing import processes
-from flaxstate_testing.checkpoints import saved_steps
+from flaxstate_testing.checkpoints import assert_equal_files, saved_steps
 from flaxstate_testing.loops import make_loop
 
 from flaxstate.training import watchdog
 
 CONFIG = {"n_steps": 60, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2}
-
-
-def assert_equal_files(path, reference):
-    with np.load(path) as got, np.load(reference) as want:
-        assert got.keys() == want.keys()
-        for key in want:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 @pytest.fixture(scope="module")
