@@ -38,6 +38,13 @@ def cluster(tmp_path_factory):
         yield started
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(cluster):
+    """Every test's jobs end with it, passed or failed (srun's processes are killed by their `Watched`)."""
+    yield
+    cluster.cancel_jobs()
+
+
 def preempted_steps(output):
     return [int(step) for step in re.findall(r"record (\d+) preempted$", output, flags=re.MULTILINE)]
 

@@ -157,13 +157,7 @@ class Cluster:
         """Stops the daemons this cluster started, by pid: SIGTERM, then SIGKILL after 10 s; the jobs' tasks with
         them: every job of the cluster is cancelled first, its steps killed by slurmd."""
         if "slurmctld" in self.started and self.started["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--user", "root", "--signal", "KILL"], env=self.env, capture_output=True)
-            deadline = time.monotonic() + 15
-            while (
-                time.monotonic() < deadline
-                and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True).stdout.strip()
-            ):
-                time.sleep(0.5)
+            self.cancel_jobs()
         for name in reversed(DAEMONS):
             process = self.started.pop(name, None)
             if process is None:
@@ -175,6 +169,17 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     processes.kill(process)
                     process.wait(timeout=10)
+
+    def cancel_jobs(self, timeout: float = 15) -> None:
+        """Kills every job of the cluster's (a test's that failed half-way, too) and waits until the queue is empty,
+        so that the next test's jobs find the node's CPUs free."""
+        subprocess.run(["scancel", "--user", "root", "--signal", "KILL"], env=self.env, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while (
+            time.monotonic() < deadline
+            and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True).stdout.strip()
+        ):
+            time.sleep(0.5)
 
     def command(self, *args: str, timeout: float = 30) -> str:
         """Runs a SLURM command (`scontrol ...`, `scancel ...`) and returns its output; fails naming it if it does."""
