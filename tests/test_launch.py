@@ -423,7 +423,7 @@ def test_a_job_that_loses_a_process_goes_on_with_half_and_trains_the_same_exampl
 
 
 CACHED = """
-    import os, sys
+    import os, sys, time
     import jax, jax.numpy as jnp
     import flaxstate
     hits = []
@@ -432,7 +432,13 @@ CACHED = """
     index, restarts = os.environ["FLAXSTATE_PROCESS_ID"], os.environ["FLAXSTATE_RESTARTS"]
     cache = os.path.relpath(os.environ["JAX_COMPILATION_CACHE_DIR"])
     print("process", index, "restarts", restarts, "cache", cache, "hit", "/jax/compilation_cache/cache_hits" in hits)
-    sys.exit(3 if index == "1" and restarts == "0" else 0)
+    open(f"compiled-{index}-{restarts}", "w").close()
+    if index == "1" and restarts == "0":  # fails once process 0 has cached its program too (a loaded host is slow)
+        for _ in range(600):
+            if os.path.exists("compiled-0-0"):
+                break
+            time.sleep(0.1)
+        sys.exit(3)
 """
 
 
