@@ -115,15 +115,28 @@ class Config:
     """Several processes: how many (or JAX_NUM_PROCESSES)."""
     process_id: int = int(os.environ.get("JAX_PROCESS_ID", "0"))
     """Several processes: this one's index (or JAX_PROCESS_ID)."""
+    join_timeout: int = 1800
+    """Several processes: seconds each waits for the others to join (jax.distributed.initialize's
+    initialization_timeout, 300 s by default): long, for a cold restart of a large job, whose nodes start late."""
+
+
+MANAGERS_COUNTS = ("FLAXSTATE_PROCESS_COUNT", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+"""The process count that `flaxstate launch`, SLURM's srun and Open MPI's mpirun each set."""
 
 
 def join_processes(config: Config) -> None:
     if config.num_processes > 1:
         # Before initialize, which must come before any call that starts a backend (jax.devices() included).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives; GPUs and TPUs ignore it
-        jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-    elif "FLAXSTATE_COORDINATOR_ADDRESS" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()  # `flaxstate launch` or srun: JAX finds the processes itself
+        jax.distributed.initialize(
+            config.coordinator_address,
+            config.num_processes,
+            config.process_id,
+            initialization_timeout=config.join_timeout,
+        )
+    elif any(int(os.environ.get(count, "1")) > 1 for count in MANAGERS_COUNTS):
+        # `flaxstate launch`, srun or mpirun: JAX finds the processes itself
+        jax.distributed.initialize(initialization_timeout=config.join_timeout)
 
 
 def main(config: Config) -> None:

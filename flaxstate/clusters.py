@@ -8,6 +8,11 @@ joins them as it joins a job step's tasks under SLURM (JAX's own
 `SlurmCluster`: `SLURM_JOB_ID`, `SLURM_STEP_NODELIST`, `SLURM_NTASKS`,
 `SLURM_PROCID`, `SLURM_LOCALID`).
 
+Importing flaxstate also puts a checked copy of each manager's environment
+(JAX's `SlurmCluster` and `OmpiCluster`, and `LaunchedCluster`) ahead of the
+original: asked for this process's id in `jax.distributed.initialize()`, it
+checks and watches the join (`flaxstate.joining`).
+
 `manager()` says which manager started this process and how many times it
 started the job again before: the run's ledger keeps it with each session, so
 that `flaxstate goodput` shows each session with its restart.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flaxstate import private_apis
+from flaxstate import joining, private_apis
 
 COORDINATOR = "FLAXSTATE_COORDINATOR_ADDRESS"
 PROCESS_COUNT = "FLAXSTATE_PROCESS_COUNT"
@@ -35,6 +40,9 @@ SLURM_STEP = "SLURM_STEP_ID"
 SLURM_TASKS = "SLURM_NTASKS"
 SLURM_RESTARTS = "SLURM_RESTART_COUNT"
 """The times SLURM requeued the job before this run of it (absent before the first requeue)."""
+SLURM_STEP_NODES = "SLURM_STEP_NUM_NODES"
+OMPI_SIZE = "OMPI_COMM_WORLD_SIZE"
+OMPI_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
 
 def manager() -> dict[str, Any] | None:
@@ -96,9 +104,82 @@ def batch_shell_error() -> str:
     )
 
 
+def _slurm_nodes() -> int | None:
+    nodes = os.environ.get(SLURM_STEP_NODES)
+    return None if nodes is None else int(nodes)
+
+
+def _ompi_nodes() -> int | None:
+    """The nodes of an Open MPI job, where every node runs as many ranks as this one (mpirun's default)."""
+    size, local = os.environ.get(OMPI_SIZE), os.environ.get(OMPI_LOCAL_SIZE)
+    return None if size is None or local is None else -(-int(size) // int(local))
+
+
+CHECKED = {
+    # the environment's name: (who starts the processes, the variable of its count, how to start N, its nodes)
+    "flaxstate": ("flaxstate launch", PROCESS_COUNT, "flaxstate launch --processes {n}", lambda: 1),
+    "slurm": ("srun", SLURM_TASKS, "srun -n {n}", _slurm_nodes),
+    "ompi": ("mpirun", OMPI_SIZE, "mpirun -np {n}", _ompi_nodes),
+}
+"""The managers whose joins flaxstate checks and watches (`flaxstate.joining`)."""
+
+
+def _checked(parent: Any, first: bool = False) -> Any:
+    """A copy of the cluster environment `parent` that checks and watches the join (`flaxstate.joining`) when
+    `jax.distributed.initialize()` asks it for this process's id, put ahead of `parent` in JAX's order (`first`:
+    ahead of all)."""
+    manager, count_from, fix_count, nodes = CHECKED[parent.name]
+
+    def before_join(cls: Any, own_id: int | None) -> None:
+        found = joining.jax_join_frames()
+        if found is None:  # not asked by JAX's auto-detection, or asked before in this call
+            return
+        asked, initialize = found
+        started = parent.get_process_count()
+        wanted = asked.get("num_processes") or started
+        join = joining.Join(
+            manager=manager,
+            started=started,
+            count_from=count_from,
+            nodes=nodes(),
+            coordinator=asked.get("coordinator_address") or parent.get_coordinator_address(None, None),
+            num_processes=wanted,
+            process_id=asked["process_id"] if asked.get("process_id") is not None else (own_id or 0),
+            timeout=float(asked.get("initialization_timeout") or 300),
+            fix_count=fix_count.format(n=wanted),
+        )
+        joining.check(join)
+        joining.wait_for_coordinator(join)
+        joining.watch(join, initialize)
+
+    class Checked(parent):
+        __doc__ = f"{parent.__name__}, its join checked and watched (flaxstate.joining)."
+        name = parent.name
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            process_id: int = super().get_process_id()
+            before_join(cls, process_id)
+            return process_id
+
+        @classmethod
+        def get_local_process_id(cls) -> int | None:  # asked where the call gave the process's id
+            local: int | None = super().get_local_process_id()
+            before_join(cls, None)
+            return local
+
+    Checked.__name__ = Checked.__qualname__ = f"Checked{parent.__name__}"
+    order = private_apis.cluster_types()
+    if Checked in order and parent in order:
+        order.remove(Checked)
+        order.insert(0 if first else order.index(parent), Checked)
+    return Checked
+
+
 def _register_cluster() -> None:
     """Registers `LaunchedCluster`, and `SlurmBatchShell` after JAX's `SlurmCluster`, with JAX's cluster
-    environments (a JAX without them is left alone)."""
+    environments, and the checked copies of the managers' environments ahead of them (a JAX without them is left
+    alone)."""
     base: Any = private_apis.cluster_env()
     if base is None:  # pragma: no cover - a JAX that moved its clusters: the launcher's variables stay unread
         return
@@ -159,6 +240,15 @@ def _register_cluster() -> None:
             return None
 
     REGISTERED.update({"flaxstate": LaunchedCluster, "slurm-batch-shell": SlurmBatchShell})
+    # The launcher's processes are its own wherever its variables are set, also in a SLURM job step's task
+    # (`srun -n 1 flaxstate launch ...`), whose variables JAX's SlurmCluster would read first.
+    REGISTERED["checked-flaxstate"] = _checked(LaunchedCluster, first=True)
+    for parent in (cls for cls in base.__subclasses__() if cls.__name__ in JAX_CHECKED):
+        REGISTERED[f"checked-{parent.name}"] = _checked(parent)
+
+
+JAX_CHECKED = ("SlurmCluster", "OmpiCluster")
+"""JAX's cluster environments that flaxstate checks (`CHECKED`)."""
 
 
 _register_cluster()

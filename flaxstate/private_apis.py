@@ -20,6 +20,10 @@ from typing import Any
 PRIVATE_APIS = {
     "jax._src.lib._profiler.TraceMe.is_enabled": "whether a profiler trace is taken (the step annotations)",
     "jax._src.clusters.ClusterEnv": "a cluster environment for jax.distributed.initialize() (flaxstate launch)",
+    "jax._src.clusters.ClusterEnv._cluster_types": (
+        "the order in which jax.distributed.initialize() asks the cluster environments (flaxstate's checked ones "
+        "ahead of JAX's SLURM and Open MPI environments)"
+    ),
     "jax._src.lib.xla_client.make_cpu_client": "N host devices to compile a plan for (fs.plan(target='cpu:N'))",
     "jax._src.xla_bridge.backends_are_initialized": "whether XLA read its flags already (fs.use_xla_preset)",
     "jax.config.values": "JAX's options by name, kept with a checkpoint's environment (xla_settings.in_force)",
@@ -61,6 +65,14 @@ def cluster_env() -> type | None:
     except (ImportError, AttributeError):
         return None
     return base
+
+
+def cluster_types() -> list[type]:
+    """JAX's cluster environments in the order `jax.distributed.initialize()` asks them (the list itself, to put an
+    environment ahead of another), or an empty list where JAX has none."""
+    base = cluster_env()
+    types: list[type] = getattr(base, "_cluster_types", []) if base is not None else []
+    return types
 
 
 def cpu_devices(count: int) -> list[Any]:

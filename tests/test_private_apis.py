@@ -18,6 +18,7 @@ def test_each_private_name_is_listed_with_what_it_is_for():
     assert set(private_apis.PRIVATE_APIS) == {
         "jax._src.lib._profiler.TraceMe.is_enabled",
         "jax._src.clusters.ClusterEnv",
+        "jax._src.clusters.ClusterEnv._cluster_types",
         "jax._src.lib.xla_client.make_cpu_client",
         "jax._src.xla_bridge.backends_are_initialized",
         "jax.config.values",
@@ -33,6 +34,14 @@ def test_the_profiler_flag_is_jax_s_own_and_says_whether_a_trace_is_taken(tmp_pa
     with jax.profiler.trace(str(tmp_path)):
         assert tracing() is True
     assert tracing() is False
+
+
+def test_jax_asks_its_cluster_environments_in_the_order_of_the_list_flaxstate_reorders():
+    from jax._src.clusters import cluster
+
+    order = private_apis.cluster_types()
+    assert order is cluster.ClusterEnv._cluster_types  # the list JAX's auto-detection walks, not a copy
+    assert {"SlurmCluster", "OmpiCluster"} <= {cls.__name__ for cls in order}
 
 
 def test_the_launcher_s_cluster_is_one_of_jax_s_cluster_environments(monkeypatch):

@@ -10,24 +10,19 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
-from flaxstate_testing import processes, slurm
+from flaxstate_testing import managed, processes, slurm
 from flaxstate_testing.checkpoints import assert_equal_files, data_fingerprints, saved_steps
 from flaxstate_testing.command_line import run_here
+from flaxstate_testing.managed import CONFIG, WORKER
 
 from flaxstate.run_record import goodput, ledger
 
 pytestmark = pytest.mark.skipif(slurm.missing() is not None, reason=str(slurm.missing()))
 
-CONFIG = {"n_steps": 40, "every": 10, "data": "list", "optimizer": "sgd", "keep": 2, "global_batch": 8, "width": 16}
-"""The `resume` worker's run: an MLP (no batch statistics, which each process keeps of its own examples), 40 steps
-of 8 examples split over the tasks, a checkpoint every 10."""
-
-WORKER = [sys.executable, "-m", "flaxstate_testing.workers.resume"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 """The states of a job that ended."""
 
@@ -45,17 +40,14 @@ def no_job_left(cluster):
     cluster.cancel_jobs()
 
 
-def preempted_steps(output):
-    return [int(step) for step in re.findall(r"record (\d+) preempted$", output, flags=re.MULTILINE)]
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The run on two processes that no cluster manager started (`processes.run`, joined on a port of the test's)."""
-    folder = tmp_path_factory.mktemp("straight")
-    config = dict(CONFIG, output_dir=str(folder / "run"), out=str(folder / "final.npz"), resume=False)
-    processes.run("resume", config, n_processes=2, timeout=240)
-    return folder / "final.npz"
+    """The final parameters' file of `managed.CONFIG`'s run on two processes that no cluster manager started."""
+    return managed.straight(tmp_path_factory.mktemp("straight"))
+
+
+def preempted_steps(output):
+    return [int(step) for step in re.findall(r"record (\d+) preempted$", output, flags=re.MULTILINE)]
 
 
 def test_srun_two_tasks_train_bit_for_bit_as_flaxstate_launch_and_close_to_one_process(cluster, tmp_path, straight):
@@ -65,17 +57,7 @@ def test_srun_two_tasks_train_bit_for_bit_as_flaxstate_launch_and_close_to_one_p
     # Both tasks trained every record, each one process of two (JAX found them through SLURM's variables).
     assert {line.split(": ")[0] for line in run.lines if line.endswith("record 40 ")} == {"0", "1"}, run.output
 
-    launched = dict(config, output_dir=str(tmp_path / "launch"), out=str(tmp_path / "launch.npz"))
-    command = [sys.executable, "-m", "flaxstate", "launch", "--processes", "2", "--compilation-cache", "none"]
-    done = subprocess.run(
-        [*command, "--", *WORKER, json.dumps(launched)],
-        env=processes.worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert_equal_files(tmp_path / "srun.npz", tmp_path / "launch.npz")
+    assert_equal_files(tmp_path / "srun.npz", managed.launched(config, tmp_path))
     assert_equal_files(tmp_path / "srun.npz", straight)
 
     alone = dict(config, output_dir=str(tmp_path / "alone"), out=str(tmp_path / "alone.npz"))
@@ -273,6 +255,31 @@ def test_a_batch_script_without_srun_is_told_to_run_the_training_under_srun(clus
         in output
     )
     assert "the job's 2 tasks are started by srun alone" in output, output
+
+
+def test_srun_tasks_that_ask_for_another_count_are_refused_at_once_and_a_late_task_s_wait_is_reported(
+    cluster, tmp_path
+):
+    # `jax.distributed.initialize(num_processes=4)` under `srun -n 2`: JAX alone waits 300 s for processes that
+    # never come; each task says why at once, before any client is made. Then task 1 joins 4 s late: task 0
+    # says, while it waits in JAX's join, how long it has waited and for whom.
+    join = [sys.executable, "-m", "flaxstate_testing.workers.join"]
+    run = cluster.srun("-n", "2", *join, json.dumps({"initialize": {"num_processes": 4}}), cwd=tmp_path)
+    assert run.finish(timeout=120) != 0, run.output
+    refused = "would wait for 4 processes, and srun started 2 (SLURM_NTASKS=2)"
+    assert all(refused in lines_of(run.output, task) for task in ("0", "1")), run.output
+
+    late = json.dumps({"late": 1, "delay": 4})
+    run = cluster.srun("-n", "2", "--export=ALL,FLAXSTATE_JOIN_REPORT_SECONDS=1", *join, late, cwd=tmp_path)
+    assert run.finish(timeout=120) == 0, run.output
+    assert "0: joined 0 of 2" in run.output and "1: joined 1 of 2" in run.output, run.output
+    waited = re.findall(
+        r"^0: flaxstate: process 0 of 2 \(started by srun\) has waited (\d+) s in jax\.distributed\.initialize for "
+        r"the other 1 process to join at the coordinator localhost:\d+;",
+        run.output,
+        flags=re.MULTILINE,
+    )
+    assert len(waited) >= 2 and len(set(waited)) == len(waited), run.output  # one watch: each second said once
 
 
 def test_flaxstate_launch_in_a_one_node_job_trains_and_in_a_step_of_two_tasks_is_refused_naming_srun(

@@ -12,13 +12,14 @@ import jax
 def setup() -> dict:
     """Reads the worker's config and joins the other processes (gloo on the CPU).
 
-    Under `flaxstate launch` and under `srun` (SLURM sets `SLURM_STEP_ID`
-    in a job step's tasks), it joins them as a script under SLURM does, with
+    Under `flaxstate launch`, under `srun` (SLURM sets `SLURM_STEP_ID` in a
+    job step's tasks) and under Open MPI's `mpirun` (`OMPI_COMM_WORLD_SIZE`),
+    it joins them as a script under a cluster manager does, with
     `jax.distributed.initialize()` and no arguments, and prints its process
     id (`pid <n>`) for the tests that send it signals.
     """
     config = json.loads(sys.argv[1])
-    if os.environ.get("FLAXSTATE_COORDINATOR_ADDRESS") or "SLURM_STEP_ID" in os.environ:
+    if any(name in os.environ for name in ("FLAXSTATE_COORDINATOR_ADDRESS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE")):
         import flaxstate  # noqa: F401  (registers the launcher's processes with JAX)
 
         jax.distributed.initialize()
