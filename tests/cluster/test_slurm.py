@@ -156,6 +156,28 @@ def test_scontrol_requeue_of_a_running_job_runs_it_again_from_its_last_record_bi
     assert f"nothing replayed (resumed from step {stopped_at}, the newest step reached)" in audited.stdout, audited
 
 
+@pytest.mark.parametrize("notice", [("scancel", "--signal=TERM"), ("scontrol", "requeue")])
+def test_a_notice_while_the_tasks_evaluate_between_records_stops_both_at_that_record_and_saves_it(
+    cluster, tmp_path, notice
+):
+    # The notice lands between records: both tasks evaluate for 10 s after their writer saved step 20 (orbax's
+    # save was each task's last call into JAX's preemption sync point). Both stop at the first boundary after it,
+    # step 20, save it and exit 0. (When orbax's save and the loop both asked the sync point, with two counters,
+    # both tasks trained on to the end: issue 94.)
+    run_dir = tmp_path / "run"
+    config = dict(CONFIG, n_steps=100, per_dispatch=5, output_dir=str(run_dir), out=str(tmp_path / "a.npz"))
+    config.update(slow_eval=0.25, eval_after_save=True)
+    job_id = submit(cluster, tmp_path, config)
+    wait_for_lines(lambda: tmp_path / f"job-{job_id}.out", "eval batch 2", 2, 240, cluster, job_id)
+    cluster.command(*notice, job_id)
+    job = cluster.wait_job(job_id, ("PENDING",) if notice[0] == "scontrol" else ENDED, 120)
+    output = (tmp_path / f"job-{job_id}.out").read_text()
+    if notice[0] == "scancel":
+        assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", f"{job}\n{output}"
+    assert stopped_step(output) == 20 and saved_steps(run_dir)[-1] == 20, output
+    assert "record 25" not in output and "record 30" not in output, output
+
+
 def lines_of(output, task):
     return "\n".join(line for line in output.splitlines() if line.startswith(f"{task}: "))
 
