@@ -27,12 +27,26 @@ def straight(tmp_path_factory):
     return managed.straight(tmp_path_factory.mktemp("straight"))
 
 
-def mpirun(tmp_path, config, *, sigkill_timeout=None) -> processes.Watched:
-    """Starts two ranks of the worker under mpirun, in a session of its own, its output read as it comes."""
+JOIN = [sys.executable, "-m", "flaxstate_testing.workers.join"]
+"""The worker that only joins the ranks and says so."""
+
+
+def mpirun(tmp_path, config, *, worker=WORKER, sigkill_timeout=None, **variables) -> processes.Watched:
+    """Starts two ranks of `worker` under mpirun, in a session of its own, its output read as it comes.
+
+    JAX's coordinator (in rank 0) listens on 127.0.0.1 only, on a free port: JAX's own default binds every
+    interface, on a port of mpirun's job id.
+    """
+    port = processes.free_port()
     started = subprocess.Popen(
-        mpi.command(2, *WORKER, json.dumps(config), sigkill_timeout=sigkill_timeout),
+        mpi.command(2, *worker, json.dumps(config), sigkill_timeout=sigkill_timeout),
         cwd=tmp_path,
-        env=processes.worker_env(),
+        env={
+            **processes.worker_env(),
+            "JAX_COORDINATOR_PORT": str(port),
+            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+            **variables,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -122,21 +136,6 @@ def test_a_sigterm_to_every_rank_saves_each_one_s_last_record_and_mpirun_exits_0
     resumed_to_the_end(tmp_path, config, stopped_at, straight, ranks)
 
 
-def run_join(tmp_path, config, **variables) -> processes.Watched:
-    """Runs the `join` worker on two ranks under mpirun, to its end; returns it."""
-    command = mpi.command(2, sys.executable, "-m", "flaxstate_testing.workers.join", json.dumps(config))
-    started = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env={**processes.worker_env(), **variables},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    return processes.Watched(started)
-
-
 def test_a_join_that_waits_says_how_long_and_for_whom_and_a_wrong_count_is_refused_at_once(tmp_path, ranks):
     # Rank 1 starts its join 4 s after rank 0: rank 0, which serves the coordinator, says it waits for the other
     # process; started 4 s after rank 1, it leaves rank 1 waiting for the coordinator, which says so.
@@ -144,7 +143,9 @@ def test_a_join_that_waits_says_how_long_and_for_whom_and_a_wrong_count_is_refus
         (1, r"in jax\.distributed\.initialize for the other 1 process to join at the coordinator "),
         (0, r"for the coordinator at 127\.0\.0\.1:\d+ \(process 0's\): nothing answers there"),
     ):
-        ranks.append(run := run_join(tmp_path, {"late": late, "delay": 4}, FLAXSTATE_JOIN_REPORT_SECONDS="1"))
+        ranks.append(
+            run := mpirun(tmp_path, {"late": late, "delay": 4}, worker=JOIN, FLAXSTATE_JOIN_REPORT_SECONDS="1")
+        )
         assert run.finish(timeout=120) == 0, run.output
         assert statuses(run.output) == ["exit 0", "exit 0"], run.output
         assert [line for rank in (0, 1) for line in mpi.rank_lines(run.output, rank) if "joined" in line] == [
@@ -157,7 +158,7 @@ def test_a_join_that_waits_says_how_long_and_for_whom_and_a_wrong_count_is_refus
         assert len(set(waiting)) == len(waiting), run.output  # one watch a process: each second said once
 
     # JAX alone would wait 300 s for 4 processes; each rank says why at once, before any client is made.
-    ranks.append(run := run_join(tmp_path, {"initialize": {"num_processes": 4}}))
+    ranks.append(run := mpirun(tmp_path, {"initialize": {"num_processes": 4}}, worker=JOIN))
     assert run.finish(timeout=120) != 0, run.output
     refused = "would wait for 4 processes, and mpirun started 2 (OMPI_COMM_WORLD_SIZE=2)"
     assert all(any(refused in line for line in mpi.rank_lines(run.output, rank)) for rank in (0, 1)), run.output
