@@ -130,7 +130,7 @@ def _checked(parent: Any, first: bool = False) -> Any:
     ahead of all)."""
     manager, count_from, fix_count, nodes = CHECKED[parent.name]
 
-    def before_join(cls: Any, own_id: int | None) -> None:
+    def before_join(own_id: int | None) -> None:
         found = joining.jax_join_frames()
         if found is None:  # not asked by JAX's auto-detection, or asked before in this call
             return
@@ -144,7 +144,7 @@ def _checked(parent: Any, first: bool = False) -> Any:
             nodes=nodes(),
             coordinator=asked.get("coordinator_address") or parent.get_coordinator_address(None, None),
             num_processes=wanted,
-            process_id=asked["process_id"] if asked.get("process_id") is not None else (own_id or 0),
+            process_id=asked["process_id"] if own_id is None else own_id,
             timeout=float(asked.get("initialization_timeout") or 300),
             fix_count=fix_count.format(n=wanted),
         )
@@ -159,13 +159,13 @@ def _checked(parent: Any, first: bool = False) -> Any:
         @classmethod
         def get_process_id(cls) -> int:
             process_id: int = super().get_process_id()
-            before_join(cls, process_id)
+            before_join(process_id)
             return process_id
 
         @classmethod
         def get_local_process_id(cls) -> int | None:  # asked where the call gave the process's id
             local: int | None = super().get_local_process_id()
-            before_join(cls, None)
+            before_join(None)
             return local
 
     Checked.__name__ = Checked.__qualname__ = f"Checked{parent.__name__}"
@@ -243,12 +243,9 @@ def _register_cluster() -> None:
     # The launcher's processes are its own wherever its variables are set, also in a SLURM job step's task
     # (`srun -n 1 flaxstate launch ...`), whose variables JAX's SlurmCluster would read first.
     REGISTERED["checked-flaxstate"] = _checked(LaunchedCluster, first=True)
-    for parent in (cls for cls in base.__subclasses__() if cls.__name__ in JAX_CHECKED):
-        REGISTERED[f"checked-{parent.name}"] = _checked(parent)
-
-
-JAX_CHECKED = ("SlurmCluster", "OmpiCluster")
-"""JAX's cluster environments that flaxstate checks (`CHECKED`)."""
+    for parent in base.__subclasses__():  # JAX's own, named in CHECKED
+        if parent is not LaunchedCluster and getattr(parent, "name", None) in CHECKED:
+            REGISTERED[f"checked-{parent.name}"] = _checked(parent)
 
 
 _register_cluster()

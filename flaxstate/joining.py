@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from flaxstate import private_apis
+
 REPORT_EVERY_VARIABLE = "FLAXSTATE_JOIN_REPORT_SECONDS"
 """The variable that sets the seconds between two lines of a process that waits to join (30 by default)."""
 
@@ -202,14 +204,18 @@ def jax_join_frames() -> tuple[dict[str, Any], FrameType | None] | None:
     coordinator's address, `num_processes`, `process_id`, `initialization_timeout`), and the frame of JAX's join
     (`State.initialize`); `None` where the caller is not JAX's auto-detection, or where this call of it was
     answered before (an environment is asked for the process's id and then for its local id)."""
+    codes = private_apis.join_code()
+    if codes is None:  # pragma: no cover - a JAX that moved them: the join goes unchecked, as JAX alone has it
+        return None
+    detect_code, join_code = codes
     frame: FrameType | None = sys._getframe(1)
     detect = None
     while frame is not None:
-        if detect is None and frame.f_code.co_name == "auto_detect_unset_distributed_params":
+        if detect is None and frame.f_code is detect_code:
             if _last_asked and _last_asked[0] is frame:
                 return None
             detect = frame
-        elif detect is not None and frame.f_code.co_name == "initialize" and "self" in frame.f_locals:
+        elif detect is not None and frame.f_code is join_code:
             break
         frame = frame.f_back
     if detect is None:

@@ -15,6 +15,7 @@ The public APIs that replaced the other private uses: `fsspec.core.strip_protoco
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 PRIVATE_APIS = {
@@ -24,6 +25,11 @@ PRIVATE_APIS = {
         "the order in which jax.distributed.initialize() asks the cluster environments (flaxstate's checked ones "
         "ahead of JAX's SLURM and Open MPI environments)"
     ),
+    "jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params": (
+        "the call of jax.distributed.initialize() that asks a cluster environment, and its arguments (the join's "
+        "checks, flaxstate.joining)"
+    ),
+    "jax._src.distributed.State.initialize": "JAX's join, watched while it waits (flaxstate.joining)",
     "jax._src.lib.xla_client.make_cpu_client": "N host devices to compile a plan for (fs.plan(target='cpu:N'))",
     "jax._src.xla_bridge.backends_are_initialized": "whether XLA read its flags already (fs.use_xla_preset)",
     "jax.config.values": "JAX's options by name, kept with a checkpoint's environment (xla_settings.in_force)",
@@ -73,6 +79,20 @@ def cluster_types() -> list[type]:
     base = cluster_env()
     types: list[type] = getattr(base, "_cluster_types", []) if base is not None else []
     return types
+
+
+def join_code() -> tuple[CodeType, CodeType] | None:
+    """The code of JAX's detection of the cluster (`ClusterEnv.auto_detect_unset_distributed_params`) and of its
+    join (`State.initialize`), to find their frames in a call of `jax.distributed.initialize()`; `None` where JAX
+    has neither (the join is then neither checked nor watched)."""
+    try:
+        from jax._src import clusters, distributed
+
+        detect: CodeType = clusters.ClusterEnv.__dict__["auto_detect_unset_distributed_params"].__func__.__code__
+        join: CodeType = distributed.State.initialize.__code__
+    except (ImportError, AttributeError):
+        return None
+    return detect, join
 
 
 def cpu_devices(count: int) -> list[Any]:

@@ -19,6 +19,8 @@ def test_each_private_name_is_listed_with_what_it_is_for():
         "jax._src.lib._profiler.TraceMe.is_enabled",
         "jax._src.clusters.ClusterEnv",
         "jax._src.clusters.ClusterEnv._cluster_types",
+        "jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params",
+        "jax._src.distributed.State.initialize",
         "jax._src.lib.xla_client.make_cpu_client",
         "jax._src.xla_bridge.backends_are_initialized",
         "jax.config.values",
@@ -42,6 +44,14 @@ def test_jax_asks_its_cluster_environments_in_the_order_of_the_list_flaxstate_re
     order = private_apis.cluster_types()
     assert order is cluster.ClusterEnv._cluster_types  # the list JAX's auto-detection walks, not a copy
     assert {"SlurmCluster", "OmpiCluster"} <= {cls.__name__ for cls in order}
+
+
+def test_jax_s_detection_and_join_are_the_functions_jax_distributed_initialize_calls():
+    from jax._src import distributed
+
+    detect, join = private_apis.join_code()
+    assert (detect.co_name, join.co_name) == ("auto_detect_unset_distributed_params", "initialize")
+    assert join is distributed.global_state.initialize.__func__.__code__  # the method the public function calls
 
 
 def test_the_launcher_s_cluster_is_one_of_jax_s_cluster_environments(monkeypatch):
