@@ -53,7 +53,7 @@ def digits_run(tmp_path_factory):
 
 
 STARTS_PROCESSES = re.compile(
-    r"processes\.(run|start|watched)\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
+    r"processes\.(run|start|watched)\(|cluster\.run\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
     r"KernelManager|start_new_kernel|os\.kill\(|\.send_signal\(|\bdigits_run\b|"
     r"\"workers\": [1-9]|capture_fails\("
 )
@@ -155,6 +155,8 @@ def _one_process_unless_marked(request, monkeypatch):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if "flaxstate_testing.cluster" in sys.modules:  # the shared cluster's workers, started by a test that ran
+        sys.modules["flaxstate_testing.cluster"].close()
     if _COMPILATION_CACHE is not None:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import cluster, toy
 from flaxstate_testing.loops import make_loop
 
 import flaxstate as fs
@@ -146,7 +146,7 @@ def run(tmp_path, name, n_processes, n_steps, resume=False, run_dir=None, fsdp=F
     out = tmp_path / f"{name}.npz"
     config = {"output_dir": str(run_dir or tmp_path / name), "out": str(out), "n_steps": n_steps, "resume": resume}
     config.update(fsdp=fsdp, per_dispatch=per_dispatch)
-    outputs = processes.run("global_data", config, n_processes=n_processes, timeout=240)
+    outputs = cluster.run("global_data", config, n_processes=n_processes, timeout=240)
     start = int(outputs[0].split("start ")[1].split()[0])
     by_process = [served(output, start, 8 // n_processes) for output in outputs]
     steps = {step: sum((part[step] for part in by_process), []) for step in by_process[0]}

@@ -9,7 +9,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from flaxstate_testing import nnx_models, processes, toy
+from flaxstate_testing import cluster, nnx_models, toy
 
 import flaxstate as fs
 
@@ -321,7 +321,7 @@ def test_an_annotated_module_trains_fsdp_over_two_processes_each_holding_half_an
     # `mesh=`), the module's layers called with `out_sharding=`.
     results = []
     for n_processes, explicit in ((2, False), (1, False), (2, True)):
-        outputs = processes.run("nnx_sharded", {"explicit": explicit}, n_processes=n_processes, timeout=240)
+        outputs = cluster.run("nnx_sharded", {"explicit": explicit}, n_processes=n_processes, timeout=240)
         line = next(line for line in outputs[0].splitlines() if line.startswith("result "))
         results.append(json.loads(line.removeprefix("result ")))
     sharded, single, explicit = results

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import cluster, processes, toy
 from flaxstate_testing.lm import lm, train_loop
 from jax.sharding import Mesh, PartitionSpec
 
@@ -149,7 +149,7 @@ def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():
 
 
 def test_tensor_parallel_data_split_over_two_processes_as_data_parallel_is_refused_naming_both_splits():
-    outputs = processes.run("sharding_errors.py", {}, n_processes=2, timeout=120)
+    outputs = cluster.run("sharding_errors", {}, n_processes=2, timeout=120)
     for index, output in enumerate(outputs):
         error = dict(re.findall(r"^case ([^:]+): (.*)$", output, re.MULTILINE))[
             "tensor-parallel data split as data-parallel"

@@ -5,7 +5,7 @@ several CPU devices in one process); processes join over gloo.
 """
 
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 
 
 def run(mode, tmp_path, n_devices, n_processes, width, budget, sharded=False):
@@ -18,8 +18,8 @@ def run(mode, tmp_path, n_devices, n_processes, width, budget, sharded=False):
         "width": width,
         "budget": budget,
     }
-    if n_processes > 1:
-        return processes.run("devices.py", config, n_processes=n_processes, timeout=180)
+    if n_devices == 1:
+        return cluster.run("devices", config, n_processes=n_processes, timeout=180)
     return processes.run("devices.py", config, timeout=180, n_devices=n_devices)
 
 

@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 import pytest
-from flaxstate_testing import command_line, processes
+from flaxstate_testing import cluster, command_line, processes
 
 
 def run(tmp_path, name, **config):
     out = tmp_path / f"{name}.npz"
     config = {"output_dir": str(tmp_path / name), "out": str(out), "every": 5, **config}
-    outputs = processes.run("resume.py", config, timeout=180)
+    outputs = cluster.run("resume", config, n_processes=1, timeout=180)
     return dict(np.load(out)), outputs[0]
 
 

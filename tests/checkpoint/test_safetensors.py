@@ -15,7 +15,7 @@ import optax
 import pytest
 import safetensors.numpy
 from flax import nnx
-from flaxstate_testing import processes, toy
+from flaxstate_testing import cluster, toy
 from flaxstate_testing.command_line import run_here
 from safetensors import safe_open
 
@@ -349,7 +349,7 @@ def test_an_fsdp_start_from_a_file_reads_only_each_process_s_parts_and_trains_as
     whole = sum(t.nbytes for t in tensors.values())
     results = {}
     for n_processes in (2, 1):
-        outputs = processes.run("safetensors_import", {"path": str(tmp_path / "model.safetensors")}, n_processes, 240)
+        outputs = cluster.run("safetensors_import", {"path": str(tmp_path / "model.safetensors")}, n_processes, 240)
         results[n_processes] = [
             json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
             for out in outputs

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
-from flaxstate_testing import decoders, processes
+from flaxstate_testing import cluster, decoders
 from flaxstate_testing.command_line import run_here
 
 import flaxstate as fs
@@ -248,7 +248,7 @@ def test_a_two_process_fsdp_import_through_a_layout_reads_each_process_s_heads_o
     results = {}
     for n_processes in (2, 1):
         config = {"path": str(tmp_path / "model.safetensors"), "heads": cut}
-        outputs = processes.run("safetensors_import", config, n_processes, 240)
+        outputs = cluster.run("safetensors_import", config, n_processes, 240)
         results[n_processes] = [
             json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
             for out in outputs

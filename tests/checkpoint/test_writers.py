@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 from flaxstate_testing.checkpoints import fresh_state, patch_async_save, records, saved_steps, summary
 
 import flaxstate as fs
@@ -312,7 +312,7 @@ def test_a_run_writer_and_a_best_writer_save_the_same_steps_on_two_processes_und
     """Each writer of a process has its own orbax barriers: both save every step at once, 5 runs in a row."""
     for run in range(5):
         out = tmp_path / f"run-{run}"
-        outputs = processes.run("two_writers", {"out": str(out), "n_steps": 10}, n_processes=2, timeout=240)
+        outputs = cluster.run("two_writers", {"out": str(out), "n_steps": 10}, n_processes=2, timeout=240)
         assert all("done" in output for output in outputs), outputs
         assert saved_steps(out) == list(range(1, 11))
         assert saved_steps(out / "lowest-eval-loss") == list(range(1, 11))

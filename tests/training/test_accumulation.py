@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import cluster, toy
 from jax.sharding import Mesh
 
 import flaxstate as fs
@@ -138,7 +138,7 @@ def train_processes(tmp_path, name, n_processes, n_microbatches):
         "optimizer": "adam",
         "n_microbatches": n_microbatches,
     }
-    processes.run("train.py", config, n_processes=n_processes, timeout=240)
+    cluster.run("train", config, n_processes=n_processes, timeout=240)
     return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
 
 

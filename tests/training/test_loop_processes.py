@@ -1,10 +1,10 @@
-"""Two devices as two processes (one CPU device each, gloo): see tests/processes.py."""
+"""Two devices as two processes (one CPU device each, gloo), on the shared cluster (flaxstate_testing/cluster.py)."""
 
 import json
 
 import numpy as np
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster
 
 
 def train(tmp_path, name, model, n_processes, n_steps, global_batch=16, counts=False, **options):
@@ -12,7 +12,7 @@ def train(tmp_path, name, model, n_processes, n_steps, global_batch=16, counts=F
     out.mkdir()
     config = {"model": model, "n_steps": n_steps, "global_batch": global_batch, "out": str(out), "counts": counts}
     config.update(options)
-    processes.run("train.py", config, n_processes=n_processes, timeout=240)
+    cluster.run("train", config, n_processes=n_processes, timeout=240)
     return [dict(np.load(out / f"process_{i}.npz")) for i in range(n_processes)]
 
 

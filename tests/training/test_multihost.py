@@ -7,7 +7,7 @@ every run has a hard timeout, and a failure shows every process's output.
 import time
 
 import numpy as np
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 
 CONFIG = {"data": "list", "width": 64, "optimizer": "sgd", "every": 10, "global_batch": 8}
 
@@ -20,7 +20,7 @@ def run(tmp_path, name, n_processes, n_steps, **extra):
         "n_steps": n_steps,
         **extra,
     }
-    outputs = processes.run("resume.py", config, n_processes=n_processes, timeout=240)
+    outputs = cluster.run("resume", config, n_processes=n_processes, timeout=240)
     return dict(np.load(tmp_path / f"{name}.npz")), outputs
 
 

@@ -13,7 +13,7 @@ import time
 import jax
 import optax
 import pytest
-from flaxstate_testing import processes, toy
+from flaxstate_testing import cluster, processes, toy
 from flaxstate_testing.checkpoints import assert_equal_files, saved_steps
 
 import flaxstate as fs
@@ -33,7 +33,7 @@ def preempted_steps(output):
 def reference_run(tmp_path, n_processes=1, **settings):
     out = tmp_path / "reference.npz"
     config = dict(CONFIG, output_dir=str(tmp_path / "reference"), out=str(out), resume=False, **settings)
-    processes.run("resume", config, n_processes=n_processes)
+    cluster.run("resume", config, n_processes=n_processes)
     return out
 
 
@@ -54,7 +54,7 @@ def reference(tmp_path_factory):
 def restart(tmp_path, run_dir, stopped_at, n_processes=1, **settings):
     out = tmp_path / "restarted.npz"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(out), **settings)
-    outputs = processes.run("resume", config, n_processes=n_processes)
+    outputs = cluster.run("resume", config, n_processes=n_processes)
     for output in outputs:
         assert f"start {stopped_at}" in output
     return out

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 from flaxstate_testing.lm import lm, train_loop
 
 import flaxstate as fs
@@ -118,7 +118,7 @@ def runs(tmp_path_factory):
         },
         {"mesh": FSDP, "dir": str(tiers), "local": str(tiers_local), "steps": N},
     ]
-    output = processes.run("sharded.py", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
+    output = cluster.run("sharded", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
     (root / "output.txt").write_text(output)
     return root, results(output)[:5]  # the EMA's and the tiers' phases are compared through their checkpoints
 
@@ -210,7 +210,7 @@ def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straigh
     saved = sorted(int(p.name) for p in (tmp_path / "killed").iterdir() if p.name.isdigit())
     print("after kill -9:", saved)
     resumed = dict(stalled, stall_at=None)
-    processes.run("sharded.py", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
+    cluster.run("sharded", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
     assert_bit_equal_checkpoints(directory, root / "fsdp", N)
 
 
@@ -265,7 +265,7 @@ def test_sigterm_to_one_process_of_an_fsdp_run_stops_both_at_one_step_then_resum
     print("preempted at", stopped_at)
     assert 4 <= stopped_at < LONG and stopped_at % MODEL["steps_per_dispatch"] == 0
     assert fs.CheckpointFileReader(directory).read(None).step == stopped_at  # saved whatever the interval
-    processes.run("sharded.py", {"model": MODEL, "phases": [dict(slow, data_sleep=0.0)]}, n_processes=2, timeout=180)
+    cluster.run("sharded", {"model": MODEL, "phases": [dict(slow, data_sleep=0.0)]}, n_processes=2, timeout=180)
     assert_bit_equal_checkpoints(directory, root / "fsdp-long", LONG)
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 from flaxstate_testing.checkpoints import assert_equal_files, saved_steps
 from flaxstate_testing.loops import make_loop
 
@@ -33,7 +33,7 @@ def reference(tmp_path_factory):
         if n_processes not in made:
             root = tmp_path_factory.mktemp("reference")
             config = dict(CONFIG, output_dir=str(root / "run"), out=str(root / "out.npz"), resume=False)
-            processes.run("resume", config, n_processes=n_processes)
+            cluster.run("resume", config, n_processes=n_processes)
             made[n_processes] = root / "out.npz"
         return made[n_processes]
 
@@ -55,7 +55,7 @@ def test_a_stuck_data_reader_ends_the_process_with_the_restart_status_naming_the
     assert "exits with status 75" in output
     assert saved_steps(run_dir)[-1] == 20
     restarted = tmp_path / "b.npz"
-    output = processes.run("resume", dict(config, resume=True, out=str(restarted)))[0]
+    output = cluster.run("resume", dict(config, resume=True, out=str(restarted)), n_processes=1)[0]
     assert "start 20" in output
     assert_equal_files(restarted, reference())
 
@@ -76,7 +76,7 @@ def test_a_stopped_peer_ends_the_other_process_and_both_resume_bit_equal(tmp_pat
         assert "Thread 0x" in output and "exits with status 75" in output
     steps = saved_steps(run_dir)
     restarted = tmp_path / "b.npz"
-    outputs = processes.run("resume", dict(config, resume=True, data_sleep=0, out=str(restarted)), n_processes=2)
+    outputs = cluster.run("resume", dict(config, resume=True, data_sleep=0, out=str(restarted)), n_processes=2)
     assert all(f"start {steps[-1]}" in output for output in outputs)
     assert_equal_files(restarted, reference(2))
 

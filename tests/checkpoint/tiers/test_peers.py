@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flaxstate_testing import processes
+from flaxstate_testing import cluster, processes
 from flaxstate_testing.checkpoints import (
     assert_same,
     local_steps,
@@ -52,10 +52,7 @@ def config_for(directory: Path, n_processes: int, **extra) -> dict:
 
 
 def run(directory: Path, n_processes: int, **extra) -> tuple[dict, list[str]]:
-    port = processes.free_port()
-    config = config_for(directory, n_processes, **extra)
-    workers = [processes.start("resume.py", config, i, n_processes, port) for i in range(n_processes)]
-    outputs = processes.wait_all(workers, timeout=300)
+    outputs = cluster.run("resume", config_for(directory, n_processes, **extra), n_processes, timeout=300)
     return dict(np.load(directory / "final.npz")), outputs
 
 
@@ -241,9 +238,7 @@ def test_a_changed_process_count_never_uses_peer_copies(killed, tmp_path):
     fewer = killed["n"] // 2  # process 1's own parts are lost; its peer keeps them, for the old process count
     shutil.rmtree(directory / "local-1")
     config = config_for(directory, fewer, peers=1 if fewer > 1 else 0)
-    port = processes.free_port()
-    workers = [processes.start("resume.py", config, i, fewer, port) for i in range(fewer)]
-    outputs = processes.wait_all(workers, timeout=300)
+    outputs = cluster.run("resume", config, fewer, timeout=300)
     assert "restoring from the persistent tier" in outputs[0], outputs[0][-3000:]
     assert f"saved by process 0 of {killed['n']}, this is process 0 of {fewer}" in outputs[0], outputs[0][-3000:]
     assert "peer copy" not in outputs[0]

@@ -8,6 +8,9 @@ import sys
 
 import jax
 
+SERVED: dict | None = None
+"""This process's id and count where it serves the shared cluster (`serve.py`), which has joined already."""
+
 
 def setup() -> dict:
     """Reads the worker's config and joins the other processes (gloo on the CPU).
@@ -16,9 +19,13 @@ def setup() -> dict:
     job step's tasks) and under Open MPI's `mpirun` (`OMPI_COMM_WORLD_SIZE`),
     it joins them as a script under a cluster manager does, with
     `jax.distributed.initialize()` and no arguments, and prints its process
-    id (`pid <n>`) for the tests that send it signals.
+    id (`pid <n>`) for the tests that send it signals. Run by a worker of the
+    shared cluster (`serve.py`), it returns the config with that worker's id
+    and count.
     """
     config = json.loads(sys.argv[1])
+    if SERVED is not None:
+        return {**config, **SERVED}
     if any(name in os.environ for name in ("FLAXSTATE_COORDINATOR_ADDRESS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE")):
         import flaxstate  # noqa: F401  (registers the launcher's processes with JAX)
 
