@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import buckets, command_line, processes, toy
+from flaxstate_testing import buckets, cluster, command_line, processes, toy
 from flaxstate_testing.checkpoints import assert_same, read_beside_a_rotating_writer
 
 import flaxstate as fs
@@ -48,13 +48,13 @@ def bucket(request):
 def reference(tmp_path_factory) -> dict:
     """The uninterrupted run's final state (on a local disk: where it is saved does not change the values)."""
     directory = tmp_path_factory.mktemp("reference")
-    processes.run("resume.py", {**CONFIG, "output_dir": str(directory / "run"), "out": str(directory / "final.npz")})
+    cluster.run("resume", {**CONFIG, "output_dir": str(directory / "run"), "out": str(directory / "final.npz")}, 1)
     return dict(np.load(directory / "final.npz"))
 
 
 def run(tmp_path, url: str, **extra) -> tuple[dict, str]:
     out = tmp_path / "final.npz"
-    (output,) = processes.run("resume.py", {**CONFIG, "output_dir": url, "out": str(out), **extra}, timeout=240)
+    (output,) = cluster.run("resume", {**CONFIG, "output_dir": url, "out": str(out), **extra}, 1, timeout=240)
     return dict(np.load(out)), output
 
 
@@ -323,7 +323,7 @@ def test_saved_by_two_processes_in_the_bucket_restores_in_one_and_the_reverse(bu
     def devices(mode: str, name: str, n_processes: int, **extra) -> str:
         config = {"mode": mode, "output_dir": f"{bucket.scheme}://runs/devices-{name}", "width": 64, **extra}
         config["out"] = str(tmp_path / f"{name}.npz")
-        return processes.run("devices.py", config, n_processes=n_processes, timeout=180)[0]
+        return cluster.run("devices", config, n_processes=n_processes, timeout=180)[0]
 
     bounded = {"width": 2560, "budget": 32768}
     devices("save", "two", 2, sharded=True, **bounded)

@@ -102,7 +102,8 @@ class Cluster:
         """
         if not self._workers:
             self._start()
-        request = json.dumps({"script": script.removesuffix(".py"), "config": config}) + "\n"
+        request = {"script": script.removesuffix(".py"), "config": config, "environment": processes.worker_env()}
+        request = json.dumps(request) + "\n"
         for worker in self._workers:
             try:
                 worker.stdin.write(request)

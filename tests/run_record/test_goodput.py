@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from flaxstate_testing import command_line, processes
+from flaxstate_testing import cluster, command_line, processes
 
 from flaxstate.run_record import goodput, ledger
 
@@ -99,7 +99,7 @@ def test_sigterm_then_restart_loses_no_progress_and_counts_the_preemption_and_th
 def test_two_processes_write_one_ledger_once(tmp_path):
     run_dir = tmp_path / "run"
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), resume=False, data_sleep=0)
-    processes.run("resume", config, n_processes=2)
+    cluster.run("resume", config, n_processes=2)
     events = ledger.read_events(run_dir / ledger.FILENAME)
     assert [event["event"] for event in events].count("session") == 1
     assert [event["step"] for event in events if event["event"] == "record"] == [10, 20, 30, 40, 50, 60]

@@ -1,15 +1,15 @@
 """A worker of the tests' shared cluster (`flaxstate_testing.cluster`): joined once, it runs worker scripts on request.
 
 Started as every worker is (`python -m flaxstate_testing.workers.serve CONFIG`, joined over gloo by `setup`), it
-imports JAX and flaxstate once, then reads one request a line on stdin (`{"script": NAME, "config": {...}}`) and
-runs that script of `flaxstate_testing.workers` as its own process would (`python -m
-flaxstate_testing.workers.NAME CONFIG`): a fresh module, `setup()` returning the config with this process's id
-and count, what it prints (stdout and stderr, Python's) kept. The processes pass a barrier before each script and
-after it. Each answer is one line on the protocol channel (the process's original stdout; what C++ prints goes to
-stderr): `{"ok": ..., "output": ...}`, with the traceback in the output of a script that raised. What a script
-prints goes to stderr too, as it comes, so that one that hangs shows how far it came. What a script
-changes in the process's environment variables, working directory, loggers, warning filters, signal handlers and
-JAX's configuration is put back after it. End of input ends the worker.
+imports JAX and flaxstate once, then reads one request a line on stdin (`{"script": NAME, "config": {...},
+"environment": {...}}`) and runs that script of `flaxstate_testing.workers` as its own process would (`python -m
+flaxstate_testing.workers.NAME CONFIG` with the test's environment variables): a fresh module, `setup()`
+returning the config with this process's id and count, what it prints (stdout and stderr, Python's) kept. The
+processes pass a barrier before each script and after it. Each answer is one line on the protocol channel (the
+process's original stdout; what C++ prints goes to stderr): `{"ok": ..., "output": ...}`, with the traceback in
+the output of a script that raised. What a script prints goes to stderr too, as it comes, so that one that hangs
+shows how far it came. What a script changes in the process's environment variables, working directory, loggers,
+warning filters, signal handlers and JAX's configuration is put back after it. End of input ends the worker.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Tee(io.TextIOBase):
             stream.flush()
 
 
-def run(script: str, config: dict) -> tuple[bool, str]:
+def run(script: str, config: dict, environment: dict[str, str]) -> tuple[bool, str]:
     """Runs one worker script as its own process would; returns whether it succeeded and what it printed (which
     goes to stderr too, as it comes: a script that hangs shows there how far it came)."""
     printed = io.StringIO()
@@ -103,6 +103,8 @@ def run(script: str, config: dict) -> tuple[bool, str]:
     ok = True
     with restored(), contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
         sys.argv[:] = [script, json.dumps(config)]
+        os.environ.clear()  # the test's, as a worker started now would get (a bucket emulator's variables)
+        os.environ.update(environment)
         try:
             runpy.run_module(f"flaxstate_testing.workers.{script}", run_name="__main__")
         except SystemExit as exit:
@@ -129,7 +131,7 @@ def main() -> None:
     for count, line in enumerate(sys.stdin):
         request = json.loads(line)
         barrier(f"serve {count} before")
-        ok, output = run(request["script"], request["config"])
+        ok, output = run(request["script"], request["config"], request["environment"])
         if ok:
             barrier(f"serve {count} after")
         protocol.write(json.dumps({"ok": ok, "output": output}) + "\n")
