@@ -50,11 +50,13 @@ class Cluster:
         port = processes.free_port()
         self._answers = queue.Queue()
         self._logs = [tempfile.TemporaryFile("w+") for _ in range(self.n_processes)]
+        env = processes.worker_env()
+        env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"  # JAX's default binds every interface
         for index, log in enumerate(self._logs):
             config = {"process_id": index, "n_processes": self.n_processes, "port": port}
             worker = subprocess.Popen(
                 [sys.executable, "-m", "flaxstate_testing.workers.serve", json.dumps(config)],
-                env=processes.worker_env(),
+                env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
