@@ -60,14 +60,14 @@ EXCHANGE = 3.5
 """A save's exchange with one peer at its peak beyond the record, as a fraction of the process's parts: the packed
 buffer, the copies that the collective (`ppermute` over gloo on a CPU) makes of it, and the peer's parts received.
 Measured on this CPU with two processes holding 128 MiB each, in a fresh process (its first compile included), at
-3.0x to 3.1x with jax 0.10.2 and 4.0x with jax 0.12 (`tests/test_host_memory.py`)."""
+3.0x to 3.1x with jax 0.10.2 and 4.0x with jax 0.12 (`tests/test_host_memory_processes.py`)."""
 BUDGET_ALLOWANCE = 96 * 2**20
 """What a save, a peer exchange or a restore under `host_memory_budget=` may hold beyond the budget, whatever the
 state's size: tensorstore's pools, the chunks its threads' malloc arenas keep, and a restore's compile of a
 shard's update (in a fresh process, XLA's first compile). Measured on this CPU with a 256 MiB state whose
 largest array is 43 MiB and a 16 MiB budget, on both stacks: a save 4 to 16 MiB beyond it; a restore 8 to 17
 MiB in a process that compiled before (40 to 47 MiB there with JAX's persistent compilation cache on), and 23
-to 65 MiB in a fresh process, whose first XLA compile is the restore's (`tests/test_host_memory.py`,
+to 65 MiB in a fresh process, whose first XLA compile is the restore's (`tests/test_host_memory_processes.py`,
 benchmarks/host_memory.py). A peer exchange of two processes' 128 MiB parts in a fresh process: 12 to 31 MiB
 with a 16 MiB budget."""
 KINDS = ("records", "save", "peers", "restore", "local_tier", "total")

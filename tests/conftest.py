@@ -1,8 +1,5 @@
-import ast
-import functools
 import multiprocessing.process
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +19,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # credentials, and wait 16 s for it to time out, wherever a gs:// filesystem is made without the emulator.
 os.environ.setdefault("NO_GCE_CHECK", "true")
 # The test processes and their workers share one JAX compilation cache, made for this session and removed after
-# it: the workers of many tests compile the same programs again (test_resume.py with test_preemption.py took
+# it: the workers of many tests compile the same programs again (test_resume*.py with test_preemption*.py took
 # 175 s without it, 143 s with it, on 2 cores). Every program is cached, however quick its compilation.
 _COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -52,65 +49,28 @@ def digits_run(tmp_path_factory):
     return output_dir, run_example(output_dir, 20), run_example(output_dir, 40)
 
 
-STARTS_PROCESSES = re.compile(
-    r"processes\.(run|start|watched)\(|cluster\.run\(|subprocess\.|Launched\(|run_example\(|moto_s3\(|fake_gcs|gcs_emulator|"
-    r"KernelManager|start_new_kernel|os\.kill\(|\.send_signal\(|\bdigits_run\b|"
-    r"\"workers\": [1-9]|capture_fails\("
-)
-"""What in a test's code starts a process (a worker, a server, a kernel, a command) or sends a signal: among them
-`fs.global_batches(workers=N)`'s grain worker processes and `xla_settings.capture_fails`'s probe process."""
+TIERS = {"_joined": 1, "_processes": 2}
+"""A test's tier, declared by its file's name (tests/README.md, "The tiers"): `test_X.py` runs in one process (tier
+0); `test_X_joined.py` asks the shared cluster for scenarios on processes joined by `jax.distributed`
+(`cluster.run`, tier 1); `test_X_processes.py` starts, kills or signals processes of its own, or servers, kernels,
+cluster managers and commands (tier 2)."""
 
 
-def _sources(path: Path) -> dict[str, str]:
-    """The source of each module-level function and class of a module, by name."""
-    text = path.read_text()
-    return {
-        node.name: ast.get_source_segment(text, node) or ""
-        for node in ast.parse(text).body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-    }
-
-
-@functools.cache
-def _shared_helpers() -> re.Pattern[str]:
-    """What in a test's code calls a shared helper (`flaxstate_testing`) that starts processes."""
-    names = set()
-    for module in (ROOT / "tests" / "flaxstate_testing").glob("*.py"):
-        if module.name != "processes.py":  # its calls are `processes.run(...)`, which STARTS_PROCESSES names
-            names |= {
-                name
-                for name, source in _sources(module).items()
-                if not name.startswith("_") and STARTS_PROCESSES.search(source)
-            }
-    return re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\(") if names else re.compile("$^")
-
-
-@functools.cache
-def _starting(path: str) -> frozenset[str]:
-    """The module-level functions and classes (tests, helpers, fixtures) of a test module that start processes,
-    directly, through another of them, or through a shared helper."""
-    sources = _sources(Path(path))
-    starts = (STARTS_PROCESSES, _shared_helpers())
-    starting = {name for name, source in sources.items() if any(each.search(source) for each in starts)}
-    while True:
-        calls = re.compile(r"\b(" + "|".join(map(re.escape, starting)) + r")\b") if starting else None
-        more = {name for name, source in sources.items() if calls and name not in starting and calls.search(source)}
-        if not more:
-            return frozenset(starting)
-        starting |= more
+def tier(path: Path) -> int:
+    """The tier a test file declares by its name's ending (`TIERS`; 0 for any other)."""
+    return next((number for ending, number in TIERS.items() if path.stem.endswith(ending)), 0)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks `processes` every test that starts a process or sends a signal, or asks for a fixture that does:
+    """Marks the tests of tiers 1 and 2 `processes` and those of tier 1 `joined`, by their files' names:
     `pytest -m "not processes"` is the quick loop, `-m processes` the runs to repeat under load."""
     for item in items:
         path = getattr(item, "path", None)
-        if path is None or path.suffix != ".py":
+        if path is None or path.suffix != ".py" or tier(path) == 0:
             continue
-        starting = _starting(str(path))
-        name = getattr(item, "originalname", item.name)
-        if name in starting or set(getattr(item, "fixturenames", ())) & (starting | {"digits_run"}):
-            item.add_marker(pytest.mark.processes)
+        item.add_marker(pytest.mark.processes)
+        if tier(path) == 1:
+            item.add_marker(pytest.mark.joined)
 
 
 LIBRARY_COMMANDS = frozenset({"git", "nvidia-smi"})
@@ -118,31 +78,45 @@ LIBRARY_COMMANDS = frozenset({"git", "nvidia-smi"})
 test's processes, so a test in one process may run them."""
 
 
+def _arguments(args) -> list:
+    """A `subprocess.Popen`'s arguments as a list (a shell command's words)."""
+    return os.fsdecode(args).split() if isinstance(args, str | bytes | os.PathLike) else list(args)
+
+
 def _program(args) -> str:
     """The program a `subprocess.Popen` runs: its first argument's name (a shell command's first word)."""
-    first = os.fsdecode(args if isinstance(args, str | bytes | os.PathLike) else next(iter(args), ""))
-    return os.path.basename(first.split()[0]) if first.strip() else ""
+    arguments = _arguments(args)
+    return os.path.basename(os.fsdecode(arguments[0])) if arguments else ""
 
 
 @pytest.fixture(autouse=True)
-def _one_process_unless_marked(request, monkeypatch):
-    """Keeps the tiers true: a test not marked `processes` that starts a process (a worker, a server, a command
-    other than flaxstate's own `git` and `nvidia-smi`, a fork) fails, naming what it started, instead of running
-    in the quick tier as a test that only looks quick. `STARTS_PROCESSES` then needs the name of what it used."""
-    if request.node.get_closest_marker("processes") is not None:
+def _tier_kept(request, monkeypatch):
+    """Keeps the tiers true. A test of tier 0 that starts a process (a worker, a server, a command other than
+    flaxstate's own `git` and `nvidia-smi`, a fork, `multiprocessing`) or asks the shared cluster fails, naming
+    what it started; a test of tier 1 may start only the shared cluster's workers and the `cpu_burner` beside it.
+    Tier 2 may start anything."""
+    path = getattr(request.node, "path", None)
+    number = tier(path) if path is not None else 0
+    if number == 2:
         yield
         return
 
     def refused(what: str):
-        raise AssertionError(
-            f"{request.node.nodeid} starts a process ({what}) but is not marked `processes`: tests/conftest.py "
-            "marks a test that calls a helper named in STARTS_PROCESSES (or a fixture that does); name yours there"
+        fix = (
+            "only asks the shared cluster, so it starts nothing of its own: move what starts, kills or signals "
+            "processes to test_X_processes.py"
+            if number == 1
+            else "runs in one process: move the test to test_X_joined.py (scenarios on the shared cluster, "
+            "`cluster.run`) or test_X_processes.py (processes, servers or commands of its own)"
         )
+        raise AssertionError(f"{request.node.nodeid} starts a process ({what}), but its file {fix}: tests/README.md")
 
     popen_init = subprocess.Popen.__init__
 
     def checked_popen(self, args, *positional, **keywords):
-        if _program(args) not in LIBRARY_COMMANDS:
+        program = _program(args)
+        served = "flaxstate_testing.workers.serve" in map(os.fsdecode, _arguments(args)) or args == BURNER
+        if program not in LIBRARY_COMMANDS and not (number == 1 and served):
             refused(f"subprocess {args!r}"[:200])
         popen_init(self, args, *positional, **keywords)
 
@@ -151,6 +125,9 @@ def _one_process_unless_marked(request, monkeypatch):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, lambda *args, _name=name, **keywords: refused(f"os.{_name}"))
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: refused("multiprocessing"))
+    cluster = sys.modules.get("flaxstate_testing.cluster")
+    if number == 0 and cluster is not None:  # a cluster already started needs no new process to be asked
+        monkeypatch.setattr(cluster.Cluster, "run", lambda self, *args, **keywords: refused("the shared cluster"))
     yield
 
 
@@ -161,11 +138,15 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
 
+BURNER = ["bash", "-c", "for _ in $(seq $(nproc)); do (while :; do :; done) & done; wait"]
+"""`cpu_burner`'s command: the load beside a test, which a test of tier 1 may start."""
+
+
 @pytest.fixture
 def cpu_burner():
     """A process spinning on every core beside the test (users' machines are loaded), stopped by its pid after it."""
     burner = subprocess.Popen(
-        ["bash", "-c", "for _ in $(seq $(nproc)); do (while :; do :; done) & done; wait"],
+        BURNER,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,8 +1,5 @@
 """Saves left running in the background: waited for by wait_all, settle_all, and at the interpreter's exit."""
 
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -53,25 +50,3 @@ def test_settle_all_keeps_a_failure_for_the_owner_and_an_untracked_save_is_not_w
     background.untrack(failing)
     background.wait_all()
     assert failing.waited == 0
-
-
-def test_a_save_that_fails_at_exit_is_named_and_the_exit_status_is_1():
-    script = textwrap.dedent(
-        """
-        from flaxstate import background
-
-        class Lost:
-            def wait(self):
-                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
-
-            def settle(self):
-                pass
-
-        lost = Lost()
-        background.track(lost)
-        print("trained")
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and "trained" in done.stdout
-    assert "flaxstate: cannot schedule new futures" in done.stderr and "writer.close()" in done.stderr

@@ -1,5 +1,6 @@
 """`flaxstate.clusters`: which manager started a process, from the variables each sets, and what a run's ledger
-and `flaxstate goodput` say of it. (Real managers: tests/cluster/test_slurm.py; the launcher: tests/test_launch.py.)"""
+and `flaxstate goodput` say of it. (Real managers: tests/cluster/test_slurm_processes.py; the launcher:
+tests/test_launch_processes.py.)"""
 
 import pytest
 

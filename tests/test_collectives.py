@@ -1,4 +1,6 @@
-"""One small collective of JSON values: in one process it is the value itself (several: tiers/test_restart.py)."""
+"""One small collective of JSON values: in one process it is the value itself.
+
+Several processes' are in tests/checkpoint/tiers/test_restart_processes.py."""
 
 from flaxstate import collectives
 

@@ -1,4 +1,5 @@
-"""Where run directories may be: local paths, gs:// and s3:// buckets (tests/checkpoint/test_buckets.py), nothing else.
+"""Where run directories may be: local paths, gs:// and s3:// buckets (tests/checkpoint/test_buckets_processes.py),
+nothing else.
 
 A URL of a store flaxstate does not write to, or a bucket given where a
 local directory is needed (a local tier, a trace), is refused at
@@ -7,8 +8,6 @@ a local 'az:', 's3:' or 'gs:' folder.
 """
 
 import http.server
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -56,18 +55,6 @@ def test_paths_pass_unchanged_and_a_url_read_as_a_path_is_still_a_url():
     assert local_path(Path("/tmp/gs:/x"), "x") == Path("/tmp/gs:/x")  # a folder named gs: inside a path is a path
     assert scheme_of(Path("gs://b/run")) == "gs"  # pathlib made it gs:/b/run
     assert str(as_path(Path("gs://b/run"))) == "gs://b/run"
-
-
-def test_the_command_line_refuses_a_url_naming_it_and_exits_2(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "flaxstate", "ls", "az://my-bucket/run1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 2 and "'az://my-bucket/run1'" in done.stderr and "not to az:// URLs" in done.stderr
-    assert list(tmp_path.iterdir()) == []
 
 
 class _Forbidden(http.server.BaseHTTPRequestHandler):

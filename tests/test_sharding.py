@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import cluster, processes, toy
+from flaxstate_testing import toy
 from flaxstate_testing.lm import lm, train_loop
 from jax.sharding import Mesh, PartitionSpec
 
@@ -128,36 +128,6 @@ def test_mesh_and_axis_rules_come_together():
         fs.EvalLoop(task, jax.random.key(0), axis_rules=lm.RULES)
     with pytest.raises(ValueError, match="EvalLoop takes devices= or mesh=, not both"):
         fs.EvalLoop(task, jax.random.key(0), mesh=one_device_mesh(), axis_rules=lm.RULES, devices=jax.devices())
-
-
-def test_bad_input_over_two_devices_is_a_clear_error_before_anything_compiles():
-    output = processes.run("sharding_errors.py", {}, n_devices=2, timeout=120)[0]
-    errors = dict(re.findall(r"^case ([^:]+): (.*)$", output, re.MULTILINE))
-    assert re.search(
-        r"ValueError: params/Block_0/DenseGeneral_0/kernel has shape \(33, 2, 8\): its dimension 0 \(logical axis "
-        r"'embed', size 33\) is sharded over mesh axes \('fsdp',\) of 2 devices",
-        errors["odd dimension"],
-    )
-    assert "dimension 1 (logical axis 'heads', size 3) is sharded over mesh axes ('model',)" in errors["odd heads"]
-    assert (
-        "batch of size 7, which does not divide by the 2 parts of the batch axes ('data', 'fsdp')"
-        in errors["odd batch"]
-    )
-    assert "do not split into n_microbatches=3" in errors["odd microbatches"]
-    assert "mesh axis 'tensor', which the mesh does not have" in errors["unknown mesh axis"]
-    assert "compiled 0" in output
-
-
-def test_tensor_parallel_data_split_over_two_processes_as_data_parallel_is_refused_naming_both_splits():
-    outputs = cluster.run("sharding_errors", {}, n_processes=2, timeout=120)
-    for index, output in enumerate(outputs):
-        error = dict(re.findall(r"^case ([^:]+): (.*)$", output, re.MULTILINE))[
-            "tensor-parallel data split as data-parallel"
-        ]
-        assert error.startswith("ValueError: TrainTask data is global_batches("), error
-        assert f"feeds this process part {index} of 2 of each global batch" in error, error
-        assert "places part 0 of 1 on this process's devices" in error and "mesh=mesh, axis_rules=axis_rules" in error
-        assert "compiled 0" in output
 
 
 def row_statistics() -> optax.GradientTransformation:

@@ -16,7 +16,6 @@ from flaxstate_testing.checkpoints import (
     assert_trees_equal,
     damage_arrays,
     fresh_state,
-    read_beside_a_rotating_writer,
     records,
 )
 
@@ -179,16 +178,3 @@ def test_restored_state_is_donated_without_a_copy(tmp_path):
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(restored.params))
     after = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(updated.params)]
     assert set(before) & set(after), "no restored buffer was reused by the donated update"
-
-
-@pytest.mark.parametrize("keep", [1, 3])
-def test_a_reader_beside_a_live_writer_restores_the_newest_complete_step(tmp_path, keep, capsys):
-    from flaxstate import cli
-
-    def inspect(step: int) -> None:
-        for command in ("ls", "show"):
-            assert cli.main([command, str(tmp_path)]) == 0, capsys.readouterr().err
-
-    steps = read_beside_a_rotating_writer(str(tmp_path), keep, reads=25, each=inspect)
-    assert "Traceback" not in capsys.readouterr().err
-    assert steps == sorted(steps) and len(set(steps)) > 1, steps  # the writer rotated all along

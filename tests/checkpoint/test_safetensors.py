@@ -1,10 +1,7 @@
 """Export to safetensors: what the `safetensors` package's own API reads back from a run, a record or a state."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 import types
 
 import flax.linen as nn
@@ -15,13 +12,12 @@ import optax
 import pytest
 import safetensors.numpy
 from flax import nnx
-from flaxstate_testing import cluster, toy
-from flaxstate_testing.command_line import run_here
+from flaxstate_testing import toy
 from safetensors import safe_open
 
 import flaxstate as fs
 from flaxstate import tree_paths
-from flaxstate.checkpoint.safetensors import INDEX, STAGING, files
+from flaxstate.checkpoint.safetensors import INDEX, files
 from flaxstate.checkpoint.safetensors import export as exporting
 from flaxstate.checkpoint.stores import orbax_manager
 
@@ -180,19 +176,6 @@ def test_bad_input_is_named_before_a_byte_is_written_and_an_earlier_export_stays
     assert (out / "model.safetensors").read_bytes() == before
 
 
-def test_flaxstate_export_writes_a_step_in_bfloat16(tmp_path):
-    records = trained(tmp_path, Wide())
-    done = run_here("export", tmp_path / "run", tmp_path / "hf", "--step", "3", "--dtype", "bfloat16")
-    assert done.returncode == 0, done.stderr
-    assert "model.safetensors" in done.stdout
-    loaded = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
-    expected = params_of(records[0].state.params)  # step 3's
-    for name, value in expected.items():
-        np.testing.assert_array_equal(loaded[name], value.astype(ml_dtypes.bfloat16))
-    bad = run_here("export", tmp_path / "run", tmp_path / "hf", "--dtype", "int7")
-    assert bad.returncode == 2 and "'int7' is not a dtype" in bad.stderr
-
-
 class Square(nn.Module):
     """A model whose first kernel is square: a transposed one has the same shape, and must still be transposed."""
 
@@ -341,25 +324,6 @@ def test_a_plan_of_a_reader_is_the_plan_of_its_target(tmp_path):
     assert planned.per_device == direct.per_device and planned.per_device["params"] > 0 and reader.bytes_read == 0
 
 
-def test_an_fsdp_start_from_a_file_reads_only_each_process_s_parts_and_trains_as_one_process(tmp_path):
-    rng = np.random.default_rng(1)
-    tensors = {"linear.weight": rng.normal(size=(64, 4)).astype(np.float32),
-               "out.weight": rng.normal(size=(1, 64)).astype(np.float32)}  # fmt: skip
-    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
-    whole = sum(t.nbytes for t in tensors.values())
-    results = {}
-    for n_processes in (2, 1):
-        outputs = cluster.run("safetensors_import", {"path": str(tmp_path / "model.safetensors")}, n_processes, 240)
-        results[n_processes] = [
-            json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
-            for out in outputs
-        ]
-    for process in results[2]:  # each reads its half of each kernel, by byte range, and holds exactly that
-        assert process["read"] == whole // 2 and process["shards_match"] and process["spec"] == ["None", "fsdp"]
-        np.testing.assert_allclose(process["loss"], results[1][0]["loss"], rtol=1e-5)
-    assert results[1][0]["read"] == whole and results[1][0]["shards_match"]
-
-
 def test_a_file_in_a_bucket_is_read_by_byte_ranges_of_the_rows_each_part_covers(tmp_path, monkeypatch):
     # The bucket's reader on a local file (`locations.read_range` reads both): its parts equal safe_open's, and
     # each part asks for the bytes of its rows alone.
@@ -478,26 +442,3 @@ def test_an_index_is_followed_only_to_files_in_its_folder_and_a_tensor_in_two_fi
     (folder / INDEX).write_text(json.dumps({"weight_map": {"w": "model.safetensors", "v": "model-2.safetensors"}}))
     with pytest.raises(ValueError, match="'v' is in both|holds the tensor 'v', which .* gives to model-2"):
         fs.SafetensorsReader(folder, target=None).params({**target, "v": np.zeros((1,), np.float32)})
-
-
-def test_an_output_that_is_a_file_is_named_and_a_killed_export_s_staging_is_removed_by_the_next(tmp_path):
-    trained(tmp_path, Wide())
-    (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'file'))} is a file, not a folder"):
-        fs.export_safetensors(tmp_path / "run", tmp_path / "file")
-    with pytest.raises(ValueError, match=r"cannot be made: .*file is a file, not a folder"):
-        fs.export_safetensors(tmp_path / "run", tmp_path / "file" / "out")
-    refused = run_here("export", tmp_path / "run", tmp_path / "file")
-    assert refused.returncode == 2 and "is a file, not a folder" in refused.stderr and "damaged" not in refused.stderr
-    out = tmp_path / "hf"
-    out.mkdir()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = out / f"{STAGING}{int(gone.stdout)}-x1"  # an export's, killed: its process is gone
-    killed.mkdir()
-    (killed / "model.safetensors").write_bytes(bytes(1 << 20))
-    older = out / f"{STAGING}abcd1234"  # named as earlier versions named theirs
-    older.mkdir()
-    running = out / f"{STAGING}{os.getpid()}-y2"  # a running export's
-    running.mkdir()
-    fs.export_safetensors(tmp_path / "run", out)
-    assert sorted(entry.name for entry in out.iterdir()) == sorted(["model.safetensors", running.name])

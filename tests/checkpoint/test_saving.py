@@ -1,9 +1,5 @@
 """A store's one background save: its failure raised once naming the step, and steps set aside and pruned."""
 
-import os
-import queue
-import signal
-import threading
 import time
 
 import jax.numpy as jnp
@@ -70,52 +66,3 @@ def test_a_failed_clean_up_does_not_replace_the_save_s_own_error(tmp_path):
     assert "removing its partial files failed too (ConnectionError: Could not connect" in message
     assert isinstance(raised.value.__cause__, ConnectionError)
     assert raised.value.__cause__.__context__ is not None  # the save's own failure, behind the clean-up's
-
-
-def test_ctrl_c_at_any_moment_of_a_wait_raises_keyboard_interrupt_and_the_save_goes_on():
-    """A real SIGINT at moments around a background save's end: the wait raises KeyboardInterrupt or returns.
-
-    Never another error (an Event's wait failed once in a notebook with `release unlocked lock`, the Stop pressed
-    as the save ended), and a wait after an interrupt returns once the save has ended, its work done. The signal
-    comes from a thread started once, asked through a `SimpleQueue`: this thread starts no thread (whose start
-    waits on an Event) while a signal may come.
-    """
-    random = np.random.default_rng(0)
-    requests, sent = queue.SimpleQueue(), []
-
-    def signaller():
-        while (delay := requests.get()) is not None:
-            time.sleep(delay)
-            os.kill(os.getpid(), signal.SIGINT)
-            sent.append(delay)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    thread = threading.Thread(target=signaller)
-    thread.start()
-    outcomes = []
-    try:
-        for index in range(200):
-            done = []
-            save = saving.BackgroundSave(1, lambda done=done: (time.sleep(0.002), done.append(True)))
-            requests.put(random.uniform(0, 0.004))
-            try:
-                try:
-                    save.join()
-                    outcomes.append("returned")
-                except KeyboardInterrupt:
-                    outcomes.append("interrupted")
-                    save.join()
-                    assert done == [True]
-                while len(sent) <= index:  # the signal may come here instead, after the wait
-                    time.sleep(0.0005)
-                time.sleep(0.005)
-            except KeyboardInterrupt:
-                while len(sent) <= index:
-                    time.sleep(0.0005)
-            save.join()
-            assert done == [True]
-    finally:
-        requests.put(None)
-        thread.join()
-        signal.signal(signal.SIGINT, previous)
-    assert "interrupted" in outcomes and "returned" in outcomes, outcomes

@@ -10,8 +10,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
-from flaxstate_testing import cluster, decoders
-from flaxstate_testing.command_line import run_here
+from flaxstate_testing import decoders
 
 import flaxstate as fs
 from flaxstate import tree_paths
@@ -221,44 +220,6 @@ def test_a_bad_table_is_refused_at_the_door_naming_the_rule_and_the_fix(tmp_path
     ):
         fs.export_safetensors(state, tmp_path / "out", map={"up/kernel": ("up.weight", "(h d) e -> e h d")})
     assert not (tmp_path / "out").exists()
-
-
-def test_flaxstate_export_map_reads_the_table_from_json(tmp_path):
-    _, rules, loop = fine_tune(tmp_path, "nnx", tied=False, n_steps=2)
-    with fs.CheckpointFileWriter(tmp_path / "run") as writer:
-        record = [writer(record) or record for record in loop][-1]
-    (tmp_path / "map.json").write_text(fs.WeightMap(rules).to_json())
-    done = run_here("export", tmp_path / "run", tmp_path / "out", "--map", tmp_path / "map.json")
-    assert done.returncode == 0, done.stderr
-    written = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
-    for name, value in hf_of("nnx", flat(record.state.params), tied=False).items():
-        np.testing.assert_array_equal(written[name], value, err_msg=name)
-    (tmp_path / "bad.json").write_text('[["q", "q.weight"]]')
-    bad = run_here("export", tmp_path / "run", tmp_path / "other", "--map", tmp_path / "bad.json")
-    assert bad.returncode == 2 and "bad.json holds a JSON list" in bad.stderr and not (tmp_path / "other").exists()
-
-
-@pytest.mark.parametrize("cut", ["heads", "head_dim"])
-def test_a_two_process_fsdp_import_through_a_layout_reads_each_process_s_heads_or_the_tensor_once(tmp_path, cut):
-    rng = np.random.default_rng(1)
-    tensors = {"linear.weight": rng.normal(size=(64, 4)).astype(np.float32),  # (heads * head_dim, embed)
-               "out.weight": rng.normal(size=(1, 64)).astype(np.float32)}  # fmt: skip
-    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
-    whole = sum(t.nbytes for t in tensors.values())
-    results = {}
-    for n_processes in (2, 1):
-        config = {"path": str(tmp_path / "model.safetensors"), "heads": cut}
-        outputs = cluster.run("safetensors_import", config, n_processes, 240)
-        results[n_processes] = [
-            json.loads(next(line for line in out.splitlines() if line.startswith("result ")).removeprefix("result "))
-            for out in outputs
-        ]
-    spec = ["None", "fsdp", "None"] if cut == "heads" else ["None", "None", "fsdp"]
-    for process in results[2]:  # heads: the rows of its heads alone; head_dim: no part is one block, read once
-        assert process["read"] == (whole // 2 if cut == "heads" else whole), process
-        assert process["shards_match"] and process["spec"] == spec, process
-        np.testing.assert_allclose(process["loss"], results[1][0]["loss"], rtol=1e-5)
-    assert results[1][0]["read"] == whole and results[1][0]["shards_match"]
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])

@@ -1,7 +1,7 @@
 """A step's lifecycle, both ways, on a disk: what is complete, unfinished, set aside and deleted, and the rotation.
 
 The same strategies serve a bucket (`CommitMarker` for s3:// and orbax's
-gs://), tested against emulators in tests/checkpoint/test_buckets.py.
+gs://), tested against emulators in tests/checkpoint/test_buckets_processes.py.
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """The local tier in one process: what a step holds, when it restores, and what it refuses.
 
-The processes' agreement and kill -9 restarts are in `tiers/test_restart.py` (two gloo processes); FSDP's parts in
-`tests/training/test_sharded_loop.py`.
+The processes' agreement and kill -9 restarts are in `tiers/test_restart_processes.py` (two gloo processes);
+FSDP's parts in `tests/training/test_sharded_loop_joined.py`.
 """
 
 import json

@@ -1,7 +1,7 @@
 """Which local step the processes' offers make whole, and where a process's missing parts come from.
 
 The offers are built here as each process would gather them; the processes and their collective are
-tests/checkpoint/tiers/test_restart.py's and test_peers.py's.
+tests/checkpoint/tiers/test_restart_processes.py's and test_peers_processes.py's.
 """
 
 import json

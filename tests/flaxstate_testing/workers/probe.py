@@ -1,4 +1,5 @@
-"""A scenario of the shared cluster's own tests (`tests/test_shared_cluster.py`): says what it finds, then does harm.
+"""A scenario of the shared cluster's own tests (`tests/test_shared_cluster_processes.py`): says what it finds,
+then does harm.
 
 It prints its process's id and count, its pid, and what an earlier script may have left changed (`FLAXSTATE_PROBE`
 in the environment, JAX's `jax_log_compiles`, the handlers of the `flaxstate` logger, SIGTERM's handler). Then,

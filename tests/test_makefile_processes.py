@@ -1,5 +1,8 @@
 """The Makefile's docs command on machines with and without a browser, its steps run by a stand-in Python that
-records what it was asked (the site's build and checks themselves are `make docs`'s, run by CI)."""
+
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+records what it was asked (the site's build and checks themselves are `make docs`'s, run by CI).
+"""
 
 import os
 import subprocess

@@ -1,5 +1,7 @@
 """Training under Open MPI's `mpirun` (Debian's `openmpi-bin`), on loopback, against a run that no manager started.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 The ranks run the test worker, which joins them as any script does under mpirun: `jax.distributed.initialize()`
 with no arguments, JAX's own `OmpiCluster`. Each rank runs under `flaxstate_testing.mpi`'s status wrapper, which
 prints its exit status: mpirun reports one status for the whole job. A machine without Open MPI skips these tests

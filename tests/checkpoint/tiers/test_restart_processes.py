@@ -1,5 +1,7 @@
 """Two tiers: a local tier per process, a persistent one shared, and restarts after kill -9.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 Two gloo processes, each with its own local directory, one shared persistent
 directory: the local tier saves every record (10 steps, the newest 3 kept), the persistent one
 at step 40 only. Both processes are killed with SIGKILL after step 70's

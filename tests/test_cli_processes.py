@@ -1,3 +1,5 @@
+"""Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands."""
+
 import subprocess
 import sys
 

@@ -1,5 +1,7 @@
 """The tests' shared cluster (`flaxstate_testing/cluster.py`): joined once, reused, put back, restarted on a fault.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 Each test starts a cluster of its own (not the session's), so that its faults and its count of starts are its own.
 """
 

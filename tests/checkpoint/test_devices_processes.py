@@ -1,5 +1,7 @@
 """Restore anywhere: a checkpoint saved on N devices restores on any other number.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 Devices of one process here run no collective (PLATFORM.md: those deadlock on
 several CPU devices in one process); processes join over gloo.
 """

@@ -1,5 +1,7 @@
 """Run directories in a bucket (gs://, s3://), against real emulators: kill -9, SIGTERM, damage, a live writer, the CLI.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 fake-gcs-server and moto's S3 server run on 127.0.0.1 for this module only,
 one after the other, started and stopped here (`flaxstate_testing.buckets`);
 every worker finds them through the clients' own variables. A gs://

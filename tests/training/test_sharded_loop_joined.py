@@ -1,23 +1,25 @@
 """Sharded training over 2 gloo processes (one CPU device each): the LM example's model, FSDP and tensor-parallel.
 
+Tier 1 (tests/README.md): scenarios on the shared cluster's processes, joined by `jax.distributed`. The others of
+sharded_loop are in test_sharded_loop_processes.py.
+
 One worker run trains every layout in turn (`flaxstate_testing/workers/sharded.py`), so the processes join
 once; the one-device runs they are compared with train here, in the test's own process. kill -9 and SIGTERM
 (preemption) runs start their own workers, and resume to end bit for bit as a straight FSDP run.
 """
 
 import dataclasses
+import functools
 import json
-import os
 import re
 import shutil
-import signal
-import time
+from pathlib import Path
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from flaxstate_testing import cluster, processes
+from flaxstate_testing import cluster
 from flaxstate_testing.lm import lm, train_loop
 
 import flaxstate as fs
@@ -81,11 +83,13 @@ def results(output):
     return [json.loads(line.removeprefix("result ")) for line in output.splitlines() if line.startswith("result ")]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@functools.cache
+def straight_runs(base: Path) -> tuple[Path, list]:
     """One device to N (then on to N + 2); then over 2 processes: FSDP and tensor-parallel to N, each
-    resumed (from the one-device and the tensor-parallel checkpoints) as FSDP to N + 2; FSDP straight to LONG."""
-    root = tmp_path_factory.mktemp("sharded")
+    resumed (from the one-device and the tensor-parallel checkpoints) as FSDP to N + 2; FSDP straight to LONG.
+    Once a session (`base`, its temporary folder), for the tests here and `test_sharded_loop_processes.py`'s."""
+    root = base / "sharded"
+    root.mkdir()
     tiers, tiers_local = root / "tiers", root / "tiers-local"
     train_on_one_device(root / "one", N)
     shutil.copytree(root / "one", root / "one-on")
@@ -121,6 +125,12 @@ def runs(tmp_path_factory):
     output = cluster.run("sharded", {"model": MODEL, "phases": phases}, n_processes=2, timeout=240)[0]
     (root / "output.txt").write_text(output)
     return root, results(output)[:5]  # the EMA's and the tiers' phases are compared through their checkpoints
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`straight_runs`: the session's runs to compare with."""
+    return straight_runs(tmp_path_factory.getbasetemp())
 
 
 def test_fsdp_and_tensor_parallel_end_equal_to_one_device(runs):
@@ -191,29 +201,6 @@ def test_a_sharded_eval_loop_keeps_the_parameters_sharded_and_evaluates_as_one_d
         assert evaluation["replicated_inside"] == [False]
 
 
-def test_kill_9_during_a_sharded_run_then_resume_ends_bit_for_bit_as_the_straight_run(runs, tmp_path):
-    root, _ = runs
-    directory = str(tmp_path / "killed")
-    stalled = {"mesh": FSDP, "dir": directory, "steps": N, "stall_at": 4}
-    port = processes.free_port()
-    workers = [processes.start("sharded.py", {"model": MODEL, "phases": [stalled]}, i, 2, port) for i in range(2)]
-    watched = [processes.Watched(worker) for worker in workers]
-    try:
-        for worker in watched:
-            worker.wait_for("stalled", timeout=120)
-        time.sleep(0.5)  # step 2's save in flight or done; steps 3-4 dispatched, or not
-    finally:
-        for worker in workers:
-            processes.kill(worker)
-            worker.wait(timeout=30)
-    assert all(worker.returncode == -signal.SIGKILL for worker in workers)
-    saved = sorted(int(p.name) for p in (tmp_path / "killed").iterdir() if p.name.isdigit())
-    print("after kill -9:", saved)
-    resumed = dict(stalled, stall_at=None)
-    cluster.run("sharded", {"model": MODEL, "phases": [resumed]}, n_processes=2, timeout=180)
-    assert_bit_equal_checkpoints(directory, root / "fsdp", N)
-
-
 def test_an_fsdp_run_restarts_from_its_local_tier_bit_for_bit_and_another_mesh_from_the_persistent_one(runs):
     root, _ = runs
     output = (root / "output.txt").read_text()
@@ -246,27 +233,6 @@ def assert_bit_equal_checkpoints(directory, reference, step):
     assert got.data_position == want.data_position
     for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(want.state), strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-def test_sigterm_to_one_process_of_an_fsdp_run_stops_both_at_one_step_then_resume_ends_bit_for_bit(runs, tmp_path):
-    root, _ = runs
-    directory = str(tmp_path / "preempted")
-    slow = {"mesh": FSDP, "dir": directory, "steps": LONG, "data_sleep": 0.3}
-    with processes.watched("sharded.py", {"model": MODEL, "phases": [slow]}, 2) as workers:
-        for worker in workers:
-            worker.wait_for("record 4", timeout=120)
-        os.kill(workers[1].process.pid, signal.SIGTERM)  # process 1 only: process 0 hears of it from JAX
-        codes = [worker.finish(timeout=90) for worker in workers]
-    outputs = "\n".join(worker.output for worker in workers)
-    assert codes == [0, 0], outputs
-    stopped = [re.findall(r"^record (\d+) preempted$", worker.output, flags=re.MULTILINE) for worker in workers]
-    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, outputs
-    stopped_at = int(stopped[0][0])
-    print("preempted at", stopped_at)
-    assert 4 <= stopped_at < LONG and stopped_at % MODEL["steps_per_dispatch"] == 0
-    assert fs.CheckpointFileReader(directory).read(None).step == stopped_at  # saved whatever the interval
-    cluster.run("sharded", {"model": MODEL, "phases": [dict(slow, data_sleep=0.0)]}, n_processes=2, timeout=180)
-    assert_bit_equal_checkpoints(directory, root / "fsdp-long", LONG)
 
 
 def test_an_ema_trained_with_fsdp_over_two_processes_equals_one_devices(runs):

@@ -1,5 +1,7 @@
 """The loop in a real Jupyter kernel (ipykernel, driven by jupyter_client), as a user's notebook runs it.
 
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
+
 The cell that makes the writer and the loop is run again (the most common
 thing a notebook user does); a training cell prints no warning without
 ipywidgets; a wrong `init` names the call the loop made; a loop whose

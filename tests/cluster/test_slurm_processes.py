@@ -1,4 +1,6 @@
 """Training under a real SLURM: a one-node cluster of Debian's `slurm-wlm` on loopback (`flaxstate_testing.slurm`),
+
+Tier 2 (tests/README.md): tests that start, kill or signal processes of their own, or run servers or commands.
 jobs submitted with `srun` and `sbatch`, signalled with `scancel`, each against a run that SLURM had no part in.
 
 The scripts are the test workers (`flaxstate_testing/workers/resume.py`), which join their tasks under `srun` as
