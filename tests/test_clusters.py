@@ -2,6 +2,8 @@
 and `flaxstate goodput` say of it. (Real managers: tests/cluster/test_slurm_processes.py; the launcher:
 tests/test_launch_processes.py.)"""
 
+import warnings
+
 import pytest
 
 from flaxstate import clusters, launch
@@ -18,9 +20,21 @@ SLURM_TASK = {  # what `srun -n 2` sets in its second task (a one-node cluster, 
 }
 
 
+JOBSET_POD = {  # the pod of Job 1's second pod, of a JobSet of 3 Jobs of 4 pods, started again twice
+    "JOBSET_NAME": "train",
+    "HOSTNAME": "train-workers-1-1",
+    "JOB_COMPLETION_INDEX": "1",
+    "JOB_GLOBAL_INDEX": "1",
+    "GLOBAL_REPLICAS": "3",
+    "JOB_PARALLELISM": "4",
+    "JOBSET_RESTART_ATTEMPT": "2",
+}
+
+
 @pytest.fixture(autouse=True)
 def no_manager(monkeypatch):
-    for name in [*SLURM_TASK, "SLURM_STEP_NUM_TASKS", "SLURM_JOB_NUM_NODES", clusters.RESTARTS, clusters.COORDINATOR]:
+    names = [*SLURM_TASK, *JOBSET_POD, "SLURM_STEP_NUM_TASKS", "SLURM_JOB_NUM_NODES", clusters.RESTARTS]
+    for name in [*names, clusters.COORDINATOR, clusters.JOBSET_COORDINATOR, "JAX_COORDINATOR_PORT"]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -125,3 +139,65 @@ def test_the_launcher_refuses_a_slurm_job_whose_processes_only_srun_can_start(mo
         assert refused in clusters.launcher_refusal() and "srun" in clusters.launcher_refusal()
         with pytest.raises(ValueError, match="srun"):
             launch.launch(["true"], 2)  # before any process starts
+
+
+def jobset_pod() -> tuple:
+    """What flaxstate's JobSet environment answers JAX: the coordinator, the process count and this process's id."""
+    pod = clusters.REGISTERED["jobset"]
+    return pod.get_coordinator_address(None, None), pod.get_process_count(), pod.get_process_id()
+
+
+def detected(process_id: int) -> tuple:
+    """What JAX's own detection (`jax.distributed.initialize(process_id=...)`, no other argument) reads here, past
+    flaxstate's checks of the join (process 0 waits for no coordinator): the coordinator, count and id."""
+    from jax._src.clusters import ClusterEnv
+
+    return ClusterEnv.auto_detect_unset_distributed_params(None, None, process_id, None, None, 300)[:3]
+
+
+def test_a_jobset_pod_is_numbered_job_by_job_over_every_job_and_names_its_jobset_s_restart(monkeypatch):
+    for name, value in JOBSET_POD.items():
+        monkeypatch.setenv(name, value)
+    assert jobset_pod() == ("train-workers-0-0.train:55527", 12, 5)  # Job 1's pod 1 of 4: 1 x 4 + 1, of 3 x 4
+    monkeypatch.setenv("JOBSET_COORDINATOR", "train-workers-0-0.jobs")  # the JobSet's spec.coordinator, elsewhere
+    assert jobset_pod() == ("train-workers-0-0.jobs:55527", 12, 5)
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "1234")  # JAX's own variable for the port
+    assert detected(process_id=0) == ("train-workers-0-0.jobs:1234", 12, 0)
+    assert clusters.manager() == {"name": "jobset", "job": "train", "restarts": 2}
+    monkeypatch.setenv("JOBSET_RESTART_ATTEMPT", "")  # an annotation the JobSet has not set yet
+    assert clusters.manager() == {"name": "jobset", "job": "train", "restarts": 0}
+
+
+def test_a_jobset_pod_is_read_from_its_variables_before_jax_s_k8s_cluster_asks_the_kubernetes_api(monkeypatch):
+    # JAX's K8sCluster is present wherever KUBERNETES_SERVICE_HOST is, and then asks the API (and warns where
+    # the `kubernetes` package is missing): a JobSet's pod is found by its variables first, and nothing warns.
+    for name, value in {**JOBSET_POD, "KUBERNETES_SERVICE_HOST": "10.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert detected(process_id=0) == ("train-workers-0-0.train:55527", 12, 0)
+    names = [cls.__name__ for cls in clusters.private_apis.cluster_types()]
+    assert names.index("CheckedJobSetCluster") < names.index("K8sCluster")
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        ({"JOB_PARALLELISM": None}, "the JobSet pod's JOB_PARALLELISM is '', not a whole number"),
+        ({"GLOBAL_REPLICAS": "two"}, "the JobSet pod's GLOBAL_REPLICAS is 'two', not a whole number"),
+        ({"JOB_COMPLETION_INDEX": "4"}, "JOB_COMPLETION_INDEX=4 and JOB_GLOBAL_INDEX=1 are not within"),
+        ({"JOB_GLOBAL_INDEX": "3"}, "JOB_PARALLELISM=4 pods a Job and GLOBAL_REPLICAS=3 Jobs"),
+        ({"HOSTNAME": "trainer"}, "HOSTNAME 'trainer' is not <jobset>-<replicated job>-<job>-<pod>"),
+    ],
+)
+def test_a_pod_template_that_misses_or_misstates_a_variable_is_named_with_where_it_comes_from(
+    monkeypatch, changed, said
+):
+    for name, value in {**JOBSET_POD, **changed}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="docs/guides/cluster.md") as refused:
+        jobset_pod()
+    assert said in str(refused.value)

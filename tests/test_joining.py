@@ -48,7 +48,7 @@ def manager(monkeypatch):
 
 def test_the_checked_environments_come_before_jax_s_own_and_the_launcher_s_before_all():
     names = [cls.__name__ for cls in clusters.private_apis.cluster_types()]
-    assert names[0] == "CheckedLaunchedCluster"
+    assert names[0] == "CheckedLaunchedCluster" and names[1] == "CheckedJobSetCluster"
     assert names.index("CheckedSlurmCluster") < names.index("SlurmCluster")
     assert names.index("CheckedOmpiCluster") < names.index("OmpiCluster")
 

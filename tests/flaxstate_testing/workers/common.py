@@ -16,8 +16,8 @@ def setup() -> dict:
     """Reads the worker's config and joins the other processes (gloo on the CPU).
 
     Under `flaxstate launch`, under `srun` (SLURM sets `SLURM_STEP_ID` in a
-    job step's tasks) and under Open MPI's `mpirun` (`OMPI_COMM_WORLD_SIZE`),
-    it joins them as a script under a cluster manager does, with
+    job step's tasks), under Open MPI's `mpirun` (`OMPI_COMM_WORLD_SIZE`) and
+    in a Kubernetes JobSet's pods (`JOBSET_NAME`), it joins them as a script under a cluster manager does, with
     `jax.distributed.initialize()` and no arguments, and prints its process
     id (`pid <n>`) for the tests that send it signals. Run by a worker of the
     shared cluster (`serve.py`), it returns the config with that worker's id
@@ -26,7 +26,8 @@ def setup() -> dict:
     config = json.loads(sys.argv[1])
     if SERVED is not None:
         return {**config, **SERVED}
-    if any(name in os.environ for name in ("FLAXSTATE_COORDINATOR_ADDRESS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE")):
+    managers = ("FLAXSTATE_COORDINATOR_ADDRESS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME")
+    if any(name in os.environ for name in managers):
         import flaxstate  # noqa: F401  (registers the launcher's processes with JAX)
 
         jax.distributed.initialize()
