@@ -101,11 +101,8 @@ def start_pods(spec: dict, command: list[str], cwd: Path, **overrides: str) -> l
 @pytest.fixture
 def pods():
     """The pods of a test, killed by their process groups when it ends, passed or failed."""
-    started: list[processes.Watched] = []
-    yield started
-    for each in started:
-        processes.kill(each.process)
-        each.process.wait(timeout=30)
+    with processes.reaped() as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

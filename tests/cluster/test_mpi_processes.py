@@ -60,11 +60,8 @@ def mpirun(tmp_path, config, *, worker=WORKER, sigkill_timeout=None, **variables
 @pytest.fixture
 def ranks():
     """The mpirun runs of a test, killed by their process groups when it ends, passed or failed."""
-    started: list[processes.Watched] = []
-    yield started
-    for run in started:
-        processes.kill(run.process)
-        run.process.wait(timeout=30)
+    with processes.reaped() as started:
+        yield started
 
 
 def statuses(output) -> list[str]:

@@ -153,18 +153,26 @@ class Watched:
 
 
 @contextlib.contextmanager
-def watched(script: str, config: dict, n_processes: int, n_devices: int = 1) -> Iterator[list[Watched]]:
-    """`n_processes` workers of `script` joined on a free port, each `Watched`; all killed by their process groups
-    and reaped when the block ends, whatever happened in it (a test signals them and `finish`es them inside)."""
-    port = free_port()
-    workers = [Watched(start(script, config, i, n_processes, port, n_devices)) for i in range(n_processes)]
+def reaped() -> Iterator[list[Watched]]:
+    """A list for the processes a test starts, each `Watched`: all killed by their process groups and reaped when
+    the block ends, whatever happened in it (a test signals them and `finish`es them inside)."""
+    started: list[Watched] = []
     try:
-        yield workers
+        yield started
     finally:
-        for worker in workers:  # every one killed before any is waited for: a wait that fails kills no fewer
-            kill(worker.process)
-        for worker in workers:
-            worker.process.wait(timeout=30)
+        for each in started:  # every one killed before any is waited for: a wait that fails kills no fewer
+            kill(each.process)
+        for each in started:
+            each.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def watched(script: str, config: dict, n_processes: int, n_devices: int = 1) -> Iterator[list[Watched]]:
+    """`n_processes` workers of `script` joined on a free port, each `Watched`, and `reaped`."""
+    port = free_port()
+    with reaped() as workers:
+        workers.extend(Watched(start(script, config, i, n_processes, port, n_devices)) for i in range(n_processes))
+        yield workers
 
 
 def kill_all_after(workers: list[Watched], line: str, timeout: float) -> None:
