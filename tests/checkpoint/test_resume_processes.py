@@ -10,7 +10,8 @@ import signal
 import time
 
 import pytest
-from flaxstate_testing import command_line, processes
+from flaxstate_testing import cluster, command_line, processes
+from flaxstate_testing.checkpoints import assert_equal_files, saved_steps
 from test_resume_joined import assert_same, run
 
 
@@ -166,3 +167,28 @@ def test_a_resume_audit_names_the_first_step_that_differs_and_why(tmp_path):
     status, verdict, first_different, (first, last), output = found["old"]
     assert (status, verdict, first_different, first) == (3, "unverified", None, 11) and last >= 20
     assert "bit for bit" not in output and "resume audit: steps 11-" in output and "replayed, not verified" in output
+
+
+EXPLICIT = {"data": "list", "n_steps": 60, "every": 10, "width": 64, "sharded": True, "explicit": True, "keep": 3}
+"""An FSDP run over 2 processes on `jax.make_mesh`'s mesh (Explicit axes): each holds half of the hidden units."""
+
+
+def test_kill_9_of_both_processes_on_an_explicit_mesh_then_resume_ends_bit_for_bit_and_audits_bit_exact(tmp_path):
+    straight = dict(EXPLICIT, output_dir=str(tmp_path / "straight"), out=str(tmp_path / "straight.npz"), resume=False)
+    cluster.run("resume", straight, n_processes=2, timeout=240)
+    killed = dict(EXPLICIT, output_dir=str(tmp_path / "killed"), out=str(tmp_path / "killed.npz"))
+    with processes.watched("resume.py", dict(killed, data_sleep=0.05), 2) as workers:  # slow: still training then
+        processes.kill_all_after(workers, "record 30", timeout=180)
+    printed = max(int(line.split()[1]) for line in workers[0].output.splitlines() if line.startswith("record "))
+    steps = saved_steps(tmp_path / "killed")
+    assert steps and 10 <= steps[-1] < EXPLICIT["n_steps"], (steps, workers[0].output)
+
+    resumed = cluster.run("resume", killed, n_processes=2, timeout=240)
+    assert all(f"start {steps[-1]}" in output for output in resumed), resumed
+    assert_equal_files(tmp_path / "killed.npz", tmp_path / "straight.npz")
+    status, (resume,) = audit(tmp_path / "killed")
+    assert status == 0 and resume["from_step"] == steps[-1], resume
+    if steps[-1] < printed:  # the killed session logged records past the step resumed from
+        assert resume["verdict"] == "bit-exact" and resume["replayed"][0] == steps[-1] + 1, resume
+    else:
+        assert resume["verdict"] in ("bit-exact", "nothing replayed"), resume

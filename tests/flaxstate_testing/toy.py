@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 
 class MLP(nn.Module):
@@ -29,6 +31,25 @@ class ShardedMLP(nn.Module):
         out = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("hidden", None))
         out_bias = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
         return nn.Dense(1, kernel_init=out, bias_init=out_bias)(x)[:, 0]
+
+
+class ExplicitShardedMLP(nn.Module):
+    """`ShardedMLP` written as JAX's explicit sharding asks, for a mesh whose axes are Explicit (`jax.make_mesh`):
+    where the batch's `fsdp` axis meets the kernels', each product names its output's sharding (`out_sharding=`),
+    and the bias, sharded as the hidden units are, is `reshard`ed to the product's."""
+
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = P("fsdp", None)  # the batch's rows as the data came, every hidden unit
+        kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.lecun_normal(), (None, "hidden")),
+                            (x.shape[-1], self.width))  # fmt: skip
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("hidden",)), (self.width,))
+        x = jnp.tanh(jnp.einsum("bi,ih->bh", x, kernel, out_sharding=hidden) + jax.sharding.reshard(bias, P(None)))
+        out = self.param("out", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("hidden", None)),
+                         (self.width, 1))  # fmt: skip
+        return jnp.einsum("bh,ho->bo", x, out, out_sharding=hidden)[:, 0]
 
 
 SHARDED_RULES = (("batch", "fsdp"), ("hidden", "fsdp"))

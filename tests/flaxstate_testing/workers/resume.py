@@ -2,7 +2,8 @@
 
 For the preemption tests it can also slow its data down, send itself SIGTERM
 right after a save was started, and time-limit its writer. With `sharded`,
-the MLP's hidden units are sharded over a mesh of every process's devices.
+the MLP's hidden units are sharded over a mesh of every process's devices
+(with `explicit`, `jax.make_mesh`'s, whose axes are Explicit).
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ else:
     if config.get("width") is None:
         model = toy.BatchNormNet()
     else:
-        model = (toy.ShardedMLP if config.get("sharded") else toy.MLP)(width=config["width"])
+        sharded = toy.ExplicitShardedMLP if config.get("explicit") else toy.ShardedMLP
+        model = (sharded if config.get("sharded") else toy.MLP)(width=config["width"])
     model_init, model_apply = model.init, model.apply
-mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)) if config.get("sharded") else None
+mesh = None
+if config.get("sharded"):  # with `explicit`, jax.make_mesh's mesh: Explicit axes, the shardings in the arrays' types
+    explicit = config.get("explicit")
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",)) if explicit else jax.sharding.Mesh(jax.devices(), ("fsdp",))
 global_batches = toy.batches(64, config.get("global_batch", 8), seed=1)
 x = np.concatenate([b[0] for b in global_batches])
 y = np.concatenate([b[1] for b in global_batches])
