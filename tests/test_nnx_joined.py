@@ -24,3 +24,21 @@ def test_an_annotated_module_trains_fsdp_over_two_processes_each_holding_half_an
     for path, values in single["final"].items():
         np.testing.assert_allclose(sharded["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
         np.testing.assert_allclose(explicit["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_a_decoder_written_in_bonsai_s_style_trains_fsdp_over_two_processes_as_on_one():
+    # jax-ml/bonsai's sharded models name each product's output sharding and make their KV cache with a bare
+    # PartitionSpec: both need the mesh context, which the loop carries onto the threads where it traces.
+    results = []
+    for n_processes in (2, 1):
+        outputs = cluster.run("decoder_sharded", {}, n_processes=n_processes, timeout=240)
+        line = next(line for line in outputs[0].splitlines() if line.startswith("result "))
+        results.append(json.loads(line.removeprefix("result ")))
+    sharded, single = results
+    # Each process holds half of each 3-D attention kernel, cut on its embedding axis.
+    assert sharded["spec"] == ["fsdp", "None", "None"] and sharded["held"] * 2 == sharded["kernel"]
+    assert sharded["axis_types"] == single["axis_types"] == ["Explicit"] and single["held"] == single["kernel"]
+    np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-5)
+    assert len(single["losses"]) == 3 and single["losses"][-1] < single["losses"][0]
+    for path, values in single["final"].items():
+        np.testing.assert_allclose(sharded["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)

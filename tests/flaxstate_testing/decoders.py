@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 32, 16, 4, 2, 4, 24, 2
 
@@ -186,3 +187,66 @@ def token_batches(n_batches: int, batch_size: int = 4, length: int = 8, seed: in
 
 def cross_entropy(logits, targets):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+class ShardedEinsum(nnx.Module):
+    """A kernel of any rank, named by logical axes, applied as bonsai's `Einsum` is: its output's sharding named
+    (`out_sharding=`, a bare `PartitionSpec` that needs the mesh context)."""
+
+    def __init__(self, equation: str, shape: tuple[int, ...], axes: tuple[str | None, ...], rngs: nnx.Rngs) -> None:
+        self.equation = equation
+        init = nnx.with_partitioning(
+            nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape)))), axes
+        )
+        self.kernel = nnx.Param(init(rngs.params(), shape))
+
+    def __call__(self, x: jax.Array, out: P) -> jax.Array:
+        return jnp.einsum(self.equation, x, self.kernel[...], out_sharding=out)
+
+
+class ExplicitBlock(nnx.Module):
+    """`NNXBlock` as jax-ml/bonsai writes its sharded Qwen3: 3-D attention kernels sharded over `fsdp` on their
+    embedding axis, every product's output sharding named, and the keys and values written into a KV cache that
+    is made zeros with a `PartitionSpec` (which only the mesh context resolves) and read back in the attention."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.input_norm = nnx.RMSNorm(EMBED, rngs=rngs)
+        self.q = ShardedEinsum("btd,dhk->bthk", (EMBED, HEADS, HEAD_DIM), ("embed", None, None), rngs)
+        self.k = ShardedEinsum("btd,dhk->bthk", (EMBED, KV_HEADS, HEAD_DIM), ("embed", None, None), rngs)
+        self.v = ShardedEinsum("btd,dhk->bthk", (EMBED, KV_HEADS, HEAD_DIM), ("embed", None, None), rngs)
+        self.o = ShardedEinsum("bthk,hkd->btd", (HEADS, HEAD_DIM, EMBED), (None, None, "embed"), rngs)
+        self.post_norm = nnx.RMSNorm(EMBED, rngs=rngs)
+        self.gate = ShardedEinsum("btd,df->btf", (EMBED, HIDDEN), ("embed", None), rngs)
+        self.up = ShardedEinsum("btd,df->btf", (EMBED, HIDDEN), ("embed", None), rngs)
+        self.down = ShardedEinsum("btf,fd->btd", (HIDDEN, EMBED), (None, "embed"), rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        heads, rows = P("fsdp", None, None, None), P("fsdp", None, None)
+        h = self.input_norm(x)
+        q, k, v = self.q(h, heads), self.k(h, heads), self.v(h, heads)
+        cache = [jnp.zeros((x.shape[0], x.shape[1], KV_HEADS, HEAD_DIM), x.dtype, out_sharding=heads) for _ in "kv"]
+        k, v = (jax.lax.dynamic_update_slice(each, new, (0, 0, 0, 0)) for each, new in zip(cache, (k, v), strict=True))
+        x = x + self.o(_attend(q, k, v), rows)
+        h = self.post_norm(x)
+        return x + self.down(nnx.silu(self.gate(h, rows)) * self.up(h, rows), rows)
+
+
+class ExplicitDecoder(nnx.Module):
+    """`NNXDecoder` in bonsai's style (`ExplicitBlock`), for a mesh with an `fsdp` axis, set as the context."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = ShardedEinsum("btv,vd->btd", (VOCAB, EMBED), (None, "embed"), rngs)
+        self.layers = nnx.List([ExplicitBlock(rngs) for _ in range(LAYERS)])
+        self.norm = nnx.RMSNorm(EMBED, rngs=rngs)
+        self.lm_head = ShardedEinsum("btd,dv->btv", (EMBED, VOCAB), ("embed", None), rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        rows = P("fsdp", None, None)
+        x = self.embed(jax.nn.one_hot(tokens, VOCAB), rows)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x), rows)
+
+
+EXPLICIT_RULES = (("batch", "fsdp"), ("embed", "fsdp"))
+"""`ExplicitDecoder`'s logical axes on a mesh of one axis, `fsdp`: the batch's rows, and each kernel's embedding."""

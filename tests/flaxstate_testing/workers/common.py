@@ -71,3 +71,24 @@ def cache_every_process() -> None:
             )
 
     compiler._cache_write = write
+
+
+def print_sharded_result(kernel: jax.Array, gathered: dict, **more) -> None:
+    """Prints, from process 0, one `result {json}` line: the bytes of `kernel`'s shards this process holds against
+    the kernel's, its partition spec, its mesh's axis types, the whole (gathered) arrays of `gathered` by path, and
+    `more`."""
+    import numpy as np
+
+    from flaxstate import tree_paths
+
+    held = sum(shard.data.nbytes for shard in kernel.addressable_shards)
+    if jax.process_index() == 0:
+        result = {
+            "held": int(held),
+            "kernel": int(kernel.nbytes),
+            "spec": [str(axis) for axis in kernel.sharding.spec],
+            "axis_types": [kind.name for kind in kernel.sharding.mesh.axis_types],
+            **more,
+            "final": {path: np.asarray(leaf).tolist() for path, leaf in tree_paths.flatten(gathered).items()},
+        }
+        print("result", json.dumps(result), flush=True)

@@ -9,9 +9,7 @@ With `"explicit": true`, the mesh is `jax.make_mesh`'s (Explicit axes), the modu
 
 from __future__ import annotations
 
-import json
-
-from flaxstate_testing.workers.common import setup
+from flaxstate_testing.workers.common import print_sharded_result, setup
 
 config = setup()
 
@@ -67,17 +65,7 @@ if EXPLICIT:
 else:
     loop = make_loop(mesh=jax.sharding.Mesh(np.asarray(jax.devices()), ("fsdp",)))
 record = list(loop)[-1]  # its state on the devices, where it lives
-kernel = record.state.params["linear"]["kernel"]
-held = sum(shard.data.nbytes for shard in kernel.addressable_shards)
 whole = multihost_utils.process_allgather(
     {"params": record.state.params, "batch_stats": record.state.flax_mutables["batch_stats"]}, tiled=True
 )
-if jax.process_index() == 0:
-    result = {
-        "held": int(held),
-        "kernel": int(kernel.nbytes),
-        "spec": [str(axis) for axis in kernel.sharding.spec],
-        "axis_types": [kind.name for kind in kernel.sharding.mesh.axis_types],
-        "final": {path: np.asarray(leaf).tolist() for path, leaf in fs.tree_paths.flatten(whole).items()},
-    }
-    print("result", json.dumps(result), flush=True)
+print_sharded_result(record.state.params["linear"]["kernel"], whole)
