@@ -11,19 +11,22 @@ def test_an_annotated_module_trains_fsdp_over_two_processes_each_holding_half_an
     # Two gloo processes, a mesh fsdp=2 from the module's own annotations and the rules; one process on one device.
     # Then JAX's explicit way: `jax.make_mesh` (Explicit axes), `jax.set_mesh` around the data and the loop (no
     # `mesh=`), the module's layers called with `out_sharding=`.
+    # And the module made with Flax's eager sharding on (its default), inside `jax.set_mesh` and
+    # `nn.logical_axis_rules`: its parameters are sharded as they are made, and the loop takes them so.
     results = []
-    for n_processes, explicit in ((2, False), (1, False), (2, True)):
-        outputs = cluster.run("nnx_sharded", {"explicit": explicit}, n_processes=n_processes, timeout=240)
+    for n_processes, config in ((2, {}), (1, {}), (2, {"explicit": True}), (2, {"explicit": True, "eager": True})):
+        outputs = cluster.run("nnx_sharded", config, n_processes=n_processes, timeout=240)
         line = next(line for line in outputs[0].splitlines() if line.startswith("result "))
         results.append(json.loads(line.removeprefix("result ")))
-    sharded, single, explicit = results
-    assert sharded["spec"][:2] == ["None", "fsdp"] and sharded["held"] * 2 == sharded["kernel"]
-    assert explicit["spec"][:2] == ["None", "fsdp"] and explicit["held"] * 2 == explicit["kernel"]
-    assert sharded["axis_types"] == ["Auto"] and explicit["axis_types"] == ["Explicit"]
+    sharded, single, explicit, eager = results
+    for each in (sharded, explicit, eager):
+        assert each["spec"][:2] == ["None", "fsdp"] and each["held"] * 2 == each["kernel"]
+    assert sharded["axis_types"] == ["Auto"] and explicit["axis_types"] == eager["axis_types"] == ["Explicit"]
     assert single["held"] == single["kernel"]
+    assert eager["made_spec"] == ["None", "fsdp"] and explicit["made_spec"] != eager["made_spec"]
     for path, values in single["final"].items():
-        np.testing.assert_allclose(sharded["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
-        np.testing.assert_allclose(explicit["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
+        for each in (sharded, explicit, eager):
+            np.testing.assert_allclose(each["final"][path], values, rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def test_a_decoder_written_in_bonsai_s_style_trains_fsdp_over_two_processes_as_on_one():

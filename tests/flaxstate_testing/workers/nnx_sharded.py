@@ -5,7 +5,8 @@ parameters (whole, gathered) and batch statistics.
 
 With `"explicit": true`, the mesh is `jax.make_mesh`'s (Explicit axes), the module calls its layers with
 `out_sharding=` as JAX's explicit sharding asks, and the data and the loop are made inside `jax.set_mesh` with no
-`mesh=`."""
+`mesh=`. With `"eager": true` as well, the module is made with Flax's eager sharding (its default) inside that
+`jax.set_mesh` and `nn.logical_axis_rules`, its parameters sharded as they are made."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flaxstate_testing.workers.common import print_sharded_result, setup
 
 config = setup()
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,9 +45,15 @@ class Annotated(nnx.Module):
 EXPLICIT = bool(config.get("explicit"))
 
 
-with nnx.use_eager_sharding(False):  # the annotations as metadata: the loop places the state
-    module = Annotated(nnx.Rngs(0))
 rules = (("batch", "fsdp"), ("hidden", "fsdp"), ("embed", None))
+if config.get("eager"):  # Flax's eager sharding, on by default: made sharded, under the mesh and the logical rules
+    with jax.set_mesh(jax.make_mesh((jax.device_count(),), ("fsdp",))), nn.logical_axis_rules(rules):
+        module = Annotated(nnx.Rngs(0))
+else:
+    with nnx.use_eager_sharding(False):  # the annotations as metadata: the loop places the state
+        module = Annotated(nnx.Rngs(0))
+made = getattr(module.linear.kernel[...], "sharding", None)  # how the kernel was made: sharded, or a plain array
+made_spec = [str(axis) for axis in made.spec] if isinstance(made, jax.sharding.NamedSharding) else None
 examples = toy.batches(16, 8, seed=3)
 x = np.concatenate([batch[0] for batch in examples])
 y = np.concatenate([batch[1] for batch in examples])
@@ -68,4 +76,4 @@ record = list(loop)[-1]  # its state on the devices, where it lives
 whole = multihost_utils.process_allgather(
     {"params": record.state.params, "batch_stats": record.state.flax_mutables["batch_stats"]}, tiled=True
 )
-print_sharded_result(record.state.params["linear"]["kernel"], whole)
+print_sharded_result(record.state.params["linear"]["kernel"], whole, made_spec=made_spec)
