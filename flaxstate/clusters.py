@@ -181,8 +181,9 @@ def jobset_coordinator() -> str:
     return f"{prefix}-0-0.{os.environ[JOBSET]}"
 
 
-def _jobset_nodes() -> int | None:
-    """A JobSet's pods, each a host of its own (a pod has a network of its own: its loopback is no other's)."""
+def jobset_processes() -> int:
+    """A JobSet's processes, one a pod over all its Jobs; also its hosts, each pod a network of its own (its
+    loopback is no other pod's)."""
     _, _, jobs, pods = jobset_numbers()
     return jobs * pods
 
@@ -198,7 +199,7 @@ CHECKED = {
     "flaxstate": ("flaxstate launch", PROCESS_COUNT, "flaxstate launch --processes {n}", lambda: 1),
     "slurm": ("srun", SLURM_TASKS, "srun -n {n}", _slurm_nodes),
     "ompi": ("mpirun", OMPI_SIZE, "mpirun -np {n}", _ompi_nodes),
-    "jobset": ("the JobSet", f"{JOBSET_JOBS} x {JOBSET_PODS_PER_JOB}", "Jobs x parallelism = {n}", _jobset_nodes),
+    "jobset": ("the JobSet", f"{JOBSET_JOBS} x {JOBSET_PODS_PER_JOB}", "Jobs x parallelism = {n}", jobset_processes),
 }
 """The managers whose joins flaxstate checks and watches (`flaxstate.joining`)."""
 
@@ -335,8 +336,7 @@ def _register_cluster() -> None:
 
         @classmethod
         def get_process_count(cls) -> int:
-            _, _, jobs, pods = jobset_numbers()
-            return jobs * pods
+            return jobset_processes()
 
         @classmethod
         def get_process_id(cls) -> int:
