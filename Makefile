@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STEPS ?= 600
 
-.PHONY: demo test test-fast test-processes lint install bench docs docs-install docs-site quick-tier process-tier
+.PHONY: demo test test-fast test-processes test-under-load lint install bench docs docs-install docs-site quick-tier \
+	process-tier
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +37,19 @@ quick-tier:
 
 process-tier:
 	$(BIN)/python -m pytest -q -m processes
+
+# Tiers 1 and 2 beside a CPU burner on every core for the whole session, started before the first test and stopped
+# by its pid after the last (`--under-load`, tests/conftest.py): users' machines are loaded. RUNS=3 runs it three
+# times in a row, stopping at the first that fails; TIERS="processes and not joined" runs tier 2 alone, "joined"
+# tier 1 alone; PYTEST_ARGS adds to pytest's arguments (a run's number is in $$RUN).
+RUNS ?= 1
+TIERS ?= processes
+PYTEST_ARGS ?=
+test-under-load: install
+	@for run in $$(seq $(RUNS)); do \
+		echo "== make test-under-load: run $$run of $(RUNS), -m '$(TIERS)' =="; \
+		export RUN=$$run; $(BIN)/python -m pytest -q -m "$(TIERS)" --under-load $(PYTEST_ARGS) || exit 1; \
+	done
 
 bench: install
 	$(BIN)/python benchmarks/loop_overhead.py

@@ -131,28 +131,57 @@ def _tier_kept(request, monkeypatch):
     yield
 
 
+BURNER = ["bash", "-c", "for _ in $(seq $(nproc)); do (while :; do :; done) & done; wait"]
+"""`cpu_burner`'s command: the load beside a test, which a test of tier 1 may start."""
+
+UNDER_LOAD = "FLAXSTATE_TESTS_BURNER"
+"""The environment variable holding the pid of the session's burner (`--under-load`), while it runs."""
+_BURNER = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--under-load",
+        action="store_true",
+        help="run the whole session beside a CPU burner on every core (BURNER), started before the first test "
+        "and stopped by its pid after the last: `make test-under-load` (tests/README.md, issue 95 item 6)",
+    )
+
+
+def _start_burner() -> subprocess.Popen:
+    return subprocess.Popen(BURNER, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop_burner(burner: subprocess.Popen) -> None:
+    try:
+        os.killpg(burner.pid, 9)
+    except ProcessLookupError:
+        pass
+    burner.wait()
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("--under-load", default=False):
+        burner = session.config.stash[_BURNER] = _start_burner()
+        os.environ[UNDER_LOAD] = str(burner.pid)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if "flaxstate_testing.cluster" in sys.modules:  # the shared cluster's workers, started by a test that ran
         sys.modules["flaxstate_testing.cluster"].close()
     if _COMPILATION_CACHE is not None:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
-
-
-BURNER = ["bash", "-c", "for _ in $(seq $(nproc)); do (while :; do :; done) & done; wait"]
-"""`cpu_burner`'s command: the load beside a test, which a test of tier 1 may start."""
+    burner = session.config.stash.get(_BURNER, None)
+    if burner is not None:
+        _stop_burner(burner)
+        os.environ.pop(UNDER_LOAD, None)
 
 
 @pytest.fixture
 def cpu_burner():
     """A process spinning on every core beside the test (users' machines are loaded), stopped by its pid after it."""
-    burner = subprocess.Popen(
-        BURNER,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    burner = _start_burner()
     try:
         yield burner
     finally:
-        os.killpg(burner.pid, 9)
-        burner.wait()
+        _stop_burner(burner)

@@ -10,6 +10,7 @@ what is checked is which of them the conftest lets run in which tier, and what i
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,49 @@ def test_each_tier_runs_what_it_declares_and_refuses_the_rest_naming_where_it_be
     assert "move the test to test_X_joined.py" in output and "or test_X_processes.py" in output, output
     assert "test_subject_joined.py::test_a_command starts a process (subprocess ['true'])" in output, output
     assert "only asks the shared cluster" in output, output
+
+
+UNDER_LOAD = """
+import os
+from pathlib import Path
+
+
+def test_the_load_runs_beside_it():
+    pid = os.environ.get("FLAXSTATE_TESTS_BURNER")
+    Path("burner.pid").write_text(pid or "")
+    assert pid is not None
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\\0")
+    assert command[:2] == [b"bash", b"-c"] and b"while :; do :; done" in command[2], command
+    spinning = [
+        child
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] in "RS"
+    ]
+    assert len(spinning) == os.cpu_count(), spinning
+"""
+
+
+def group_running(pgid: int, wait: float = 10.0) -> list[str]:
+    """The processes of a process group still running (not zombies) after up to `wait` seconds: a process killed
+    by SIGKILL is gone once its parent or init has reaped it."""
+    deadline = time.monotonic() + wait
+    while True:
+        rows = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout.splitlines()
+        running = [row for row in rows if row.split()[1] == str(pgid) and not row.split()[2].startswith("Z")]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+def test_under_load_a_burner_runs_from_the_first_test_to_the_last_and_is_stopped_by_its_pid(tmp_path):
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "test_loaded_processes.py").write_text(UNDER_LOAD)
+
+    loaded = pytest_in(tmp_path, "--under-load")
+    assert outcomes(loaded) == {"test_loaded_processes.py::test_the_load_runs_beside_it": "PASSED"}, loaded
+    pid = int((tmp_path / "burner.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists(), f"the burner {pid} still runs after its session"
+    assert not group_running(pid), f"the burner's processes {group_running(pid)} still run after its session"
+
+    plain = pytest_in(tmp_path)
+    assert outcomes(plain) == {"test_loaded_processes.py::test_the_load_runs_beside_it": "FAILED"}, plain
