@@ -2,7 +2,7 @@
 
 Two loops of the small MLP (two hidden layers of width 64, batch 64, adam) in
 one process, a record every 100 steps, each record handed to a
-`CheckpointFileWriter` that saves none of them (`every_seconds` of an hour),
+`CheckpointFileWriter` that saves none of them (`fs.EverySeconds` of an hour),
 one with its ledger (a fsync'd JSON line a record) and one with
 `ledger=False`, and a second loop without one, to show the noise between two
 equal contenders. All carry the FLOPs (counted once, at the first record),
@@ -30,7 +30,7 @@ from flaxstate.run_record.ledger import Ledger
 
 def runner(run_dir: Path, ledger: bool, every: int):
     loop = make_loop(every)
-    writer = fs.CheckpointFileWriter(run_dir, every_seconds=3600, ledger=ledger)
+    writer = fs.CheckpointFileWriter(run_dir, every=fs.EverySeconds(3600), ledger=ledger)
 
     def run(n_steps: int) -> None:
         for _ in range(n_steps // every):

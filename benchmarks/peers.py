@@ -99,10 +99,7 @@ def worker(args: argparse.Namespace) -> None:
 
     writers = {
         name: fs.CheckpointFileWriter(
-            local_dir(name),
-            keep=2,
-            per_process=True,
-            peers=peers_of(name),
+            fs.LocalTier(local_dir(name), peers=peers_of(name), keep=2),
             host_memory_budget=budget if name.endswith("budget") else None,
         )
         for name in WRITERS

@@ -11,7 +11,7 @@ the contenders alternating round by round (medians over `--rounds`):
   counted as the saves';
 - "flaxstate, every 4th record": a `CheckpointFileWriter` that saves one record in four (its save runs in a
   thread of its own, below the loop's priority, while the next records train);
-- "flaxstate, continuous": `every="continuous"` (a record whenever no save is in flight);
+- "flaxstate, continuous": `every=fs.Continuous()` (a record whenever no save is in flight);
 - "orbax async, every 4th record": plain orbax, `CheckpointManager` with its own asynchronous save, of the
   same records' states.
 
@@ -64,8 +64,8 @@ class Contender:
         self.manager: Any = None
         if name.startswith("flaxstate"):  # every 4th record: the others passed over, each logged in its ledger
             continuous = "continuous" in name
-            when: dict[str, Any] = {"every": "continuous"} if continuous else {"every_seconds": 1e9}
-            self.writer = fs.CheckpointFileWriter(self.directory, keep=2, **when)
+            every = fs.Continuous() if continuous else fs.EverySeconds(1e9)
+            self.writer = fs.CheckpointFileWriter(self.directory, keep=2, every=every)
         elif name.startswith("orbax"):
             self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2))
 

@@ -5,7 +5,7 @@ adam moments). Alternating rounds, medians:
 
 1. save: milliseconds the writer's call blocks the loop, and milliseconds
    until the save is on disk (the call and `wait()`): a local writer
-   (`per_process=True`) in /dev/shm against the persistent writer on disk;
+   (`fs.LocalTier`) in /dev/shm against the persistent writer on disk;
 2. restore, what a failure waits for: `CheckpointFileReader([local,
    persistent])` (the local step is newer) and `CheckpointFileReader(persistent)`
    against plain orbax's `CheckpointManager.restore` of the same persistent
@@ -44,7 +44,7 @@ def median_ms(values: list[float]) -> float:
 def saves(rounds: int, record: fs.Checkpoint, local: Path, persistent: Path) -> dict[str, tuple[float, float]]:
     """Median ms a save blocks, and ms to its end, of each tier's writer."""
     writers = {
-        "local (tmpfs)": fs.CheckpointFileWriter(local, keep=2, per_process=True),
+        "local (tmpfs)": fs.CheckpointFileWriter(fs.LocalTier(local, keep=2)),
         "persistent (disk)": fs.CheckpointFileWriter(persistent, keep=2, ledger=False),
     }
     blocks: dict[str, list[float]] = {name: [] for name in writers}
@@ -144,7 +144,7 @@ def main() -> None:
         # The restores' files: a persistent step 1, a newer local step 2, and plain orbax's step 1.
         first = fs.Checkpoint(**{**record.__dict__, "step": 1, "final": True})
         fs.CheckpointFileWriter(disk / "restore", ledger=False)(first)
-        fs.CheckpointFileWriter(local / "restore", per_process=True)(fs.Checkpoint(**{**first.__dict__, "step": 2}))
+        fs.CheckpointFileWriter(fs.LocalTier(local / "restore"))(fs.Checkpoint(**{**first.__dict__, "step": 2}))
         plain = ocp.CheckpointManager(disk / "plain")
         plain.save(1, args=ocp.args.StandardSave(record.state.state_dict()))
         plain.wait_until_finished()

@@ -180,7 +180,7 @@ def _ledger_events(run_dir: Path) -> tuple[Path, list[dict]]:
     except FileNotFoundError:
         if holds_local_tier(run_dir):
             raise UsageError(
-                f"{run_dir} is a local tier's directory (CheckpointFileWriter(..., per_process=True)): `flaxstate ls` "
+                f"{run_dir} is a local tier's directory (CheckpointFileWriter(fs.LocalTier(...))): `flaxstate ls` "
                 "lists its steps; the goodput ledger is kept by the run's persistent writer: give its directory."
             ) from None
         raise UsageError(

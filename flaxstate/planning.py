@@ -40,7 +40,7 @@ from flaxstate import host_memory as host_plan
 from flaxstate import private_apis, settings, sharding, tree_paths
 from flaxstate.checkpoint import budget
 from flaxstate.checkpoint.budget import HostMemoryBudget
-from flaxstate.checkpoint.tiers import local_tier
+from flaxstate.checkpoint.tiers import local_tier as tiers
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
@@ -156,23 +156,45 @@ class Plan:
         return "\n".join(lines)
 
 
-def _local_tier(local_dir: str | os.PathLike[str] | LocalTier | None, local_keep: int, peers: int) -> LocalTier | None:
-    """The local tier that `plan` counts: the `LocalTier` given, or the one its old keywords name (`local_dir`,
+def _local_tier(
+    tier: LocalTier | None, local_dir: str | os.PathLike[str] | LocalTier | None, local_keep: int, peers: int
+) -> LocalTier | None:
+    """The local tier that `plan` counts: `local_tier=`, or the one its deprecated keywords name (`local_dir`,
     `local_keep`, `peers`), refused where the writer would refuse it; `None` without one."""
-    if isinstance(local_dir, LocalTier):
-        local_tier.settings_of(local_dir, "plan", keep=local_keep, peers=peers, names=("local_keep", "peers"))
-        return local_dir
-    peers = settings.count("plan", "peers", peers, minimum=0)
-    local_keep = settings.count("plan", "local_keep", local_keep)
-    if local_dir is None:
-        if peers:
+    old = [
+        name
+        for name, given in (
+            ("local_dir=", local_dir is not None),
+            ("local_keep=", not isinstance(local_keep, tiers.Unset)),
+            ("peers=", not isinstance(peers, tiers.Unset)),
+        )
+        if given
+    ]
+    if tier is not None:
+        if not isinstance(tier, LocalTier):
+            raise ValueError(f"plan local_tier must be a fs.LocalTier or None, got {tier!r}.")
+        if old:
             raise ValueError(
-                f"plan got peers={peers} without a local tier: peer copies are kept of each process's local tier "
-                "(CheckpointFileWriter(..., per_process=True, peers=N) refuses them without one). Give "
-                "local_dir=fs.LocalTier(directory, peers=N)."
+                f"plan got local_tier={tier!r} and {', '.join(old)}: the LocalTier says its directory, peers and "
+                f"keep. Leave {', '.join(old)} out."
             )
-        return None
-    return LocalTier(local_dir, peers=peers, keep=local_keep)
+        return tier
+    if isinstance(local_dir, LocalTier):
+        tiers.settings_of(local_dir, "plan", keep=local_keep, peers=peers, names=("local_keep", "peers"))
+        tier = local_dir
+    else:
+        peers = settings.count("plan", "peers", peers, minimum=0)
+        local_keep = settings.count("plan", "local_keep", local_keep)
+        if local_dir is None:
+            if peers:
+                raise ValueError(
+                    f"plan got peers={peers} without a local tier: peer copies are kept of each process's local "
+                    "tier (the writer refuses them without one). Give local_tier=fs.LocalTier(directory, peers=N)."
+                )
+            return None
+        tier = LocalTier(local_dir, peers=peers, keep=local_keep)
+    settings.deprecated("plan", ", ".join(old), f"local_tier=fs.{tier!r}")
+    return tier
 
 
 def plan(
@@ -189,12 +211,13 @@ def plan(
     device_memory: int | None = None,
     record_memory: str = "host",
     record_gradients: bool = True,
-    peers: int = local_tier.PEERS,
+    peers: int = tiers.PEERS,
     local_dir: str | os.PathLike[str] | LocalTier | None = None,
-    local_keep: int = local_tier.KEEP,
+    local_keep: int = tiers.KEEP,
     host_memory: int | None = None,
     host_memory_budget: HostMemoryBudget | int | None = None,
     max_device_batch: int | None = None,
+    local_tier: LocalTier | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -219,11 +242,9 @@ def plan(
         record_memory: where the loop's records hold their copy, as `TrainLoop` takes it.
         record_gradients: whether the loop's records carry gradients, as `TrainLoop` takes it (their
             host copies count in `per_host["records"]`).
-        peers: the local tier's peer copies, as `CheckpointFileWriter` takes them (with `local_dir`).
-        local_dir: the local tier's directory (its host memory counts where it is
-            memory-backed, as `/dev/shm` is), or `None` for no local tier; or
-            the `fs.LocalTier` the writer takes (its peers and keep with it).
-        local_keep: the local tier's `keep`.
+        peers: deprecated: `local_tier=fs.LocalTier(directory, peers=N)`.
+        local_dir: deprecated: `local_tier=fs.LocalTier(directory)`.
+        local_keep: deprecated: `local_tier=fs.LocalTier(directory, keep=K)`.
         host_memory: a host's memory in bytes (by default this machine's for
             "local" and "cpu:N", unknown for a TPU topology).
         host_memory_budget: the writer's and the reader's `host_memory_budget=`
@@ -234,6 +255,9 @@ def plan(
             `TrainLoop` takes it: the plan's microbatches are then the fewest
             that split each device's part of the global batch within it
             (`Plan.n_microbatches`), instead of `n_microbatches`.
+        local_tier: the `fs.LocalTier` the writer saves (its host memory counts
+            where its directory is memory-backed, as `/dev/shm` is; its peer
+            copies and its `keep` with it), or `None` for no local tier.
 
     Returns:
         the `Plan`.
@@ -245,13 +269,14 @@ def plan(
             axis; a global batch that does not divide over the batch's parts
             and the microbatches; an unknown target or TPU topology (listing
             some known ones); `jax[tpu]` not installed (naming the extra);
-            `peers` without a local tier (as the writer refuses them).
+            `peers` without a local tier (as the writer refuses them); `local_tier`
+            not a `fs.LocalTier`, or with the deprecated keywords beside it.
     """
     n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
     n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
     record_memory = check_record_memory(record_memory, "plan")
     record_gradients = settings.flag("plan", "record_gradients", record_gradients)
-    tier = _local_tier(local_dir, local_keep, peers)
+    tier = _local_tier(local_tier, local_dir, local_keep, peers)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
     devices = target_devices(target)

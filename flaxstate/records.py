@@ -332,7 +332,7 @@ class Checkpoint:
             `None` for records made by hand.
         requested: whether a checkpoint was asked for (SIGUSR1 to any of
             the run's processes) since the previous record: every
-            `CheckpointFileWriter` saves it, whatever its `every_seconds`.
+            `CheckpointFileWriter` saves it, whatever its policy (`every=`).
         timing: where `elapsed_time` went and what the steps achieved
             (`Timing`); each of its fields reads as an attribute of the record
             too (`record.data_time` is `record.timing.data_time`), and

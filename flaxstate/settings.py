@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+import warnings
 from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -89,3 +93,27 @@ def optional_callable(owner: str, name: str, value: Any) -> Callable[..., Any] |
     if value is not None and not callable(value):
         raise _refuse(owner, name, value, "a function, or None")
     return value
+
+
+_PACKAGE = str(Path(__file__).parent)
+_WARNED: set[tuple[str, str]] = set()
+"""The deprecated keywords already warned of in this process, by door and keyword."""
+
+
+def deprecated(owner: str, old: str, new: str) -> None:
+    """Warns once a process that `owner`'s keyword `old` is deprecated (a `DeprecationWarning` pointing at the
+    caller's line outside flaxstate, naming `new`, the object that replaces it); the keyword still works in this
+    release."""
+    if (owner, old) in _WARNED:
+        return
+    _WARNED.add((owner, old))
+    level = 2
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"{owner}'s {old} {'are' if ', ' in old else 'is'} deprecated and will be removed in a later release: give "
+        f"{new} instead.",
+        DeprecationWarning,
+        stacklevel=level,
+    )

@@ -46,7 +46,7 @@ def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_
 
 
 def test_peer_copies_without_a_local_tier_are_refused_by_the_plan_as_by_the_writer(tmp_path):
-    with pytest.raises(ValueError, match=r"plan got peers=1 without a local tier.*local_dir=fs.LocalTier"):
+    with pytest.raises(ValueError, match=r"plan got peers=1 without a local tier.*local_tier=fs.LocalTier"):
         plan(peers=1)
     with pytest.raises(ValueError, match=r"peers=1 keeps copies of each process's local tier; it needs per_process"):
         fs.CheckpointFileWriter(tmp_path / "persistent", peers=1)

@@ -166,7 +166,7 @@ def holds_local_tier(run_dir: Path) -> bool:
 
 
 def is_local_tier(directory: Path) -> bool:
-    """Whether `directory` holds a process's local steps (`CheckpointFileWriter(d, per_process=True)`'s
+    """Whether `directory` holds a process's local steps (`CheckpointFileWriter(fs.LocalTier(d))`'s
     `d/process-<i>`): packed files (`meta.json`, `arrays.bin`), which orbax's reader would call damaged."""
     if is_url(directory):
         return False

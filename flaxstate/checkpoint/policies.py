@@ -21,8 +21,9 @@
   save's measured cost to the training and the run's failures
   (`flaxstate.checkpoint.schedule`).
 
-The writer's old keywords build these at its door: `every=None` is
-`EveryRecord()`, `every_seconds=S` is `EverySeconds(S)`,
+`every=None` is `EveryRecord()`. The writer's old keywords, deprecated
+(a `DeprecationWarning` once a process, naming the policy), still build
+these at its door: `every_seconds=S` is `EverySeconds(S)`,
 `every="continuous", min_seconds=M` is `Continuous(M)`, `every="auto",
 min_seconds=M, mtbf=F` is `AutoInterval(M, F)`. Final, preempted and
 requested records are always saved, whatever the policy.
@@ -178,8 +179,17 @@ def from_keywords(
     zero = min_seconds is None or (settings.is_real(min_seconds) and min_seconds == 0)
     least = 0.0 if zero else settings.optional_seconds(owner, "min_seconds", min_seconds) or 0.0
     mtbf = settings.optional_seconds(owner, "mtbf", mtbf)
+    policy: EveryRecord | EverySeconds | Continuous | AutoInterval
     if every == "auto":
-        return AutoInterval(min_seconds=least, mtbf=mtbf)
-    if every == "continuous":
-        return Continuous(min_seconds=least)
-    return EveryRecord() if every_seconds is None else EverySeconds(every_seconds)
+        policy = AutoInterval(min_seconds=least, mtbf=mtbf)
+    elif every == "continuous":
+        policy = Continuous(min_seconds=least)
+    else:
+        policy = EveryRecord() if every_seconds is None else EverySeconds(every_seconds)
+    keywords = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
+    old = [
+        f"{name}={value!r}" if name == "every" else f"{name}=" for name, value in keywords.items() if value is not None
+    ]
+    if old:
+        settings.deprecated(owner, ", ".join(old), f"every=fs.{policy!r}")
+    return policy

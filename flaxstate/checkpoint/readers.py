@@ -58,8 +58,8 @@ class CheckpointFileReader:
     """Restores the newest complete checkpoint of `output_dir` (or the one at `step`), or of two tiers.
 
     Given `[local_dir, persistent_dir]`, it restores the newest step that is
-    whole in every process's local tier (`CheckpointFileWriter(local_dir,
-    per_process=True)`) when that is newer than the persistent tier's newest,
+    whole in every process's local tier (`CheckpointFileWriter(
+    fs.LocalTier(local_dir))`) when that is newer than the persistent tier's newest,
     and the persistent tier's otherwise (`flaxstate.checkpoint.tiers.restart`); it
     logs which, and why a local step was passed over.
 
@@ -83,10 +83,9 @@ class CheckpointFileReader:
 
         Args:
             output_dir: the directory a `CheckpointFileWriter` wrote; or
-                `[local_dir, persistent_dir]`: the directory of a
-                `CheckpointFileWriter(..., per_process=True)` (each process
-                reads its own part of it), or the `fs.LocalTier` it was
-                given, and the persistent one.
+                `[local_dir, persistent_dir]`: the `fs.LocalTier` a
+                `CheckpointFileWriter` was given, or its directory (each
+                process reads its own part of it), and the persistent one.
             target: the model's `init` (or the `nnx.Module`), to start fresh
                 when there is no checkpoint; or a `fs.SafetensorsReader`, to
                 start from its files' params then.

@@ -14,9 +14,9 @@ error that says how to resume or where else to write, unless the writer was
 made with `overwrite=True`, which removes them first. One directory has one
 open writer at a time.
 
-`CheckpointFileWriter(every_seconds=...)` saves a record only when that long
-has passed since its last save (or its creation), so records can come often
-for logging while checkpoints land every few minutes. Final and preempted
+`CheckpointFileWriter(dir, every=fs.EverySeconds(s))` saves a record only
+when that long has passed since its last save (or its creation), so records
+can come often for logging while checkpoints land every few minutes. Final and preempted
 records are always saved, and the writer waits for them to be on disk
 before it returns; a requested record (SIGUSR1, `Checkpoint.requested`) is
 always saved too. `every=fs.Continuous()` saves whenever no save is in
@@ -26,7 +26,7 @@ rule gives from the run's own save cost and failure rate
 Under several processes the primary process's clock decides for all (a save
 is a collective).
 
-`CheckpointFileWriter(local_dir, per_process=True)` is a local tier: each
+`CheckpointFileWriter(fs.LocalTier(local_dir))` is a local tier: each
 process saves its own arrays into its own directory, with no barrier, every
 few minutes; a persistent writer in the same chain saves every hour. See
 `flaxstate.checkpoint.tiers.restart` for the restart.
@@ -413,43 +413,35 @@ class CheckpointFileWriter(_Writer):
 
         Args:
             output_dir: the run's directory; or a `fs.LocalTier` (its
-                directory, peers and keep), the same as `per_process=True`
-                with those keywords.
+                directory, peers and keep): a local tier
+                (`flaxstate.checkpoint.stores.local`), each process saving the
+                arrays its devices hold (a replicated array once) into
+                `directory/process-<index>/` on its own host (`/dev/shm/run`, a
+                local SSD), with no barrier and no shared filesystem; restore
+                it with `CheckpointFileReader([tier, persistent_dir])`. This
+                run's steps newer than the one it resumed from (a restart that
+                fell back to the persistent tier) are set aside as
+                `<step>.superseded`, not refused. With the tier's `peers=N`,
+                each process also keeps the parts of N other processes, on
+                other hosts where there are (`flaxstate.checkpoint.tiers.peers`):
+                each save moves the parts by one collective, and every process
+                makes the writer together.
             keep: how many of the newest checkpoints to keep.
             metadata: a dict or dataclass (e.g. the run's config) stored as JSON;
                 a resumed run logs each key that differs from the stored one.
-            every_seconds: save a record only when at least this long has
-                passed since the last save (or since the writer was made);
-                final, preempted and requested (SIGUSR1) records are always
-                saved. `None` saves every record.
+            every_seconds: deprecated: `every=fs.EverySeconds(seconds)`.
             overwrite: remove another run's checkpoints (and this run's at or
                 after the first record's step) at the first save, instead of
                 refusing to save.
-            clock: the monotonic clock that `every_seconds`, `min_seconds` and
-                `every="auto"`'s interval are measured on (in seconds; a test
-                moves time by giving its own).
+            clock: the monotonic clock that the policy's seconds are measured
+                on (a test moves time by giving its own).
             ledger: keep the run's goodput ledger, `output_dir/goodput.jsonl`
                 (`flaxstate.run_record.ledger`; `flaxstate goodput DIR` reads
                 it): a line each record and save, fsync'd. A per-process
                 writer keeps none (the persistent tier's writer does).
-            per_process: a local tier (`flaxstate.checkpoint.stores.local`; left
-                out, False, or what a `LocalTier` says: False beside one is
-                an error): each
-                process saves the arrays its devices hold (a replicated
-                array once) into `output_dir/process-<index>/`, a directory
-                on its own host (`/dev/shm/run`, a local SSD), with no
-                barrier and no shared filesystem. Restore it with
-                `CheckpointFileReader([output_dir, persistent_dir])`. This
-                run's steps newer than the one it resumed from (a restart
-                that fell back to the persistent tier) are set aside as
-                `<step>.superseded`, not refused.
-            peers: with `per_process=True`, also keep the parts of this many
-                other processes, on other hosts where there are (a lost host's
-                parts come back from a peer at the restart: see
-                `flaxstate.checkpoint.tiers.peers`). Each save moves every process's
-                parts to its peers by one collective, and holds the local
-                tier's bytes `1 + peers` times on disk. Every process makes the
-                writer together (the hosts are gathered).
+            per_process: deprecated: give `output_dir` as a `fs.LocalTier(directory,
+                keep=K)`.
+            peers: deprecated: `fs.LocalTier(directory, peers=N)`.
             host_memory_budget: a `fs.HostMemoryBudget`, or its bytes: what a save may hold in host memory beyond
                 the record it saves, however large its largest array: arrays
                 are stored in chunks of an eighth of it, in orbax's format,
@@ -463,20 +455,19 @@ class CheckpointFileWriter(_Writer):
                 loop waits for the move. An s3:// directory stores each array
                 in chunks of it too (`flaxstate.checkpoint.stores.s3`).
             every: when to save, a policy (`flaxstate.checkpoint.policies`):
-                `fs.EveryRecord()`, `fs.EverySeconds(s)`, `fs.Continuous(min_seconds)`
-                (whenever no save of this writer's is in flight, so the loop
-                never waits for one) or `fs.AutoInterval(min_seconds, mtbf, history)`
-                (as continuously, at the interval that Young and Daly's rule
-                gives from this writer's measured save cost and the run's
-                failures; each change logged). The old keywords build one:
-                `None` is every record (or `every_seconds`), `"continuous"`
-                and `"auto"` take `min_seconds` and `mtbf` beside them. Final,
-                preempted and requested records are always saved; under
-                several processes the primary process decides.
-            min_seconds: with `every="continuous"` or `"auto"`, the least time
-                between the starts of two saves (`Continuous.min_seconds`).
-            mtbf: with `every="auto"`, a prior of the mean seconds between
-                the job's failures (`AutoInterval.mtbf`).
+                `fs.EveryRecord()` (`None`: every record), `fs.EverySeconds(s)`,
+                `fs.Continuous(min_seconds)` (whenever no save of this writer's
+                is in flight, so the loop never waits for one) or
+                `fs.AutoInterval(min_seconds, mtbf, history)` (as continuously,
+                at the interval that Young and Daly's rule gives from this
+                writer's measured save cost and the run's failures; each
+                change logged). Final, preempted and requested records are
+                always saved; under several processes the primary process
+                decides. The strings `"continuous"` and `"auto"` are
+                deprecated: `fs.Continuous(...)`, `fs.AutoInterval(...)`.
+            min_seconds: deprecated: `fs.Continuous(min_seconds)` or
+                `fs.AutoInterval(min_seconds)`.
+            mtbf: deprecated: `fs.AutoInterval(mtbf=seconds)`.
 
         Raises:
             CheckpointError: another open writer writes `output_dir`; a local
@@ -493,6 +484,7 @@ class CheckpointFileWriter(_Writer):
         """
         limit = budget.of(host_memory_budget, "CheckpointFileWriter")  # before a bucket is asked for credentials
         tier: LocalTier | None = None
+        per_process_given, peers_given = per_process is not None, not isinstance(peers, local_tier.Unset)
         if per_process is not None:
             per_process = settings.flag("CheckpointFileWriter", "per_process", per_process)
         if isinstance(output_dir, LocalTier):
@@ -515,6 +507,9 @@ class CheckpointFileWriter(_Writer):
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{given}{local})"
         if tier is None:
             tier = _tier_of_keywords(output_dir, keep, per_process, peers, description)
+        old = [name for name, given in (("per_process=", per_process_given), ("peers=", peers_given)) if given]
+        if old and tier is not None:
+            settings.deprecated("CheckpointFileWriter", ", ".join(old), f"CheckpointFileWriter(fs.{tier!r})")
         super().__init__(
             output_dir=tier if tier is not None else run_directory(output_dir, "CheckpointFileWriter"),
             subdir=None,

@@ -48,7 +48,7 @@ class RunHistory:
 
 
 MAX_SECONDS = 3600.0
-"""The longest interval `every="auto"` chooses (a run that never fails still saves once an hour)."""
+"""The longest interval `AutoInterval` chooses (a run that never fails still saves once an hour)."""
 
 
 def young_daly(cost: float, mtbf: float) -> float:

@@ -312,7 +312,7 @@ def format_report(summary: dict[str, Any]) -> str:
     rows.append(["steps trained", *[str(account["steps"]) for _, account in columns]])
     rows.append(["lost steps", *[str(account["lost_steps"]) for _, account in columns]])
     rows.append(["preemptions", *[str(account["preemptions"]) for _, account in columns]])
-    if any(account.get("save_interval") is not None for _, account in columns):  # every="auto"
+    if any(account.get("save_interval") is not None for _, account in columns):  # AutoInterval
         rows += [
             [label, *[_seconds(account.get(name)) for _, account in columns]]
             for label, name in (

@@ -2,6 +2,7 @@ import dataclasses
 import logging
 
 import pytest
+from flaxstate_testing import deprecations
 from flaxstate_testing.checkpoints import records, saved_steps
 
 import flaxstate as fs
@@ -98,3 +99,26 @@ def test_auto_chooses_from_a_history_handed_over_instead_of_the_ledger_s(tmp_pat
     (change,) = [event for event in ledger.read_events(tmp_path / ledger.FILENAME) if event["event"] == "cadence"]
     assert change["failures"] == 3 and change["observed"] == pytest.approx(510.0)
     assert saved_steps(tmp_path)[0] == 2 and saved_steps(tmp_path)[-1] == 8
+
+
+@pytest.mark.parametrize(
+    ("keywords", "old", "new"),
+    [
+        ({"every_seconds": 60}, "every_seconds= is", fs.EverySeconds(60)),
+        ({"every": "continuous"}, "every='continuous' is", fs.Continuous()),
+        ({"every": "continuous", "min_seconds": 5}, "every='continuous', min_seconds= are", fs.Continuous(5)),
+        ({"every": "auto", "mtbf": 3600}, "every='auto', mtbf= are", fs.AutoInterval(mtbf=3600)),
+    ],
+)
+def test_the_old_keywords_warn_once_a_process_naming_the_policy_that_replaces_them(tmp_path, keywords, old, new):
+    with deprecations.fresh() as warned:
+        fs.CheckpointFileWriter(tmp_path / "first", **keywords).close()
+        fs.CheckpointFileWriter(tmp_path / "second", **keywords).close()  # once a process
+        fs.CheckpointFileWriter(tmp_path / "third", every=new).close()  # the policy: no warning
+        fs.CheckpointFileWriter(tmp_path / "fourth", every=None).close()  # every record, as ever: no warning
+    assert [str(warning.message) for warning in warned] == [
+        f"CheckpointFileWriter's {old} deprecated and will be removed in a later release: give every=fs.{new!r} "
+        "instead."
+    ]
+    assert warned[0].filename == __file__  # the user's line, not flaxstate's
+    assert eval(f"fs.{new!r}", {"fs": fs}) == new  # what it says to give is the policy the keywords built

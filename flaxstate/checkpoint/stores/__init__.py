@@ -105,7 +105,7 @@ class Store(Protocol):
         ...
 
     def in_flight(self) -> bool:
-        """Whether a save still runs, asked without waiting (the writer, with `every="continuous"` or `"auto"`)."""
+        """Whether a save still runs, asked without waiting (the writer, with `fs.Continuous` or `fs.AutoInterval`)."""
         ...
 
     def wait(self) -> None:

@@ -1,6 +1,6 @@
 """The local tier: each process's own checkpoints of the arrays its devices hold, in a directory on its host.
 
-`CheckpointFileWriter(local_dir, per_process=True)` keeps them in
+`CheckpointFileWriter(fs.LocalTier(local_dir))` keeps them in
 `local_dir/process-<index>/<step>/`, so processes that share a host (and its
 `/dev/shm`) never share a directory. A step holds two files:
 

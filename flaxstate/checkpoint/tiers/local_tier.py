@@ -8,12 +8,12 @@
 One object for the three places that meet a local tier: the writer that
 saves it (`CheckpointFileWriter(tier)`), the reader's list of tiers
 (`CheckpointFileReader([tier, persistent_dir])`) and the plan that counts
-its host memory (`fs.plan(..., local_dir=tier)`). The older keywords build
-one at each door: `CheckpointFileWriter(local_dir, keep=K,
+its host memory (`fs.plan(..., local_tier=tier)`). The older keywords,
+deprecated, build one at each door: `CheckpointFileWriter(local_dir, keep=K,
 per_process=True, peers=N)` is `CheckpointFileWriter(LocalTier(local_dir,
-peers=N, keep=K))`, a plain `local_dir` first in the reader's list is
-`LocalTier(local_dir)`, and `fs.plan(local_dir=d, local_keep=K, peers=N)`
-is `fs.plan(local_dir=LocalTier(d, peers=N, keep=K))`.
+peers=N, keep=K))`, and `fs.plan(local_dir=d, local_keep=K, peers=N)` is
+`fs.plan(local_tier=LocalTier(d, peers=N, keep=K))`; a plain `local_dir`
+first in the reader's list is `LocalTier(local_dir)`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class LocalTier:
         object.__setattr__(self, "directory", local_path(self.directory, "LocalTier"))
         object.__setattr__(self, "peers", settings.count("LocalTier", "peers", self.peers, minimum=0))
         object.__setattr__(self, "keep", settings.count("LocalTier", "keep", self.keep))
+
+    def __repr__(self) -> str:
+        return f"LocalTier({os.fspath(self.directory)!r}, peers={self.peers}, keep={self.keep})"
 
 
 class Unset(int):

@@ -1,6 +1,6 @@
 """Peer copies of the local tier: which process holds whose parts, and the one collective that moves them.
 
-`CheckpointFileWriter(local_dir, per_process=True, peers=1)`: at each local
+`CheckpointFileWriter(fs.LocalTier(local_dir, peers=1))`: at each local
 save, each process also keeps the parts of `peers` other processes, in
 `local_dir/process-<i>/peers/process-<j>/<step>/`: the same two files that
 process j wrote for itself, byte for byte. A host that is replaced (its

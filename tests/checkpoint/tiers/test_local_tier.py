@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flaxstate_testing import toy
+from flaxstate_testing import deprecations, toy
 from flaxstate_testing.checkpoints import assert_trees_equal, fresh_state, records
 
 import flaxstate as fs
@@ -102,3 +102,50 @@ def test_the_plan_counts_the_tier_s_host_memory_as_its_keywords_say(tmp_path):
     peered = fs.LocalTier("/dev/shm/run", peers=1)
     with pytest.raises(ValueError, match="plan got LocalTier.* and peers=0: the tier says 1"):
         fs.plan(model.init, task, local_dir=peered, peers=0, **options)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "old"),
+    [
+        ({"keep": 2, "per_process": True}, "per_process= is"),
+        ({"keep": 2, "per_process": True, "peers": 0}, "per_process=, peers= are"),
+    ],
+)
+def test_the_writer_s_tier_keywords_warn_once_a_process_naming_the_tier_that_replaces_them(tmp_path, keywords, old):
+    with deprecations.fresh() as warned:
+        with fs.CheckpointFileWriter(tmp_path / "first", **keywords) as writer:
+            assert writer.per_process and "keep=2" in repr(writer)  # they still work
+        fs.CheckpointFileWriter(tmp_path / "second", **keywords).close()  # once a process
+        fs.CheckpointFileWriter(fs.LocalTier(tmp_path / "third", keep=2)).close()  # the tier: no warning
+    assert [str(warning.message) for warning in warned] == [
+        f"CheckpointFileWriter's {old} deprecated and will be removed in a later release: give "
+        f"CheckpointFileWriter(fs.LocalTier('{tmp_path / 'first'}', peers=0, keep=2)) instead."
+    ]
+    assert warned[0].filename == __file__  # the user's line, not flaxstate's
+
+
+def test_the_plan_takes_the_tier_as_local_tier_and_its_old_keywords_warn(tmp_path):
+    model = toy.ShardedMLP(width=64)
+    data = [(np.ones((8, 4), np.float32), np.zeros((8,), np.float32))] * 2
+    task = fs.TrainTask(
+        apply=model.apply, optimizer=optax.adam(1e-3), loss=lambda y, t: jnp.mean((y - t) ** 2), data=data
+    )
+    options = {"target": "cpu:4", "mesh_shape": {"fsdp": 4}, "axis_rules": [("batch", "fsdp"), ("hidden", "fsdp")]}
+    tier = fs.LocalTier("/dev/shm/run", keep=2)
+    with deprecations.fresh() as warned:
+        by_tier = fs.plan(model.init, task, local_tier=tier, **options)
+    assert warned == []
+    with deprecations.fresh() as warned:
+        by_keywords = fs.plan(model.init, task, local_dir="/dev/shm/run", local_keep=2, **options)
+        fs.plan(model.init, task, local_dir="/dev/shm/run", local_keep=2, **options)
+    assert by_tier.per_host == by_keywords.per_host and by_tier.per_host["local_tier"] > 0
+    assert [str(warning.message) for warning in warned] == [
+        "plan's local_dir=, local_keep= are deprecated and will be removed in a later release: give "
+        "local_tier=fs.LocalTier('/dev/shm/run', peers=0, keep=2) instead."
+    ]
+    for given in ({"local_dir": "/dev/shm/run"}, {"local_keep": 2}, {"peers": 0}):
+        named = ", ".join(f"{name}=" for name in given)
+        with pytest.raises(ValueError, match=rf"plan got local_tier=LocalTier\(.*\) and {named}: the LocalTier says"):
+            fs.plan(model.init, task, local_tier=tier, **given, **options)
+    with pytest.raises(ValueError, match=r"plan local_tier must be a fs.LocalTier or None, got '/dev/shm/run'"):
+        fs.plan(model.init, task, local_tier="/dev/shm/run", **options)

@@ -8,7 +8,7 @@ what the process held). Mode `restore`: the plan, then a reader's restore of
 that checkpoint into shapes and shardings (the peak it adds). Prints one JSON
 line: `per_host` (the plan's), `state_bytes`, and the measured figures.
 With `budget`, the writer and the reader get `host_memory_budget=budget`; with
-`local`, the writer is a local tier (`per_process=True`) and the reader reads
+`local`, the writer is a local tier (`fs.LocalTier`) and the reader reads
 `[dir/local, dir/run]` (the persistent tier holds the first record, saved
 before the measured save, so that the local tier's newer step is the one restored); with
 `record_memory`, the loop's records are held there (`"device"`: saved from the devices).
@@ -72,8 +72,7 @@ plan = fs.plan(
     host_memory_budget=budget,
     mesh_shape={"fsdp": jax.device_count()} if sharded else None,
     axis_rules=rules,
-    peers=1 if sharded else 0,
-    local_dir=f"{config['dir']}/local" if sharded else None,
+    local_tier=fs.LocalTier(f"{config['dir']}/local", peers=1) if sharded else None,
 )
 
 
@@ -102,7 +101,7 @@ if config["mode"] != "restore":
         record_memory=config.get("record_memory", "host"),
     )
 if config["mode"] == "peers":
-    local_tier = fs.CheckpointFileWriter(f"{config['dir']}/local", per_process=True, peers=1, host_memory_budget=budget)
+    local_tier = fs.CheckpointFileWriter(fs.LocalTier(f"{config['dir']}/local", peers=1), host_memory_budget=budget)
     first = loop.next_checkpoint()
     second = loop.next_checkpoint()
     jax.block_until_ready(second.state)  # its step's own buffers are not the save's

@@ -176,19 +176,20 @@ loop = fs.TrainLoop(
 print("start", loop.step, flush=True)
 now = [0.0]
 save_steps = config.get("save_steps")  # saves only these steps (and the last): a clock that moves at them
+seconds = 1.0 if save_steps else config.get("every_seconds")
+every = {"continuous": fs.Continuous(), "auto": fs.AutoInterval()}.get(config.get("writer_every"))
 writer = fs.CheckpointFileWriter(
     output_dir,
     keep=config.get("keep", 2),
-    every_seconds=1.0 if save_steps else config.get("every_seconds"),
     clock=(lambda: now[0]) if save_steps else time.monotonic,
-    every=config.get("writer_every"),  # "continuous" or "auto"
+    every=every if seconds is None else fs.EverySeconds(seconds),
 )
 logger = fs.SummaryLogger() if config.get("logger") else (lambda record: record)
 if config.get("hosts"):  # one simulated host a process (FLAXSTATE_HOST, as a cluster whose host names repeat)
     os.environ["FLAXSTATE_HOST"] = config["hosts"][jax.process_index()]
 local = (
     fs.CheckpointFileWriter(
-        local_dir, keep=3, per_process=True, peers=config.get("peers", 0), host_memory_budget=config.get("budget")
+        fs.LocalTier(local_dir, peers=config.get("peers", 0), keep=3), host_memory_budget=config.get("budget")
     )
     if local_dir
     else (lambda record: record)

@@ -109,7 +109,7 @@ def run(phase: dict) -> dict:
         ema_decay=phase.get("ema_decay"),
     )
     writer = fs.CheckpointFileWriter(phase["dir"], keep=10)
-    local = fs.CheckpointFileWriter(local_dir, keep=3, per_process=True) if local_dir else (lambda record: record)
+    local = fs.CheckpointFileWriter(fs.LocalTier(local_dir, keep=3)) if local_dir else (lambda record: record)
     saves = phase.get("persistent_steps")  # the persistent tier saves only these (not the final record either)
     process = redex.combinator.serial(
         local, lambda record: writer(record) if saves is None or record.step in saves else record
