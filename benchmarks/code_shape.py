@@ -1,8 +1,10 @@
-"""The package's shape, counted from its code: parameters at the public doors, the host-memory budget's `None`
-branches, modules at the top level, the largest modules and classes, import layers and arrows.
+"""The package's shape, counted from its code: parameters at the public doors (and those not deprecated), the
+host-memory budget's `None` branches, `is None` branches and `isinstance` decisions, modules at the top level, the
+largest modules and classes, import layers and arrows.
 
-    python benchmarks/code_shape.py            # this checkout
-    python benchmarks/code_shape.py --json     # the same figures as one JSON object
+    python benchmarks/code_shape.py                  # this checkout
+    python benchmarks/code_shape.py --json           # the same figures as one JSON object
+    python benchmarks/code_shape.py --root /tmp/old  # another checkout (a `git worktree` of an older commit)
 
 Run it before and after a restructuring and quote both tables (issue 80). Duplicate pairs come from the
 `duplicates` command, run beside it.
@@ -16,19 +18,61 @@ import inspect
 import json
 import pathlib
 import re
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "flaxstate"
 DOORS = ("TrainLoop", "EvalLoop", "CheckpointFileWriter", "CheckpointFileReader", "plan", "global_batches", "launch")
 BUDGET_NONE = re.compile(r"\b\w*budget\w* is (not )?None")
+DEPRECATED = re.compile(r"^\s+(\w+): deprecated", re.MULTILINE)
+"""A parameter that a door's docstring calls deprecated (`every_seconds: deprecated: ...`)."""
+SAVE_DECISIONS = ("checkpoint/writers.py", "checkpoint/schedule.py", "checkpoint/policies.py", "planning.py")
+"""The modules where a writer's and the plan's options are decided (issue 100, item 5)."""
 
 
-def doors() -> dict[str, int]:
-    """Each public entry point's parameters (keywords and positionals, `self` not counted)."""
+def doors() -> tuple[dict[str, int], dict[str, int]]:
+    """Each public entry point's parameters (keywords and positionals, `self` not counted), and those its
+    docstring does not call deprecated."""
     import flaxstate as fs
     from flaxstate.launch import launch
 
     found = {name: getattr(fs, name) for name in DOORS if name != "launch"} | {"launch": launch}
-    return {name: len(inspect.signature(found[name]).parameters) for name in DOORS}
+    every, kept = {}, {}
+    for name in DOORS:
+        door = found[name].__init__ if isinstance(found[name], type) else found[name]
+        parameters = list(inspect.signature(found[name]).parameters)
+        deprecated = set(DEPRECATED.findall(inspect.getdoc(door) or ""))
+        every[name], kept[name] = len(parameters), len([p for p in parameters if p not in deprecated])
+    return every, kept
+
+
+def none_branches(tree: ast.AST) -> int:
+    """The tests of `if`, `elif`, `while` and conditional expressions that ask `is None` or `is not None`."""
+    tests = [node.test for node in ast.walk(tree) if isinstance(node, ast.If | ast.IfExp | ast.While)]
+    return sum(
+        1
+        for test in tests
+        for node in ast.walk(test)
+        if isinstance(node, ast.Compare)
+        and any(isinstance(op, ast.Is | ast.IsNot) for op in node.ops)
+        and any(isinstance(value, ast.Constant) and value.value is None for value in node.comparators)
+    )
+
+
+POLICY_CLASSES = {"EveryRecord", "EverySeconds", "Continuous", "AutoInterval", "POLICIES"}
+"""The save policies' classes: an `isinstance` over them is a decision taken by the class, not by the policy."""
+
+
+def isinstance_calls(tree: ast.AST, of: set[str] | None = None) -> int:
+    """The `isinstance` calls; with `of`, those whose classes name one of these."""
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+    ]
+    if of is None:
+        return len(calls)
+    named = [{name.id for name in ast.walk(call.args[1]) if isinstance(name, ast.Name)} for call in calls]
+    return sum(bool(names & of) for names in named)
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -119,10 +163,20 @@ def measure() -> dict[str, object]:
     budget_lines = sum(path.read_text().count("host_memory_budget") for path in files)
     budget_modules = sum("host_memory_budget" in path.read_text() for path in files)
     top = [path.name for path in ROOT.glob("*.py") if path.name not in ("__init__.py", "__main__.py")]
-    door = doors()
+    door, kept = doors()
+    trees = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text()) for path in files}
+    deciding = {name: tree for name, tree in trees.items() if name in SAVE_DECISIONS}
     return {
         "doors": door,
         "door_parameters": sum(door.values()),
+        "doors_not_deprecated": kept,
+        "door_parameters_not_deprecated": sum(kept.values()),
+        "is_none_branches": sum(none_branches(tree) for tree in trees.values()),
+        "is_none_branches_save_decisions": sum(none_branches(tree) for tree in deciding.values()),
+        "isinstance_calls": sum(isinstance_calls(tree) for tree in trees.values()),
+        "isinstance_calls_save_decisions": sum(isinstance_calls(tree) for tree in deciding.values()),
+        "isinstance_of_save_policies": sum(isinstance_calls(tree, POLICY_CLASSES) for tree in trees.values()),
+        "classes_over_250_lines": sum(size > 250 for size, _ in every_class),
         "budget_is_none": budget,
         "host_memory_budget_mentions": budget_lines,
         "host_memory_budget_modules": budget_modules,
@@ -137,17 +191,29 @@ def measure() -> dict[str, object]:
 
 
 def main() -> None:
+    global ROOT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--root", type=pathlib.Path, help="a checkout to measure (default: this one)")
+    args = parser.parse_args()
+    if args.root is not None:
+        ROOT = args.root.resolve() / "flaxstate"
+        sys.path.insert(0, str(ROOT.parent))  # its flaxstate, not this one's, for the doors' signatures
     figures = measure()
-    if parser.parse_args().json:
+    if args.json:
         print(json.dumps(figures, indent=1))
         return
-    print("door                  parameters")
+    print("door                  parameters  not deprecated")
     for name, count in figures["doors"].items():  # type: ignore[union-attr]
-        print(f"{name:<22}{count:>10}")
-    print(f"{'(all seven)':<22}{figures['door_parameters']:>10}")
+        print(f"{name:<22}{count:>10}{figures['doors_not_deprecated'][name]:>16}")  # type: ignore[index]
+    print(f"{'(all seven)':<22}{figures['door_parameters']:>10}{figures['door_parameters_not_deprecated']:>16}")
     for key in (
+        "is_none_branches",
+        "is_none_branches_save_decisions",
+        "isinstance_calls",
+        "isinstance_calls_save_decisions",
+        "isinstance_of_save_policies",
+        "classes_over_250_lines",
         "budget_is_none",
         "host_memory_budget_mentions",
         "host_memory_budget_modules",

@@ -52,6 +52,8 @@ __all__ = [
     "Plan",
     "Rollback",
     "RunHistory",
+    "SaveContext",
+    "SaveDecision",
     "SavePolicy",
     "Session",
     "StateMismatchError",
@@ -97,6 +99,8 @@ if TYPE_CHECKING:
         LowestCheckpointFileReader,
         LowestCheckpointFileWriter,
         RunHistory,
+        SaveContext,
+        SaveDecision,
         SavePolicy,
     )
     from flaxstate.checkpoint.safetensors import SafetensorsReader, WeightMap, export_safetensors

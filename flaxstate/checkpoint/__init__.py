@@ -2,7 +2,16 @@
 
 from flaxstate.checkpoint.best import BestPolicy
 from flaxstate.checkpoint.budget import HostMemoryBudget
-from flaxstate.checkpoint.policies import AutoInterval, Continuous, EveryRecord, EverySeconds, RunHistory, SavePolicy
+from flaxstate.checkpoint.policies import (
+    AutoInterval,
+    Continuous,
+    EveryRecord,
+    EverySeconds,
+    RunHistory,
+    SaveContext,
+    SaveDecision,
+    SavePolicy,
+)
 from flaxstate.checkpoint.readers import (
     CheckpointFileReader,
     HighestCheckpointFileReader,
@@ -33,5 +42,7 @@ __all__ = [
     "LowestCheckpointFileReader",
     "LowestCheckpointFileWriter",
     "RunHistory",
+    "SaveContext",
+    "SaveDecision",
     "SavePolicy",
 ]

@@ -101,11 +101,6 @@ def register(key: str, writer: Any) -> None:
     _OPEN[key] = writer
 
 
-def open_writers() -> list[Any]:
-    """The open writers of this process (a local tier's writer asks the run directory's for its run's history)."""
-    return list(_OPEN.values())
-
-
 def release(key: str, writer: Any) -> None:
     """Frees `key` if `writer` holds it."""
     if _OPEN.get(key) is writer:

@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias, runtime_checkable
 
 from flaxstate import settings
+from flaxstate.run_record import cadence
 from flaxstate.run_record.cadence import RunHistory
 
 
@@ -48,8 +49,109 @@ def _seconds(owner: str, name: str, value: Any, zero: bool) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class SaveContext:
+    """What a writer measured when a record comes, which its policy decides from (`SavePolicy.due`).
+
+    Seconds are on the writer's clock (monotonic; a test moves its own).
+    """
+
+    now: float
+    """The clock now."""
+    session_seconds: float
+    """Seconds since the writer was made."""
+    since_save: float
+    """Seconds since the newest save's call returned, or since the writer was made before the first."""
+    since_start: float | None
+    """Seconds since the newest save started; `None` before the first."""
+    in_flight: bool
+    """Whether a save of the writer's still runs in the background."""
+    save_cost: float | None
+    """The seconds of training a recent save cost, averaged (its call's blocking plus the drag of the save in the
+    background on the steps: `flaxstate.checkpoint.schedule`); `None` before the first save."""
+    history: RunHistory | None
+    """The run's failures and seconds of running before this session, as the writer's goodput ledger read them;
+    `None` where the writer keeps no ledger (a local tier's) or before its first record."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalChange:
+    """A new interval of `AutoInterval`'s, with the inputs it came from (what the log line and the ledger's
+    `cadence` event say)."""
+
+    interval: float
+    """The seconds between saves now."""
+    cost: float
+    """The seconds of training a recent save cost, averaged."""
+    mtbf: float
+    """The mean seconds between failures it assumed."""
+    failures: int
+    observed: float
+    """The seconds of running those failures came in."""
+    prior: float | None
+    """The policy's `mtbf`, where given."""
+    expected_loss: float
+    """The seconds a failure is expected to lose at this interval."""
+
+    def event(self) -> dict[str, Any]:
+        """The ledger's `cadence` event's fields."""
+        return dataclasses.asdict(self)
+
+    def line(self, owner: str) -> str:
+        """The log line of the change, with its inputs."""
+        prior = "" if self.prior is None else f", prior mtbf={self.prior:.0f} s"
+        rule = cadence.young_daly(self.cost, self.mtbf)
+        bounded = "" if math.isclose(self.interval, rule) else f" (bounded; the rule gives {rule:.1f} s)"
+        return (
+            f"{owner}: saving every {self.interval:.1f} s{bounded} = sqrt(2 x {self.cost:.3f} s a save costs "
+            f"x {self.mtbf:.0f} s between failures: {self.failures} in {self.observed:.0f} s of running"
+            f"{prior}); a failure is expected to lose {self.expected_loss:.1f} s"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDecision:
+    """A policy's answer with what it chose: whether to save, and an interval that it chose anew (the writer logs
+    it and keeps it in its ledger when it moved by more than a tenth)."""
+
+    save: bool
+    interval: IntervalChange | None = None
+
+
+@runtime_checkable
+class SavePolicy(Protocol):
+    """When a writer saves: anything with `due(context)`, asked at each record that is not final, preempted or
+    requested (those are always saved).
+
+    A policy of your own implements `due`; the writer measures what the context holds. Under several processes
+    the primary process's decision is every process's (a save is a collective): the writer broadcasts it,
+    unless the policy's class sets `broadcast = False` (a decision that reads no clock and no save in flight,
+    the same on every process).
+
+    Example:
+        >>> import dataclasses
+        >>> import flaxstate as fs
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class NotWhileSaving:
+        ...     def due(self, context: fs.SaveContext) -> bool:
+        ...         return not context.in_flight
+        >>> isinstance(NotWhileSaving(), fs.SavePolicy)
+        True
+    """
+
+    def due(self, context: SaveContext) -> bool | SaveDecision:
+        """Whether to save the record that came (`True`/`False`), or a `SaveDecision` with what was chosen."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
 class EveryRecord:
     """Saves every record the writer is given (the default)."""
+
+    broadcast: ClassVar[bool] = False
+    """Every process decides the same, with no collective."""
+
+    def due(self, context: SaveContext) -> bool:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +169,9 @@ class EverySeconds:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seconds", _seconds("EverySeconds", "seconds", self.seconds, zero=False))
+
+    def due(self, context: SaveContext) -> bool:
+        return context.since_save >= self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +191,9 @@ class Continuous:
     def __post_init__(self) -> None:
         object.__setattr__(self, "min_seconds", _seconds("Continuous", "min_seconds", self.min_seconds, zero=True))
 
+    def due(self, context: SaveContext) -> bool:
+        return not context.in_flight and (context.since_start is None or context.since_start >= self.min_seconds)
+
 
 HistorySource: TypeAlias = "RunHistory | Callable[[], RunHistory | None] | None"
 
@@ -103,10 +211,10 @@ class AutoInterval:
         mtbf: a prior of the mean seconds between the job's failures (the run's failures refine it; without one,
             the run's time so far with no failure counts).
         history: the run's failures before this session. `None`: the writer's own ledger's, read at its first
-            record (a run directory's writer), or, for a writer that keeps no ledger (a local tier's), that of
-            the open run-directory writer of the same run in this process (`CheckpointFileWriter.run_history`).
-            A `RunHistory`: these figures. A function: called at each decision, returning a `RunHistory` or
-            `None` while unknown (e.g. another writer's `run_history`).
+            record (a run directory's writer; a writer that keeps no ledger, a local tier's, counts none). A
+            `RunHistory`: these figures. A function: called at each decision, returning a `RunHistory` or
+            `None` while unknown: the persistent writer's `run_history`, handed to a local tier's policy
+            (`fs.AutoInterval(history=persistent.run_history)`).
 
     Raises:
         ValueError: `min_seconds` negative, `mtbf` not positive, or `history` none of these.
@@ -125,26 +233,53 @@ class AutoInterval:
                 f"run's ledger), got {self.history!r}."
             )
 
+    def run_history(self, context: SaveContext) -> RunHistory:
+        """The run's failures before this session: the policy's `history`, else the writer's ledger's (none
+        where neither knows)."""
+        history = self.history() if callable(self.history) else self.history
+        return history or context.history or RunHistory(0, 0.0)
 
-SavePolicy: TypeAlias = EveryRecord | EverySeconds | Continuous | AutoInterval
-"""When a writer saves (one of this module's policies)."""
+    def due(self, context: SaveContext) -> SaveDecision:
+        if context.in_flight:
+            return SaveDecision(False)
+        least, change = self.min_seconds, None
+        if context.save_cost is not None:
+            history = self.run_history(context)
+            observed = history.seconds + context.session_seconds
+            mean_time = cadence.mtbf(history.failures, observed, self.mtbf)
+            interval = min(max(cadence.young_daly(context.save_cost, mean_time), self.min_seconds), cadence.MAX_SECONDS)
+            change = IntervalChange(
+                interval=interval,
+                cost=context.save_cost,
+                mtbf=mean_time,
+                failures=history.failures,
+                observed=observed,
+                prior=self.mtbf,
+                expected_loss=cadence.expected_loss(interval, context.save_cost),
+            )
+            least = max(least, interval)
+        return SaveDecision(context.since_start is None or context.since_start >= least, change)
+
+
 EVERY_RECORD = EveryRecord()
 """The default policy."""
-POLICIES = (EveryRecord, EverySeconds, Continuous, AutoInterval)
 Every: TypeAlias = "SavePolicy | Literal['continuous', 'auto'] | None"
-"""What a writer's `every=` takes: a policy, or the old keywords' strings."""
+"""What a writer's `every=` takes: a policy, or the old keywords' strings (deprecated)."""
 
 
-def from_keywords(
-    owner: str, every: Any, every_seconds: Any, min_seconds: Any, mtbf: Any
-) -> EveryRecord | EverySeconds | Continuous | AutoInterval:
+def is_policy(value: Any) -> bool:
+    """Whether `value` is a save policy: it has a `due` method (a class, which has one too, is not)."""
+    return not isinstance(value, type) and callable(getattr(value, "due", None))
+
+
+def from_keywords(owner: str, every: Any, every_seconds: Any, min_seconds: Any, mtbf: Any) -> SavePolicy:
     """The policy that a writer's keywords give (`every=`, `every_seconds=`, `min_seconds=`, `mtbf=`).
 
     Raises:
         ValueError: an unknown `every`, seconds that are not positive numbers, `every_seconds` with `every`,
             `min_seconds` without it, `mtbf` without `every="auto"`, or a policy with any of the three.
     """
-    if isinstance(every, POLICIES):
+    if is_policy(every):
         given = {"every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         extra = [f"{name}={value!r}" for name, value in given.items() if value is not None]
         if extra:
@@ -156,9 +291,9 @@ def from_keywords(
         return every
     if every is not None and every not in ("continuous", "auto"):
         raise ValueError(
-            f"{owner} every must be None (every record), 'continuous' or 'auto', got {every!r}, or a save "
-            "policy (fs.EveryRecord(), fs.EverySeconds(s), fs.Continuous(min_seconds), fs.AutoInterval(...)); "
-            "every_seconds= saves at a fixed time interval."
+            f"{owner} every must be a save policy (fs.EveryRecord(), fs.EverySeconds(s), "
+            "fs.Continuous(min_seconds), fs.AutoInterval(...), or an object of your own with a due(context) method: "
+            f"fs.SavePolicy) or None (every record), got {every!r}."
         )
     if every is not None and every_seconds is not None:
         raise ValueError(
@@ -179,7 +314,7 @@ def from_keywords(
     zero = min_seconds is None or (settings.is_real(min_seconds) and min_seconds == 0)
     least = 0.0 if zero else settings.optional_seconds(owner, "min_seconds", min_seconds) or 0.0
     mtbf = settings.optional_seconds(owner, "mtbf", mtbf)
-    policy: EveryRecord | EverySeconds | Continuous | AutoInterval
+    policy: SavePolicy
     if every == "auto":
         policy = AutoInterval(min_seconds=least, mtbf=mtbf)
     elif every == "continuous":

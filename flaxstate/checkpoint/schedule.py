@@ -1,12 +1,16 @@
-"""When a writer saves a record: a policy (`flaxstate.checkpoint.policies`) asked at each record.
+"""When a writer saves a record: what the writer measures for its policy (`flaxstate.checkpoint.policies`), which
+decides at each record.
 
-`SaveSchedule(policy, clock, history)` holds what the policy needs of the run:
-the last save's time (`EverySeconds`, `Continuous`), and for `AutoInterval`
-the step time of recent records, the windows of recent saves (`SaveWindow`)
-and the run's failures (`RunHistory`, handed over by the writer), from which
-it chooses the interval by Young and Daly's rule (`flaxstate.run_record.cadence`); each
-change of interval is an `IntervalChange`, which the writer logs and keeps in
-its ledger.
+`SaveSchedule(policy, clock, history)` holds what the run measured: the last
+save's start and end, the step time of recent records and the windows of
+recent saves (`SaveWindow`), from which a save's cost to the training comes
+(its blocking plus its drag), and the run's failures before this session
+(`RunHistory`, handed in by the writer from its ledger). At each record it
+hands them to the policy as one frozen `SaveContext`, and the policy decides
+(`SavePolicy.due`); an `AutoInterval` chooses its interval from them by
+Young and Daly's rule (`flaxstate.run_record.cadence`), and each change of
+interval is an `IntervalChange`, which the writer logs and keeps in its
+ledger.
 
 Final, preempted and requested records are always saved (the writer decides
 that). Under several processes the primary process's decision is every
@@ -19,9 +23,10 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
 
-from flaxstate.checkpoint.policies import AutoInterval, Continuous, EveryRecord, EverySeconds, RunHistory, SavePolicy
+import numpy as np
+
+from flaxstate.checkpoint.policies import IntervalChange, RunHistory, SaveContext, SaveDecision, SavePolicy
 from flaxstate.records import Checkpoint
 from flaxstate.run_record import cadence
 
@@ -48,49 +53,14 @@ class SaveWindow:
     """Its seconds of training lost (blocking plus drag), once a record after it came; then fixed."""
 
 
-@dataclasses.dataclass(frozen=True)
-class IntervalChange:
-    """A new interval of `AutoInterval`'s, with the inputs it came from (what the log line and the ledger's
-    `cadence` event say)."""
-
-    interval: float
-    """The seconds between saves now."""
-    cost: float
-    """The seconds of training a recent save cost, averaged."""
-    mtbf: float
-    """The mean seconds between failures it assumed."""
-    failures: int
-    observed: float
-    """The seconds of running those failures came in."""
-    prior: float | None
-    """The policy's `mtbf`, where given."""
-    expected_loss: float
-    """The seconds a failure is expected to lose at this interval."""
-
-    def event(self) -> dict[str, Any]:
-        """The ledger's `cadence` event's fields."""
-        return dataclasses.asdict(self)
-
-    def line(self, owner: str) -> str:
-        """The log line of the change, with its inputs."""
-        prior = "" if self.prior is None else f", prior mtbf={self.prior:.0f} s"
-        rule = cadence.young_daly(self.cost, self.mtbf)
-        bounded = "" if math.isclose(self.interval, rule) else f" (bounded; the rule gives {rule:.1f} s)"
-        return (
-            f"{owner}: saving every {self.interval:.1f} s{bounded} = sqrt(2 x {self.cost:.3f} s a save costs "
-            f"x {self.mtbf:.0f} s between failures: {self.failures} in {self.observed:.0f} s of running"
-            f"{prior}); a failure is expected to lose {self.expected_loss:.1f} s"
-        )
-
-
 class SaveSchedule:
     """A writer's choice of which records to save, by its policy (see the module).
 
     Args:
         policy: when to save (`flaxstate.checkpoint.policies`).
         clock: the monotonic clock the seconds are measured on.
-        history: the run's failures and seconds of running before this session, where known, asked at each
-            decision of an `AutoInterval` (the writer hands over its ledger's, or the policy's own).
+        history: the run's failures and seconds of running before this session, where known (the writer's
+            ledger's), asked at each decision.
     """
 
     def __init__(
@@ -100,11 +70,8 @@ class SaveSchedule:
         history: Callable[[], RunHistory | None] = lambda: None,
     ) -> None:
         self.policy = policy
-        self.auto = isinstance(policy, AutoInterval)
-        self.continuous = isinstance(policy, Continuous | AutoInterval)
-        """Whether a record is passed over while a save is in flight."""
-        self.every_record = isinstance(policy, EveryRecord)
-        """Whether every record is saved: nothing to decide."""
+        self.broadcast = bool(getattr(policy, "broadcast", True))
+        """Whether the primary process's decision is every process's (the writer broadcasts it)."""
         self._clock = clock
         self._history = history
         self._created = clock()
@@ -115,14 +82,11 @@ class SaveSchedule:
         self._intervals: collections.deque[cadence.Interval] = collections.deque(maxlen=RECENT_RECORDS)
         self._windows: collections.deque[SaveWindow] = collections.deque(maxlen=RECENT_SAVES)
         self.interval: float | None = None
-        """`AutoInterval`'s interval now (seconds), once a save's cost is known."""
+        """The interval the policy chose last (seconds; `AutoInterval`'s, once a save's cost is known)."""
         self._logged: float | None = None
 
     def note(self, checkpoint: Checkpoint) -> None:
-        """Notes a record's training (its step time, for the drag of saves in flight meanwhile: `AutoInterval`'s
-        cost; other policies keep nothing)."""
-        if not self.auto:
-            return
+        """Notes a record's training (its step time, for the drag of saves in flight meanwhile: a save's cost)."""
         interval = cadence.Interval.ending(
             self._clock(), checkpoint.elapsed_time, checkpoint.productive_time, checkpoint.n_completed_steps
         )
@@ -147,32 +111,51 @@ class SaveSchedule:
                 ]
                 window.cost = window.blocking + sum(overlapped)
 
+    def context(self, in_flight: bool) -> SaveContext:
+        """What was measured now, for the policy (`in_flight`: a save of the writer's runs)."""
+        now = self._clock()
+        return SaveContext(
+            now=now,
+            session_seconds=now - self._created,
+            since_save=now - self._last_save_time,
+            since_start=None if self._last_start is None else now - self._last_start,
+            in_flight=in_flight,
+            save_cost=self.save_cost(),
+            history=self._history(),
+        )
+
     def due(self, in_flight: bool) -> tuple[bool, IntervalChange | None]:
         """Whether this process would save the record noted last (`in_flight`: a save of the writer's runs).
 
         Returns:
-            the decision, and `AutoInterval`'s new interval with its inputs where it changed (to log; else `None`).
+            the policy's decision, and the interval it chose where that moved by more than `RELOG` since it was
+            last logged (to log; else `None`).
+
+        Raises:
+            TypeError: the policy's `due` answered neither a bool nor a `SaveDecision`.
         """
-        now = self._clock()
-        if isinstance(self.policy, EverySeconds):
-            return now - self._last_save_time >= self.policy.seconds, None
-        if not self.continuous:
-            return True, None
-        if in_flight:
-            return False, None
-        least = self.policy.min_seconds if isinstance(self.policy, Continuous | AutoInterval) else 0.0
-        change = None
-        if self.auto:
-            change = self._choose(now)
-            least = max(least, self.interval or 0.0)
-        return self._last_start is None or now - self._last_start >= least, change
+        decision = self.policy.due(self.context(in_flight))
+        if isinstance(decision, bool | np.bool_):
+            return bool(decision), None
+        if not isinstance(decision, SaveDecision):
+            raise TypeError(
+                f"the save policy {self.policy!r}'s due() returned {decision!r}; it must return True, False or a "
+                "fs.SaveDecision."
+            )
+        change = decision.interval
+        if change is not None:
+            self.interval = change.interval
+            if self._logged is not None and abs(change.interval - self._logged) <= RELOG * self._logged:
+                change = None
+            else:
+                self._logged = change.interval
+        return decision.save, change
 
     def started(self, step: int, start: float, blocking: float) -> None:
         """Notes a save that started at `start` (on the clock) and blocked its call `blocking` seconds."""
         self._last_start = start
         self._last_save_time = self._clock()
-        if self.auto:
-            self._windows.append(SaveWindow(step, start, blocking))
+        self._windows.append(SaveWindow(step, start, blocking))
 
     def completed(self, completed: tuple[int, float | None] | None) -> None:
         """Notes the newest save known complete, `(step, seconds from start to end)` (the store's `completed`)."""
@@ -189,26 +172,3 @@ class SaveSchedule:
             return None
         costs = [window.blocking if window.cost is None else window.cost for window in self._windows]
         return sum(costs) / len(costs)
-
-    def _choose(self, now: float) -> IntervalChange | None:
-        assert isinstance(self.policy, AutoInterval)
-        cost = self.save_cost()
-        if cost is None:
-            return None
-        history = self._history() or RunHistory(0, 0.0)
-        observed = history.seconds + (now - self._created)
-        mean_time = cadence.mtbf(history.failures, observed, self.policy.mtbf)
-        chosen = cadence.young_daly(cost, mean_time)
-        self.interval = min(max(chosen, self.policy.min_seconds), cadence.MAX_SECONDS)
-        if self._logged is not None and abs(self.interval - self._logged) <= RELOG * self._logged:
-            return None
-        self._logged = self.interval
-        return IntervalChange(
-            interval=self.interval,
-            cost=cost,
-            mtbf=mean_time,
-            failures=history.failures,
-            observed=observed,
-            prior=self.policy.mtbf,
-            expected_loss=cadence.expected_loss(self.interval, cost),
-        )

@@ -52,7 +52,7 @@ from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
-from flaxstate.checkpoint.policies import AutoInterval, RunHistory, SavePolicy
+from flaxstate.checkpoint.policies import RunHistory, SavePolicy
 from flaxstate.checkpoint.tiers import local_tier
 from flaxstate.checkpoint.tiers import peers as peer_copies
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
@@ -131,7 +131,7 @@ class _Writer:
         self._environment: dict[str, Any] | None = None
         self._keep = keep
         self._run_id: str | None = None
-        self._schedule = schedule.SaveSchedule(policy, clock, self._history_source(policy))
+        self._schedule = schedule.SaveSchedule(policy, clock, self.run_history)
         self._saved_step: int | None = None
         self.busy = False
         """Whether a call is saving a record now (another writer of the directory is refused meanwhile)."""
@@ -260,41 +260,27 @@ class _Writer:
 
     def run_history(self) -> RunHistory | None:
         """The run's failures and seconds of running before this session, as this writer's goodput ledger read
-        them at its first record; a writer that keeps no ledger (a local tier's) asks the open writer of the same
-        run that keeps one, in this process. `None` while unknown.
+        them at its first record; `None` before it, and for a writer that keeps no ledger (a local tier's).
 
-        What an `AutoInterval(history=None)` chooses from; another writer's policy may be given this method.
+        What an `AutoInterval` chooses from where its own `history` is left out; hand it to another writer's
+        policy (`fs.AutoInterval(history=persistent.run_history)`) for a writer without a ledger.
         """
-        if self._ledger is not None:
-            return self._ledger.history
-        for other in claims.open_writers():
-            same_run = self._run_id is not None and other._run_id == self._run_id
-            if other is not self and same_run and other._ledger is not None:
-                return other._ledger.history
-        return None
-
-    def _history_source(self, policy: SavePolicy) -> Callable[[], RunHistory | None]:
-        """What the schedule asks for the run's history: the policy's, else this writer's (`run_history`)."""
-        given = policy.history if isinstance(policy, AutoInterval) else None
-        if isinstance(given, RunHistory):
-            return lambda: given
-        return given if given is not None else self.run_history
+        return None if self._ledger is None else self._ledger.history
 
     def _due(self) -> bool:
-        """Whether the schedule saves this record (`flaxstate.checkpoint.schedule`; the primary process decides).
+        """Whether the policy saves this record (`flaxstate.checkpoint.schedule`; the primary process decides,
+        unless the policy needs no broadcast).
 
         A change of `AutoInterval`'s interval is logged, with its inputs, and kept in the ledger.
         """
-        if self._schedule.every_record:
-            return True  # every record: nothing to decide, no collective
-        in_flight = self._schedule.continuous and self._store.in_flight()
+        in_flight = self._store.in_flight()
         self._schedule.completed(self._store.completed)
         due, change = self._schedule.due(in_flight)
         if change is not None and jax.process_index() == 0:
             logger.info("%s", change.line(self._description))
             if self._ledger is not None:
                 self._ledger.cadence(change.event())
-        if jax.process_count() > 1:
+        if self._schedule.broadcast and jax.process_count() > 1:
             due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
 

@@ -77,7 +77,10 @@ def test_continuous_saves_keep_min_seconds_between_their_starts(tmp_path, recs, 
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"every": "sometimes"}, "every must be None (every record), 'continuous' or 'auto', got 'sometimes'"),
+        (
+            {"every": "sometimes"},
+            "a due(context) method: fs.SavePolicy) or None (every record), got 'sometimes'",
+        ),
         ({"every": "continuous", "every_seconds": 60}, "both set when to save. Give one"),
         ({"min_seconds": 5}, "min_seconds=5 without every="),
         ({"every": "continuous", "mtbf": 3600}, "mtbf=3600 with every='continuous'"),
@@ -192,19 +195,22 @@ def ledger_lines(path, run_id):
 
 def test_auto_reads_the_failures_in_the_run_s_ledger_and_logs_each_change(tmp_path, recs, caplog):
     # A run directory whose ledger holds a killed session and one that ended: the writer of a resumed session
-    # sees one failure in 1000 s of running, and so does a local tier's writer in the same chain (it keeps no
-    # ledger of its own).
+    # sees one failure in 1000 s of running, and so does a local tier's writer in the same chain, which keeps no
+    # ledger of its own, given the persistent writer's history.
     run_id = recs[0].run_id
     (tmp_path / "run").mkdir()
     ledger_lines(tmp_path / "run" / ledger.FILENAME, run_id)
     resumed = dataclasses.replace(recs[2].session, restored_step=4)
     clock = Clock()
-    writer = fs.CheckpointFileWriter(tmp_path / "run", every="auto", clock=clock)
-    local = fs.CheckpointFileWriter(tmp_path / "local", every="auto", clock=clock, per_process=True)
+    writer = fs.CheckpointFileWriter(tmp_path / "run", every=fs.AutoInterval(), clock=clock)
+    local = fs.CheckpointFileWriter(
+        fs.LocalTier(tmp_path / "local"), every=fs.AutoInterval(history=writer.run_history), clock=clock
+    )
     with caplog.at_level(logging.INFO, logger="flaxstate"):
         writer(local(dataclasses.replace(recs[2], session=resumed)))
         history = writer.run_history()
-        assert local.run_history() == history and (history.failures, history.seconds) == (1, pytest.approx(1000.0))
+        assert (history.failures, history.seconds) == (1, pytest.approx(1000.0))
+        assert local.run_history() is None  # no ledger of its own: the policy's history counts
         writer.wait()
         local.wait()
         clock.now += 10
@@ -221,3 +227,44 @@ def test_auto_reads_the_failures_in_the_run_s_ledger_and_logs_each_change(tmp_pa
     report = goodput.report(events)
     assert report["total"]["failures"] == 1 and report["total"]["save_interval"] == pytest.approx(change["interval"])
     assert "save interval (auto)" in goodput.format_report(report)
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryThirdSecond:
+    """A policy of a user's own: saves when 3 s have passed since the last save's start, and notes what it saw."""
+
+    seen: list = dataclasses.field(default_factory=list, compare=False)
+
+    def due(self, context: fs.SaveContext) -> bool:
+        self.seen.append(context)
+        return context.since_start is None or context.since_start >= 3.0
+
+
+def test_a_policy_of_one_s_own_decides_from_what_the_writer_measured(tmp_path, recs):
+    clock, policy = Clock(), EveryThirdSecond()
+    assert isinstance(policy, fs.SavePolicy)
+    with fs.CheckpointFileWriter(tmp_path, keep=5, every=policy, clock=clock) as writer:
+        for record in recs[:5]:  # steps 2, 4, 6, 8, 10, a second apart
+            writer(record)
+            writer.wait()
+            clock.now += 1.0
+    assert saved_steps(tmp_path) == [2, 8], saved_steps(tmp_path)  # the first, then 3 s after it started
+    first, second = policy.seen[:2]
+    assert (first.session_seconds, first.since_save, first.since_start) == (0.0, 0.0, None)
+    assert first.save_cost is None and first.in_flight is False
+    assert first.history == fs.RunHistory(0, 0.0)  # the writer's ledger: no earlier session
+    assert second.since_start == 1.0 and second.session_seconds == 1.0 and second.save_cost is not None
+    assert len(policy.seen) == 5
+
+
+def test_a_policy_whose_due_answers_neither_a_bool_nor_a_decision_is_named(tmp_path, recs):
+    @dataclasses.dataclass(frozen=True)
+    class Unsure:
+        def due(self, context):
+            return "maybe"
+
+    with fs.CheckpointFileWriter(tmp_path, every=Unsure()) as writer:
+        with pytest.raises(TypeError, match=r"the save policy .*Unsure\(\)'s due\(\) returned 'maybe'; it must"):
+            writer(recs[0])
+    with pytest.raises(ValueError, match="every must be a save policy"):
+        fs.CheckpointFileWriter(tmp_path / "class", every=EveryThirdSecond)  # the class, not a policy
