@@ -43,6 +43,7 @@ from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.tiers import local_tier as tiers
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.records import format_bytes
+from flaxstate.run_record import fingerprints
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
 from flaxstate.training.options import check_record_memory
@@ -61,7 +62,7 @@ DEVICE_MEMORY: tuple[tuple[str, int], ...] = (
 )
 """Each device kind's memory, where known (the first name that the kind contains wins)."""
 
-CATEGORIES = ("params", "optimizer", "mutables", "batch", "temp", "code", "total")
+CATEGORIES = ("params", "optimizer", "mutables", "batch", "temp", "code", "records", "total")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,15 @@ class Plan:
         per_device: bytes a device: `params`, `optimizer` (the optimizer's
             state, an EMA and the rest of the train state), `mutables` (batch
             statistics and other collections), `batch` (K batches), `temp` (XLA's
-            temporaries), `code` (generated code) and `total`.
+            temporaries of the program that sets the peak), `code` (its generated
+            code), `records` (the device copies that records hold beside it, with
+            `record_memory="device"`) and `total`, the device's peak: the largest
+            over `programs`.
+        programs: each program the loop runs, by name, with the bytes a device
+            holds while it runs (its arguments and outputs, the donated ones
+            once, its temporaries and code, and the records' copies beside it);
+            `total` is the largest.
+        peak_program: the name of the program that sets the peak (`total`).
         device_memory: a device's memory in bytes, or `None` where unknown.
         fits: whether `total` fits in `device_memory` (`None` where unknown).
         flops_per_step: the model FLOPs of one global step (all devices): its
@@ -113,6 +122,8 @@ class Plan:
     host_memory: int | None = None
     fits_host: bool | None = None
     host_advice: str | None = None
+    programs: dict[str, int] = dataclasses.field(default_factory=dict)
+    peak_program: str | None = None
 
     def step_seconds(self, mfu: float, peak_flops_per_device: float | None = None) -> float | None:
         """The seconds a step takes at a model FLOPs utilisation `mfu` (0-1), where the peak is known.
@@ -136,6 +147,9 @@ class Plan:
         memory = "unknown" if self.device_memory is None else format_bytes(self.device_memory)
         verdict_of = {None: "unknown", True: "fits", False: "does NOT fit"}
         verdict = verdict_of[self.fits]
+        if self.peak_program is not None:
+            lines += ["", f"  the peak is {self.peak_program}'s; each program the loop runs:"]
+            lines += [f"    {format_bytes(size):>10}  {name}" for name, size in self.programs.items()]
         lines += ["", f"  device memory {memory}: {verdict}"]
         if self.flops_per_step is not None:
             lines.append(f"  FLOPs a step {self.flops_per_step:.4g}")
@@ -332,13 +346,25 @@ def _plan(
         n_microbatches=n_microbatches,
         state=state,
         rng=rng,
+        record_gradients=record_gradients,
     )
     rng_data = jax.ShapeDtypeStruct(jax.random.key_data(rng).shape, jax.random.key_data(rng).dtype)
     batches = _abstract_batches(global_batch, where, n_steps_per_dispatch)
-    memory, refused_temp = _compiled_memory(program.update(n_steps_per_dispatch), state, batches, rng_data)
     one_batch = _abstract_batches(global_batch, where, 1)
     sizes = _state_bytes(state)
-    per_device = _per_device(sizes, batches, memory, refused_temp)
+    memories = _programs_memory(program, state, batches, one_batch, rng_data, n_steps_per_dispatch, record_gradients)
+    records = _records_bytes(sizes, record_memory, record_gradients)
+    programs = {
+        name: _per_device(sizes, batches, memory, refused, records)["total"]
+        for name, (memory, refused) in memories.items()
+    }
+    if records:  # a record's copy made while the caller holds the one before: the state and two copies
+        programs[_COPY] = sum(sizes.values()) + 2 * records
+    peak = max(programs, key=lambda name: programs[name])
+    memory, refused_temp = memories.get(peak, memories[_UPDATE])
+    per_device = _per_device(sizes, batches, memory, refused_temp, records)
+    per_device["total"] = programs[peak]
+    refused_temp = next((refused for _, refused in memories.values() if refused is not None), None)
     if device_memory is None:
         device_memory = _device_memory(devices[0])
     # A program that XLA refused does not fit, as XLA itself said.
@@ -378,6 +404,8 @@ def _plan(
         host_memory=host_memory,
         fits_host=fits_host,
         host_advice=None if host_memory is None or fits_host else host_plan.advice(per_host, host_memory),
+        programs=programs,
+        peak_program=peak,
     )
     return dataclasses.replace(result, advice=_advice(result, state, mesh)) if fits is False else result
 
@@ -403,29 +431,67 @@ def _abstract_batches(global_batch: Any, where: Any, n_steps: int) -> Any:
     )
 
 
-def _compiled_memory(update: Any, state: Any, batches: Any, rng_data: Any) -> tuple[Any, int | None]:
-    """XLA's memory analysis of the compiled update, or `None` and the temporary bytes of a program XLA refused.
+_UPDATE, _COPY = "the update", "a record's device copy"
+"""The names of the loop's update of K steps, and of the moment a record's device copy is made, in `Plan.programs`."""
+
+
+def _programs_memory(
+    program: Program, state: Any, batches: Any, one_batch: Any, rng_data: Any, n_steps: int, record_gradients: bool
+) -> dict[str, tuple[Any, int | None]]:
+    """XLA's memory analysis of each program the loop runs, by name (`_compiled_memory`): the update of K steps; a
+    record's update (K > 1: with the last step's gradients and the state's fingerprint), or, where a record is a
+    dispatch of one step, its gradients' program and its fingerprint's (`flaxstate.training.program`)."""
+    leaves = jax.tree.leaves(state)
+    update: Any = program.update(n_steps)  # jax.jit objects: `lower` gives XLA's program
+    lowered: dict[str, Callable[[], Any]] = {_UPDATE: lambda: update.lower(leaves, batches, rng_data)}
+    if n_steps > 1:
+        record: Any = program.record_update(n_steps)
+        lowered["a record's update"] = lambda: record.lower(leaves, batches, rng_data)
+    elif record_gradients:
+        gradients: Any = program.gradients()
+        lowered["a record's gradients"] = lambda: gradients.lower(leaves, one_batch, rng_data)
+    memories = {name: _compiled_memory(lower) for name, lower in lowered.items()}
+    if n_steps == 1 and fingerprints.ENABLED:  # its own program where a record is one step's
+        memories["a record's fingerprint"] = _compiled_memory(lambda: fingerprints.compile_ahead(leaves), lowered=False)
+    return memories
+
+
+def _compiled_memory(lower: Callable[[], Any], lowered: bool = True) -> tuple[Any, int | None]:
+    """XLA's memory analysis of a compiled program (`lower()`'s, compiled; or, not `lowered`, compiled already),
+    or `None` and the temporary bytes of a program XLA refused.
 
     XLA for a TPU refuses to compile a program larger than the chip; its error names the size.
     """
     try:
-        return update.lower(jax.tree.leaves(state), batches, rng_data).compile().memory_analysis(), None
+        return (lower().compile() if lowered else lower()).memory_analysis(), None
     except jax.errors.JaxRuntimeError as error:
         return None, _refused_temp(error)
 
 
-def _per_device(sizes: Mapping[str, int], batches: Any, memory: Any, refused_temp: int | None) -> dict[str, int]:
-    """A device's bytes: the state's parts, one dispatch's batches, XLA's temporaries and code, and the total."""
+def _records_bytes(sizes: Mapping[str, int], record_memory: str, record_gradients: bool) -> int:
+    """The bytes a device holds for a record beside the loop's programs: with `record_memory="device"`, a copy of
+    the state (and of its gradients, a parameter's size each); none in host memory."""
+    if record_memory != "device":
+        return 0
+    return sum(sizes.values()) + (_sum(sizes, ("target/",)) if record_gradients else 0)
+
+
+def _per_device(
+    sizes: Mapping[str, int], batches: Any, memory: Any, refused_temp: int | None, records: int = 0
+) -> dict[str, int]:
+    """A device's bytes while a program runs: the state's parts, one dispatch's batches, XLA's temporaries and
+    code, the records' copies beside it, and the total."""
     per_device = {"params": _sum(sizes, ("target/",)), "mutables": _sum(sizes, ("flax_mutables/",))}
     per_device["optimizer"] = sum(sizes.values()) - per_device["params"] - per_device["mutables"]
     per_device["batch"] = sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(batches))
     per_device["temp"] = int(memory.temp_size_in_bytes) if memory is not None else (refused_temp or 0)
     per_device["code"] = int(memory.generated_code_size_in_bytes) if memory is not None else 0
+    per_device["records"] = records
     if memory is not None:  # arguments and outputs, the donated (aliased) ones once
         held = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
     else:
         held = sum(per_device[name] for name in ("params", "optimizer", "mutables", "batch"))
-    per_device["total"] = int(held + per_device["temp"] + per_device["code"])
+    per_device["total"] = int(held + per_device["temp"] + per_device["code"] + records)
     return per_device
 
 

@@ -15,6 +15,8 @@ from flax import nnx
 from flaxstate_testing import lm
 
 import flaxstate as fs
+from flaxstate.run_record import fingerprints
+from flaxstate.training import batching as fs_batching
 
 RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", None)]
 
@@ -270,3 +272,73 @@ def test_an_explicit_mesh_plans_the_sharded_bytes_of_an_auto_one_and_traces_unde
             fs.plan(model, task, target="cpu:4", axis_rules=TENSOR_PARALLEL)
         with pytest.raises(ValueError, match=r"plan's mesh_shape \{'model': 4\} is not the mesh of the jax.set_mesh"):
             fs.plan(model, task, target="cpu:4", mesh_shape={"model": 4}, axis_rules=TENSOR_PARALLEL)
+
+
+def compiled_peak(compiled) -> int:
+    """The bytes a device holds while a compiled program runs, by XLA's own analysis of it: its arguments and
+    outputs (the donated ones once), temporaries and code."""
+    memory = compiled.memory_analysis()
+    held = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    return held + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes
+
+
+def peaks_of_what_the_loop_made(loop: fs.TrainLoop, record: fs.Checkpoint, batch) -> dict[str, int]:
+    """Each program the loop compiled (`Program.made`) and the fingerprint of its records, compiled for the shapes
+    and shardings of the record's state, with XLA's peak of each."""
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in jax.tree.leaves(record.state)]
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fs_batching.normalize(batch, "test"))
+    key = jax.random.key_data(jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    peaks = {}
+    for name, made in loop.program.made().items():
+        n_steps = int(name.split()[2]) if name.startswith("update") else 1
+        stacked = jax.tree.map(lambda x, n=n_steps: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), one)
+        peaks[name] = compiled_peak(made.lower(leaves, one if n_steps == 1 else stacked, key).compile())
+    peaks["fingerprint"] = compiled_peak(fingerprints.compile_ahead(leaves))
+    return peaks
+
+
+@pytest.mark.parametrize("n_steps_per_dispatch", [1, 10])
+@pytest.mark.parametrize("kind", ["linen", "nnx", "lm"])
+def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside_it(kind, n_steps_per_dispatch):
+    # A run with records in device memory, each with its gradients: K=1 records run the update, then the
+    # gradients' program and the fingerprint's; K=10 a record's update that gives both. The plan compiled from
+    # shapes alone must hold the largest program the loop made plus the copies a record keeps on the device.
+    if kind == "linen":
+        model = MLP(width=128)
+        init, batch = model.init, (np.ones((16, 256), np.float32), np.zeros((16,), np.float32))
+        task = fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=mse, data=[batch] * 40)
+    elif kind == "nnx":
+        model = NnxMLP(nnx.Rngs(0))
+        init, batch = model, (np.ones((16, 256), np.float32), np.zeros((16,), np.float32))
+        task = fs.TrainTask(apply=model, optimizer=optax.adam(1e-3), loss=mse, data=[batch] * 40)
+    else:
+        config = lm.lm.Config(batch_size=8, seq_len=16, embed=64, heads=4, head_dim=16, mlp=256, layers=2)
+        model = lm.lm.Transformer(config)
+        init, task = model.init, fs.TrainTask(model.apply, lm.lm.optimizer(config), lm.lm.loss, data=lm.data(config))
+        batch = next(iter(task.data))
+    planned = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch, record_memory="device")
+    per_record = max(2, n_steps_per_dispatch)
+    loop = fs.TrainLoop(
+        init,
+        task,
+        jax.random.key(0),
+        n_steps=2 * per_record,
+        n_steps_per_checkpoint=per_record,
+        n_steps_per_dispatch=n_steps_per_dispatch,
+        record_memory="device",
+        stdout=False,
+    )
+    record = loop.next_checkpoint()
+    beside = sum(leaf.nbytes for leaf in jax.tree.leaves((record.state, record.grads)))  # the record's copies
+    peaks = peaks_of_what_the_loop_made(loop, record, batch)
+    assert record.grads is not None
+    assert planned.per_device["records"] == beside
+    assert planned.per_device["total"] >= max(peaks.values()) + beside, (peaks, beside, planned.programs)
+    assert planned.per_device["total"] == max(planned.programs.values())
+    assert planned.programs[planned.peak_program] == planned.per_device["total"]
+    assert f"the peak is {planned.peak_program}'s" in str(planned)
+    record_program = "a record's update" if n_steps_per_dispatch > 1 else "a record's gradients"
+    assert {"the update", record_program, "a record's device copy"} <= set(planned.programs), planned.programs
+    host = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch)  # records in host memory
+    assert host.per_device["records"] == 0 and host.per_device["total"] < planned.per_device["total"]

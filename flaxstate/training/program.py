@@ -217,6 +217,18 @@ class Program:
             self._gradients = self._placement.compile_gradients(program, self._shardings)
         return self._gradients
 
+    def made(self) -> dict[str, Callable[..., Any]]:
+        """The programs made so far (each `jax.jit` object compiles at its first call), by what they are:
+        `"update of N steps"`, with `", gradients"` and `", fingerprinted"` where a record's, and `"gradients"`.
+        What `fs.plan` counts is checked against them."""
+        found: dict[str, Callable[..., Any]] = {}
+        for (n_steps, gradients, fingerprinted), update in self._updates.items():
+            name = f"update of {n_steps} steps" + ", gradients" * gradients + ", fingerprinted" * fingerprinted
+            found[name] = update
+        if self._gradients is not None:
+            found["gradients"] = self._gradients
+        return found
+
     def compile_ahead(self, batch: Any, rng_data: Any, sizes: list[int]) -> None:
         """Compiles, at once on threads of their own, the programs a segment of dispatches of `sizes` steps calls
         (its record the last, with its fingerprint's where that is a call of its own), and the one-step update of
