@@ -161,6 +161,7 @@ def _stop_burner(burner: subprocess.Popen) -> None:
 
 
 def pytest_sessionstart(session):
+    os.environ.pop(UNDER_LOAD, None)  # a pytest started by a test of a loaded session has no burner of its own
     if session.config.getoption("--under-load", default=False):
         burner = session.config.stash[_BURNER] = _start_burner()
         os.environ[UNDER_LOAD] = str(burner.pid)
