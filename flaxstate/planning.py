@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax.core import DenyList
+from flax.core.scope import CollectionFilter, DenyList
 from jax.sharding import Mesh
 
 from flaxstate import host_memory as host_plan
@@ -46,7 +46,7 @@ from flaxstate.records import format_bytes
 from flaxstate.run_record import fingerprints
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
-from flaxstate.training.options import check_record_memory
+from flaxstate.training.options import LoopSpec
 from flaxstate.training.program import Program
 from flaxstate.training.task import TrainTask
 
@@ -232,6 +232,9 @@ def plan(
     host_memory_budget: HostMemoryBudget | int | None = None,
     max_device_batch: int | None = None,
     local_tier: LocalTier | None = None,
+    collections: Mapping[str, Sequence[str]] | None = None,
+    mutable_collections: CollectionFilter = DenyList("intermediates"),
+    flops_per_step: float | str | Callable[[Any], float] | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -272,6 +275,16 @@ def plan(
         local_tier: the `fs.LocalTier` the writer saves (its host memory counts
             where its directory is memory-backed, as `/dev/shm` is; its peer
             copies and its `keep` with it), or `None` for no local tier.
+        collections: the rng collection names at init and in training, as `TrainLoop` takes them.
+        mutable_collections: which collections the update may change, as `TrainLoop` takes them.
+        flops_per_step: a step's FLOPs, as `TrainLoop` takes them (`Plan.flops_per_step`); by default the
+            model's count.
+
+    The options that shape the loop's programs (`n_steps_per_dispatch`,
+    `n_microbatches`, `max_device_batch`, `collections`, `mutable_collections`,
+    `record_memory`, `record_gradients`, `flops_per_step`) are one
+    `flaxstate.training.options.LoopSpec`, which `TrainLoop` takes from the
+    same keywords.
 
     Returns:
         the `Plan`.
@@ -286,10 +299,7 @@ def plan(
             `peers` without a local tier (as the writer refuses them); `local_tier`
             not a `fs.LocalTier`, or with the deprecated keywords beside it.
     """
-    n_microbatches = settings.count("plan", "n_microbatches", n_microbatches)
-    n_steps_per_dispatch = settings.count("plan", "n_steps_per_dispatch", n_steps_per_dispatch)
-    record_memory = check_record_memory(record_memory, "plan")
-    record_gradients = settings.flag("plan", "record_gradients", record_gradients)
+    spec = LoopSpec.taken("plan", locals())  # the options that `TrainLoop` takes, by the same names
     tier = _local_tier(local_tier, local_dir, local_keep, peers)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
@@ -297,32 +307,40 @@ def plan(
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     with where.context():  # an Explicit mesh's model is traced under it, as the loop traces it
         return _plan(
-            init, task, where, devices, target, batch, n_microbatches, n_steps_per_dispatch, input_sample,
-            device_memory, record_memory, record_gradients, tier, host_memory, host_memory_budget, max_device_batch,
-        )  # fmt: skip
+            init,
+            task,
+            spec,
+            where=where,
+            devices=devices,
+            target=target,
+            batch=batch,
+            input_sample=input_sample,
+            device_memory=device_memory,
+            tier=tier,
+            host_memory=host_memory,
+            host_memory_budget=host_memory_budget,
+        )
 
 
 def _plan(
     init: Any,
     task: TrainTask,
+    spec: LoopSpec,
+    *,
     where: Any,
     devices: list[Any],
     target: str,
     batch: Any,
-    n_microbatches: int,
-    n_steps_per_dispatch: int,
     input_sample: Any,
     device_memory: int | None,
-    record_memory: str,
-    record_gradients: bool,
     tier: LocalTier | None,
     host_memory: int | None,
     host_memory_budget: HostMemoryBudget | None,
-    max_device_batch: int | None,
 ) -> Plan:
     """`plan` once its options are checked and its placement made."""
     global_batch = _global_batch(task, batch)
-    max_device_batch = startup.check_max_device_batch("plan", max_device_batch, n_microbatches)
+    n_microbatches, n_steps_per_dispatch = spec.n_microbatches, spec.n_steps_per_dispatch
+    record_memory, record_gradients, max_device_batch = spec.record_memory, spec.record_gradients, spec.max_device_batch
     if max_device_batch is not None:
         batching.check_divisible(
             global_batch, where.batch_layout.n_parts, "plan", 1, _BATCH_PARTS, source=_BATCH, scope="global"
@@ -333,21 +351,11 @@ def _plan(
         global_batch, where.batch_layout.n_parts, "plan", n_microbatches, _BATCH_PARTS, source=_BATCH, scope="global"
     )
     rng = jax.random.key(0)
-    init_names, apply_names = startup.rng_names(None)
     inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
     sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)), list(inputs))
     model_init = init.target if isinstance(init, startup.ParamsSource) else init  # its files fit the target's shapes
-    state = _abstract_state(*startup.fresh(model_init, task, init_names, rng, sample), where)
-    program = Program.build(
-        placement=where,
-        task=task,
-        rng_names=apply_names,
-        mutable=DenyList("intermediates"),
-        n_microbatches=n_microbatches,
-        state=state,
-        rng=rng,
-        record_gradients=record_gradients,
-    )
+    state = _abstract_state(*startup.fresh(model_init, task, spec.init_names, rng, sample), where)
+    program = Program.build(placement=where, task=task, spec=spec, n_microbatches=n_microbatches, state=state, rng=rng)
     rng_data = jax.ShapeDtypeStruct(jax.random.key_data(rng).shape, jax.random.key_data(rng).dtype)
     batches = _abstract_batches(global_batch, where, n_steps_per_dispatch)
     one_batch = _abstract_batches(global_batch, where, 1)

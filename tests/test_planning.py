@@ -342,3 +342,26 @@ def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside
     assert {"the update", record_program, "a record's device copy"} <= set(planned.programs), planned.programs
     host = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch)  # records in host memory
     assert host.per_device["records"] == 0 and host.per_device["total"] < planned.per_device["total"]
+
+
+def test_the_loop_s_options_reach_the_plan_a_given_flops_count_and_the_rng_collections():
+    # The loop's options are one spec the plan takes too: a user's FLOPs count is the plan's, as the loop's
+    # records report it; rng collections that the model needs in training are the plan's, or its trace fails.
+    model = MLP(width=64)
+    task = task_of(model)
+    given = fs.plan(model.init, task, target="cpu:1", flops_per_step=1e9)
+    loop = fs.TrainLoop(model.init, task, jax.random.key(0), n_steps=1, flops_per_step=1e9, stdout=False)
+    assert given.flops_per_step == loop.next_checkpoint().flops_per_step == 1e9
+
+    class Noisy(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(x + jax.random.normal(self.make_rng("noise"), x.shape))[:, 0]
+
+    noisy = Noisy()
+    data = [(np.ones((16, 256), np.float32), np.zeros((16,), np.float32))] * 2
+    task = fs.TrainTask(apply=noisy.apply, optimizer=optax.adam(1e-3), loss=mse, data=data)
+    collections = {"init": ["params", "noise"], "apply": ["noise"]}
+    assert fs.plan(noisy.init, task, target="cpu:1", collections=collections).flops_per_step > 0
+    with pytest.raises(Exception, match="noise"):  # without them the step asks for an rng it is not given
+        fs.plan(noisy.init, task, target="cpu:1")

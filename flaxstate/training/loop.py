@@ -33,7 +33,7 @@ from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement, startup
 from flaxstate.training import rollback as rolling
 from flaxstate.training.interrupts import Signals
-from flaxstate.training.options import Schedule, check_flops_per_step, check_peak_flops, check_record_memory
+from flaxstate.training.options import LoopSpec, Schedule, check_peak_flops
 from flaxstate.training.program import Program
 from flaxstate.training.progress import ProgressDisplay
 from flaxstate.training.recording import Recorder
@@ -193,19 +193,14 @@ class TrainLoop:
             TypeError: `rng` is neither a key nor an int.
         """
         self._schedule = Schedule(n_steps, n_steps_per_checkpoint, n_steps_per_dispatch, n_microbatches)
+        spec = LoopSpec.taken("TrainLoop", locals())  # the options that `fs.plan` takes, by the same names
         handle_preemption = settings.flag("TrainLoop", "handle_preemption", handle_preemption)
-        record_gradients = settings.flag("TrainLoop", "record_gradients", record_gradients)
         stdout = settings.flag("TrainLoop", "stdout", stdout)
-        n_microbatches = self._schedule.n_microbatches  # checked
-        max_device_batch = startup.check_max_device_batch("TrainLoop", max_device_batch, n_microbatches)
         self._watchdog = Watchdog(check_timeout(hang_timeout))
         weakref.finalize(self, self._watchdog.close)  # a loop dropped mid-run stops its watchdog's thread
         try:
-            record_memory = check_record_memory(record_memory)
             rollback = rolling.check(rollback)
             peak_flops_per_device = check_peak_flops(peak_flops_per_device)
-            flops_per_step = check_flops_per_step(flops_per_step)
-            init_names, apply_names = startup.rng_names(collections)
             where = placement.create(sharding.resolve("TrainLoop", partitioning, devices, mesh, axis_rules))
             self._placement = where
             with where.context():  # a mesh whose shardings are types: traced under `jax.set_mesh`
@@ -213,14 +208,14 @@ class TrainLoop:
                 console.listen(self._progress.log)  # what the writers say (where their checkpoints go)
                 self._signals = Signals(handle_preemption)
                 look = startup.first_look(
-                    task, where, n_microbatches, input_sample, self._watchdog.beat, max_device_batch
+                    task, where, spec.n_microbatches, input_sample, self._watchdog.beat, spec.max_device_batch
                 )
                 n_microbatches = look.n_microbatches
-                if max_device_batch is not None and n_microbatches > 1:
+                if spec.max_device_batch is not None and n_microbatches > 1:
                     logger.info(
                         "TrainLoop(max_device_batch=%d): %d microbatches a step, each device's %d examples of a "
                         "global batch of %d over %d processes",
-                        max_device_batch,
+                        spec.max_device_batch,
                         n_microbatches,
                         look.device_batch,
                         look.batch_size,
@@ -234,7 +229,7 @@ class TrainLoop:
                         rng=rng,
                         placement=where,
                         look=look,
-                        init_names=init_names,
+                        init_names=spec.init_names,
                         progress=self._progress,
                     )
                 if rollback is not None and rollback.lr_scale is not None:
@@ -250,24 +245,21 @@ class TrainLoop:
                 self._program = Program.build(
                     placement=where,
                     task=task,
-                    rng_names=apply_names,
-                    mutable=mutable_collections,
+                    spec=spec,
                     n_microbatches=n_microbatches,
                     state=begun.state,
                     rng=begun.rng,
-                    given_flops=flops_per_step,
-                    record_gradients=record_gradients,
                 )
                 self._recorder = Recorder.create(
                     placement=where,
                     shardings=self._program.shardings,
-                    record_memory=record_memory,
+                    record_memory=spec.record_memory,
                     look=look,
                     begun=begun,
                     progress=self._progress,
                     peak_flops_per_device=peak_flops_per_device,
                     preemption_noticed=self._signals.noticed_here,
-                    microbatches=(n_microbatches, max_device_batch),
+                    microbatches=(n_microbatches, spec.max_device_batch),
                 )
                 self._runner = SegmentRunner(
                     program=self._program,

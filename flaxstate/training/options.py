@@ -1,15 +1,20 @@
 """The options of a training loop that need checking, checked once, at construction.
 
 Each error names the setting, the value found and the fix, before anything
-is read, compiled or restored.
+is read, compiled or restored. `LoopSpec` holds the options that shape the
+programs a loop compiles, which `TrainLoop` and `fs.plan` both take from
+their keywords: an option added to it reaches the plan with no second list
+(MaxText compiles its dry run from the run's own config).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from flax.core.scope import CollectionFilter, DenyList
 
 from flaxstate import settings
 from flaxstate.training import copies, throughput
@@ -109,3 +114,108 @@ def check_peak_flops(peak_flops_per_device: float | str | None) -> float | None:
             f"bfloat16), or None to look the devices up; got {peak_flops_per_device!r}."
         )
     return float(value)
+
+
+def check_max_device_batch(owner: str, max_device_batch: Any, n_microbatches: int) -> int | None:
+    """`max_device_batch`, checked: `None`, or a positive int given without `n_microbatches` (both set the
+    microbatches).
+
+    Raises:
+        ValueError: not a positive int, or given beside `n_microbatches` other than 1, naming both.
+    """
+    if max_device_batch is None:
+        return None
+    max_device_batch = settings.count(owner, "max_device_batch", max_device_batch)
+    if n_microbatches != 1:
+        raise ValueError(
+            f"{owner} got n_microbatches={n_microbatches} and max_device_batch={max_device_batch}: both set the "
+            f"microbatches. Give max_device_batch alone ({owner} chooses the microbatches from each device's "
+            "batch), or n_microbatches alone."
+        )
+    return max_device_batch
+
+
+def rng_names(
+    collections: Mapping[str, Sequence[str]] | None, owner: str = "TrainLoop"
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The rng collection names at init and in training.
+
+    Raises:
+        ValueError: `collections` has keys other than `init` and `apply`.
+    """
+    if collections is None:
+        return ("params", "dropout"), ("dropout",)
+    unknown = set(collections) - {"init", "apply"}
+    if unknown:
+        raise ValueError(
+            f"{owner} collections has keys {sorted(unknown)}; it maps 'init' and 'apply' to rng collection "
+            "names, e.g. {'init': ['params', 'dropout'], 'apply': ['dropout']}."
+        )
+    return tuple(collections.get("init", ("params",))), tuple(collections.get("apply", ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """The options that shape the programs a training loop compiles, checked once: what `TrainLoop` runs and
+    `fs.plan` compiles for a target, each from its own keywords of these names.
+
+    Attributes:
+        n_steps_per_dispatch: K steps in one compiled call.
+        n_microbatches: M microbatches a step (with `max_device_batch`, chosen from the data's batch).
+        max_device_batch: the most examples a device may take at once, or `None`.
+        collections: the rng collection names at init and in training (`{"init": [...], "apply": [...]}`), or
+            `None` for `params` and `dropout` at init and `dropout` in training.
+        mutable_collections: which collections the update may change.
+        record_memory: where records hold their copy, `"host"` or `"device"`.
+        record_gradients: whether records carry their last step's gradients.
+        flops_per_step: a step's FLOPs (a number, or a function of the batch's shapes), or `None` to count them.
+        owner: the door that took them, which each error names.
+
+    Raises:
+        ValueError: a setting that its check refuses, naming the door, the setting and the fix.
+    """
+
+    n_steps_per_dispatch: int = 1
+    n_microbatches: int = 1
+    max_device_batch: int | None = None
+    collections: Mapping[str, Sequence[str]] | None = None
+    mutable_collections: CollectionFilter = DenyList("intermediates")
+    record_memory: str = copies.HOST
+    record_gradients: bool = True
+    flops_per_step: float | str | Callable[[Any], float] | None = None
+    owner: str = dataclasses.field(default="TrainLoop", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        owner = self.owner
+        for name in ("n_steps_per_dispatch", "n_microbatches"):
+            object.__setattr__(self, name, settings.count(owner, name, getattr(self, name)))
+        max_device_batch = check_max_device_batch(owner, self.max_device_batch, self.n_microbatches)
+        object.__setattr__(self, "max_device_batch", max_device_batch)
+        rng_names(self.collections, owner)
+        object.__setattr__(self, "record_memory", check_record_memory(self.record_memory, owner))
+        object.__setattr__(self, "record_gradients", settings.flag(owner, "record_gradients", self.record_gradients))
+        object.__setattr__(self, "flops_per_step", check_flops_per_step(self.flops_per_step))
+
+    @property
+    def init_names(self) -> tuple[str, ...]:
+        """The rng collections the model takes at init."""
+        return rng_names(self.collections, self.owner)[0]
+
+    @property
+    def apply_names(self) -> tuple[str, ...]:
+        """The rng collections the model takes in training."""
+        return rng_names(self.collections, self.owner)[1]
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names: each a keyword of `TrainLoop` and of `fs.plan`."""
+        return tuple(field.name for field in dataclasses.fields(cls) if field.name != "owner")
+
+    @classmethod
+    def taken(cls, owner: str, keywords: Mapping[str, Any]) -> LoopSpec:
+        """The spec of a door's keywords (its `locals()` where it begins), each option by its own name.
+
+        Raises:
+            ValueError: as the spec's checks raise, naming `owner`.
+        """
+        return cls(**{name: keywords[name] for name in cls.names()}, owner=owner)

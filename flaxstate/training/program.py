@@ -11,13 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
-from flax.core.scope import CollectionFilter
 
 from flaxstate.run_record import fingerprints
 from flaxstate.training import step, throughput
+from flaxstate.training.options import LoopSpec
 from flaxstate.training.placement import Placement
 from flaxstate.training.task import TrainTask
 
@@ -80,30 +80,26 @@ class Program:
         *,
         placement: Placement,
         task: TrainTask,
-        rng_names: tuple[str, ...],
-        mutable: CollectionFilter,
+        spec: LoopSpec,
         n_microbatches: int,
         state: PyTree,
         rng: jax.Array,
-        given_flops: float | Callable[[PyTree], float] | None = None,
-        record_gradients: bool = True,
     ) -> Program:
         """The programs of `task`'s step on `placement`, for `state` (placed) and the run's key `rng`.
 
         Args:
-            rng_names: the rng collections the model takes in training.
-            mutable: the collections the update may change.
-            n_microbatches: M microbatches a step (see `step.microbatched`).
-            given_flops: the user's count of a step's FLOPs, or `None` (see the class).
-            record_gradients: whether records carry their last step's gradients (see the class).
+            spec: the loop's options (its rng collections in training, the collections the update may change,
+                a given count of a step's FLOPs, whether records carry gradients: see the class).
+            n_microbatches: M microbatches a step (see `step.microbatched`): the spec's, or those its
+                `max_device_batch` chose from the data's batch.
         """
         apply, loss = task.step_functions()
         train_step, fenced_step, counted_step = (
             step.make_train_step(
                 apply,
                 loss,
-                rng_names=rng_names,
-                mutable=mutable,
+                rng_names=spec.apply_names,
+                mutable=spec.mutable_collections,
                 across=placement.across,
                 n_microbatches=n_microbatches,
                 fenced=fenced,
@@ -120,8 +116,8 @@ class Program:
             state,
             jax.random.key_impl(rng),
             counted_step if n_microbatches > 1 else None,
-            given_flops,
-            record_gradients,
+            cast(Any, spec.flops_per_step),  # checked: a number or a function
+            spec.record_gradients,
         )
 
     @property

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxstate import nnx, settings
+from flaxstate import nnx
 from flaxstate.global_batches import GlobalBatches
 from flaxstate.records import CheckpointFile, format_bytes
 from flaxstate.train_state import FlaxOptimTrainState
@@ -83,23 +83,6 @@ def as_key(rng: jax.Array | int, owner: str = "TrainLoop") -> jax.Array:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key
     return jax.random.wrap_key_data(jnp.asarray(key, dtype=jnp.uint32))
-
-
-def rng_names(collections: Mapping[str, Sequence[str]] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The rng collection names at init and in training.
-
-    Raises:
-        ValueError: `collections` has keys other than `init` and `apply`.
-    """
-    if collections is None:
-        return ("params", "dropout"), ("dropout",)
-    unknown = set(collections) - {"init", "apply"}
-    if unknown:
-        raise ValueError(
-            f"TrainLoop collections has keys {sorted(unknown)}; it maps 'init' and 'apply' to rng collection "
-            "names, e.g. {'init': ['params', 'dropout'], 'apply': ['dropout']}."
-        )
-    return tuple(collections.get("init", ("params",))), tuple(collections.get("apply", ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,25 +146,6 @@ def first_look(
     else:
         inputs = input_sample if isinstance(input_sample, tuple) else (input_sample,)
     return FirstLook(data, batch_size, batching.global_spec(batch, batch_size), inputs, n_microbatches, device_batch)
-
-
-def check_max_device_batch(owner: str, max_device_batch: Any, n_microbatches: int) -> int | None:
-    """`max_device_batch`, checked: `None`, or a positive int given without `n_microbatches` (both set the
-    microbatches).
-
-    Raises:
-        ValueError: not a positive int, or given beside `n_microbatches` other than 1, naming both.
-    """
-    if max_device_batch is None:
-        return None
-    max_device_batch = settings.count(owner, "max_device_batch", max_device_batch)
-    if n_microbatches != 1:
-        raise ValueError(
-            f"{owner} got n_microbatches={n_microbatches} and max_device_batch={max_device_batch}: both set the "
-            f"microbatches. Give max_device_batch alone ({owner} chooses the microbatches from each device's "
-            "batch), or n_microbatches alone."
-        )
-    return max_device_batch
 
 
 def microbatches_for(device_batch: int, max_device_batch: int) -> int:

@@ -13,6 +13,7 @@ from flax.core import DenyList
 from flaxstate.sharding import Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
 from flaxstate.training import placement
+from flaxstate.training.options import LoopSpec
 from flaxstate.training.program import Program
 from flaxstate.training.task import TrainTask
 from flaxstate_testing.toy import mse
@@ -36,13 +37,6 @@ def build(data: Any = (), n_microbatches: int = 1) -> tuple[placement.DataParall
     where = placement.create(Partitioning(devices=jax.devices()[:1]))
     task = TrainTask(apply=MODEL.apply, optimizer=optax.sgd(0.1), loss=mse, data=data)
     placed = jax.device_put(state(), where.state_shardings(state()))
-    program = Program.build(
-        placement=where,
-        task=task,
-        rng_names=(),
-        mutable=MUTABLE,
-        n_microbatches=n_microbatches,
-        state=placed,
-        rng=RNG,
-    )
+    spec = LoopSpec(collections={"apply": ()}, mutable_collections=MUTABLE, n_microbatches=n_microbatches)
+    program = Program.build(placement=where, task=task, spec=spec, n_microbatches=n_microbatches, state=placed, rng=RNG)
     return where, program, placed

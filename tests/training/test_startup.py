@@ -20,13 +20,6 @@ def test_a_key_comes_from_a_key_raw_key_data_or_an_int_seed_and_nothing_else():
         startup.as_key(True)
 
 
-def test_rng_collections_default_to_params_and_dropout_and_unknown_keys_are_named():
-    assert startup.rng_names(None) == (("params", "dropout"), ("dropout",))
-    assert startup.rng_names({"apply": ["noise"]}) == (("params",), ("noise",))
-    with pytest.raises(ValueError, match=r"collections has keys \['train'\]"):
-        startup.rng_names({"train": ["dropout"]})
-
-
 def test_the_process_started_before_now():
     started = startup.process_start_time()
     assert started <= time.time() and time.time() - started < 24 * 3600
