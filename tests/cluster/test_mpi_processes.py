@@ -143,7 +143,12 @@ def test_a_join_that_waits_says_how_long_and_for_whom_and_a_wrong_count_is_refus
         (0, r"for the coordinator at 127\.0\.0\.1:\d+ \(process 0's\): nothing answers there"),
     ):
         ranks.append(
-            run := mpirun(tmp_path, {"late": late, "delay": 4}, worker=JOIN, FLAXSTATE_JOIN_REPORT_SECONDS="1")
+            run := mpirun(
+                tmp_path,
+                {"late": late, "delay": 4, "ready": str(tmp_path / f"ready-{late}")},
+                worker=JOIN,
+                FLAXSTATE_JOIN_REPORT_SECONDS="1",
+            )
         )
         assert run.finish(timeout=120) == 0, run.output
         assert statuses(run.output) == ["exit 0", "exit 0"], run.output

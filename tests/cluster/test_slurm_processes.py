@@ -293,7 +293,7 @@ def test_srun_tasks_that_ask_for_another_count_are_refused_at_once_and_a_late_ta
     refused = "would wait for 4 processes, and srun started 2 (SLURM_NTASKS=2)"
     assert all(refused in lines_of(run.output, task) for task in ("0", "1")), run.output
 
-    late = json.dumps({"late": 1, "delay": 4})
+    late = json.dumps({"late": 1, "delay": 4, "ready": str(tmp_path / "ready")})
     run = cluster.srun("-n", "2", "--export=ALL,FLAXSTATE_JOIN_REPORT_SECONDS=1", *join, late, cwd=tmp_path)
     assert run.finish(timeout=120) == 0, run.output
     assert "0: joined 0 of 2" in run.output and "1: joined 1 of 2" in run.output, run.output
