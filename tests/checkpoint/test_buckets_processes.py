@@ -271,7 +271,7 @@ def test_two_tiers_local_disks_and_a_bucket_over_two_processes(bucket, tmp_path)
         shutil.rmtree(tmp_path / f"local-{i}")
 
     url = f"{bucket.scheme}://runs/tiers"
-    workers = start(url, data_sleep=0.03)  # 170 steps after the persistent save: time for its commit
+    workers = start(url, data_sleep=0.03, wait_saved=True)  # the persistent save committed before any kill
     try:
         for worker in workers:
             worker.wait_for("record 50", timeout=240)

@@ -32,6 +32,7 @@ def test_kill_9_between_checkpoints_then_restart_counts_the_steps_trained_twice(
     run_dir = tmp_path / "run"
     # Saves only step 20 (and the final one): killed after the record of step 40, 20 steps are trained twice.
     config = dict(CONFIG, output_dir=str(run_dir), out=str(tmp_path / "a.npz"), save_steps=[20], resume=False)
+    config["wait_saved"] = True  # step 20 committed before the kill, however loaded the machine
     began = time.time()
     worker = processes.Watched(processes.start("resume", config))
     worker.wait_for("record 40", timeout=120)

@@ -51,6 +51,7 @@ def killed(tmp_path_factory) -> dict:
         "local_dirs": [str(directory / f"local-{i}") for i in range(2)],
         "out": str(directory / "final.npz"),
         "save_steps": [PERSISTENT_STEP],
+        "wait_saved": True,  # committed before the kill: under load the background save was still running at 70
     }
     port = processes.free_port()
     workers = [processes.Watched(processes.start("resume.py", config, i, 2, port)) for i in range(2)]
