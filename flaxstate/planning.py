@@ -43,7 +43,6 @@ from flaxstate.checkpoint.budget import HostMemoryBudget
 from flaxstate.checkpoint.tiers import local_tier as tiers
 from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.records import format_bytes
-from flaxstate.run_record import fingerprints
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
 from flaxstate.training.options import LoopSpec
@@ -360,7 +359,7 @@ def _plan(
     batches = _abstract_batches(global_batch, where, n_steps_per_dispatch)
     one_batch = _abstract_batches(global_batch, where, 1)
     sizes = _state_bytes(state)
-    memories = _programs_memory(program, state, batches, one_batch, rng_data, n_steps_per_dispatch, record_gradients)
+    memories = _programs_memory(program, state, batches, rng_data, n_steps_per_dispatch)
     records = _records_bytes(sizes, record_memory, record_gradients)
     programs = {
         name: _per_device(sizes, batches, memory, refused, records)["total"]
@@ -444,24 +443,18 @@ _UPDATE, _COPY = "the update", "a record's device copy"
 
 
 def _programs_memory(
-    program: Program, state: Any, batches: Any, one_batch: Any, rng_data: Any, n_steps: int, record_gradients: bool
+    program: Program, state: Any, batches: Any, rng_data: Any, n_steps: int
 ) -> dict[str, tuple[Any, int | None]]:
-    """XLA's memory analysis of each program the loop runs, by name (`_compiled_memory`): the update of K steps; a
-    record's update (K > 1: with the last step's gradients and the state's fingerprint), or, where a record is a
-    dispatch of one step, its gradients' program and its fingerprint's (`flaxstate.training.program`)."""
+    """XLA's memory analysis of each program the loop runs, by name (`_compiled_memory`): the update of K steps, and
+    a record's update where it is a program of its own (with the last step's gradients and the state's fingerprint:
+    `flaxstate.training.program`)."""
     leaves = jax.tree.leaves(state)
     update: Any = program.update(n_steps)  # jax.jit objects: `lower` gives XLA's program
     lowered: dict[str, Callable[[], Any]] = {_UPDATE: lambda: update.lower(leaves, batches, rng_data)}
-    if n_steps > 1:
-        record: Any = program.record_update(n_steps)
+    record: Any = program.record_update(n_steps)
+    if record is not update:
         lowered["a record's update"] = lambda: record.lower(leaves, batches, rng_data)
-    elif record_gradients:
-        gradients: Any = program.gradients()
-        lowered["a record's gradients"] = lambda: gradients.lower(leaves, one_batch, rng_data)
-    memories = {name: _compiled_memory(lower) for name, lower in lowered.items()}
-    if n_steps == 1 and fingerprints.ENABLED:  # its own program where a record is one step's
-        memories["a record's fingerprint"] = _compiled_memory(lambda: fingerprints.compile_ahead(leaves), lowered=False)
-    return memories
+    return {name: _compiled_memory(lower) for name, lower in lowered.items()}
 
 
 def _compiled_memory(lower: Callable[[], Any], lowered: bool = True) -> tuple[Any, int | None]:

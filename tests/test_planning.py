@@ -15,7 +15,6 @@ from flax import nnx
 from flaxstate_testing import lm
 
 import flaxstate as fs
-from flaxstate.run_record import fingerprints
 from flaxstate.training import batching as fs_batching
 
 RULES = [("batch", "fsdp"), ("embed", "fsdp"), ("mlp", None)]
@@ -283,8 +282,8 @@ def compiled_peak(compiled) -> int:
 
 
 def peaks_of_what_the_loop_made(loop: fs.TrainLoop, record: fs.Checkpoint, batch) -> dict[str, int]:
-    """Each program the loop compiled (`Program.made`) and the fingerprint of its records, compiled for the shapes
-    and shardings of the record's state, with XLA's peak of each."""
+    """Each program the loop compiled (`Program.made`), compiled for the shapes and shardings of the record's
+    state, with XLA's peak of each."""
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in jax.tree.leaves(record.state)]
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fs_batching.normalize(batch, "test"))
     key = jax.random.key_data(jax.random.key(0))
@@ -294,15 +293,14 @@ def peaks_of_what_the_loop_made(loop: fs.TrainLoop, record: fs.Checkpoint, batch
         n_steps = int(name.split()[2]) if name.startswith("update") else 1
         stacked = jax.tree.map(lambda x, n=n_steps: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), one)
         peaks[name] = compiled_peak(made.lower(leaves, one if n_steps == 1 else stacked, key).compile())
-    peaks["fingerprint"] = compiled_peak(fingerprints.compile_ahead(leaves))
     return peaks
 
 
 @pytest.mark.parametrize("n_steps_per_dispatch", [1, 10])
 @pytest.mark.parametrize("kind", ["linen", "nnx", "lm"])
 def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside_it(kind, n_steps_per_dispatch):
-    # A run with records in device memory, each with its gradients: K=1 records run the update, then the
-    # gradients' program and the fingerprint's; K=10 a record's update that gives both. The plan compiled from
+    # A run with records in device memory, each with its gradients: a record's dispatch runs a record's update
+    # that gives both its gradients and its fingerprint, at K=1 as at K=10. The plan compiled from
     # shapes alone must hold the largest program the loop made plus the copies a record keeps on the device.
     if kind == "linen":
         model = MLP(width=128)
@@ -338,8 +336,7 @@ def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside
     assert planned.per_device["total"] == max(planned.programs.values())
     assert planned.programs[planned.peak_program] == planned.per_device["total"]
     assert f"the peak is {planned.peak_program}'s" in str(planned)
-    record_program = "a record's update" if n_steps_per_dispatch > 1 else "a record's gradients"
-    assert {"the update", record_program, "a record's device copy"} <= set(planned.programs), planned.programs
+    assert {"the update", "a record's update", "a record's device copy"} <= set(planned.programs), planned.programs
     host = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch)  # records in host memory
     assert host.per_device["records"] == 0 and host.per_device["total"] < planned.per_device["total"]
 

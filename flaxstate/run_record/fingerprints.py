@@ -152,13 +152,6 @@ def of_state(leaves: Sequence[jax.Array]) -> jax.Array:
     return _lanes(list(leaves))
 
 
-def compile_ahead(leaves: Sequence[jax.ShapeDtypeStruct]) -> Any:
-    """Compiles `of_state` for a state of these shapes, dtypes and shardings, so that its first call finds it
-    compiled (a loop's first segment compiles it beside its update, on a thread of its own); returns the compiled
-    program (`fs.plan` asks it for its memory)."""
-    return _lanes.lower(list(leaves)).compile()
-
-
 def text(lanes: Any) -> str:
     """A fingerprint's 16 hex digits (waits for the devices)."""
     first, second = np.asarray(lanes, dtype=np.uint32).tolist()  # 1 us; `jax.device_get`'s tree walk took 8 us

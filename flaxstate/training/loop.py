@@ -30,7 +30,7 @@ from flaxstate.records import Checkpoint
 from flaxstate.run_record import console
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.train_state import FlaxOptimTrainState
-from flaxstate.training import placement, startup
+from flaxstate.training import copies, placement, startup
 from flaxstate.training import rollback as rolling
 from flaxstate.training.interrupts import Signals
 from flaxstate.training.options import LoopSpec, Schedule, check_peak_flops
@@ -249,6 +249,8 @@ class TrainLoop:
                     n_microbatches=n_microbatches,
                     state=begun.state,
                     rng=begun.rng,
+                    # Where records hold views of the loop's arrays, their fingerprint is taken when first read.
+                    fingerprinted_records=not copies.lends(where.mesh, spec.record_memory),
                 )
                 self._recorder = Recorder.create(
                     placement=where,
@@ -278,7 +280,7 @@ class TrainLoop:
                     loss_window=(restored_position or {}).get("loss_window"),
                 )
                 if rollback is not None:  # the point the first record's steps go back to
-                    self._runner.hold(self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0])
+                    self._runner.hold(self._copy_state())
                 self._rollback_scale = None if rollback is None else rollback.lr_scale
                 self._made: Checkpoint | None = None
                 """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
@@ -322,7 +324,13 @@ class TrainLoop:
         valid for as long as they are held.
         """
         with self._placement.context():
-            return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
+            return self._copy_state()
+
+    def _copy_state(self) -> FlaxOptimTrainState:
+        """The live state as a record holds it (a view the next dispatch leaves, where the recorder `lends`)."""
+        if self._recorder.lends:
+            self._runner.lend()
+        return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
@@ -461,5 +469,7 @@ class TrainLoop:
             rolled_back=rolled_back,
             loss_window=self._runner.loss_window(),
         )
+        if self._recorder.lends:
+            self._runner.lend()
         self._runner.hold(record.state)
         return record

@@ -1,9 +1,10 @@
-"""A loop's compiled programs: the update of K steps in one call, and a record's gradients.
+"""A loop's compiled programs: the update of K steps in one call, and a record's update.
 
 Built from the pure step functions of `flaxstate.training.step` and compiled
 by the loop's placement, once each (the update once per K used). The update
 of any K returns one structure, `(state_leaves, losses)`; a record's dispatch
-also gives its last step's gradients (see `step.update_program`).
+runs the same steps in a program that also gives its last step's gradients
+and the new state's fingerprint (see `step.update_program`), at K = 1 as at K > 1.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ _UNKNOWN = object()
 
 
 class Program:
-    """The compiled update and gradients of one loop's state, on its placement.
+    """The compiled updates of one loop's state, on its placement.
 
     Args:
         placement: where the loop runs.
-        train_step: `step.make_train_step(...)`, with the placement's `across`.
-        fenced_step: the same, `fenced` (the K-step updates').
+        fenced_step: `step.make_train_step(..., fenced=True)`, with the placement's `across`: every update's,
+            so that a record's program (which also returns the gradients) and any other give the same state bit
+            for bit, wherever records fall.
         shardings: the state's shardings (`placement.state_shardings(state)`).
         state: the state (the programs take its flat leaves; only its
             structure, shapes, dtypes and shardings are kept).
@@ -41,14 +43,14 @@ class Program:
         given_flops: the user's count of a step's FLOPs (`TrainLoop(flops_per_step=...)`):
             a number, or a function of the global batch's shapes; `None` to count the model's.
         record_gradients: whether a record's dispatch also gives its last step's gradients
-            (`TrainLoop(record_gradients=...)`): with them, a record of one step runs a second
-            program, the gradients', beside the update (`update`); without, the update alone.
+            (`TrainLoop(record_gradients=...)`), from its own update program (`record_update`).
+        fingerprinted_records: whether a record's dispatch also gives the state's fingerprint; else the
+            recorder takes it from the record's state when it is first read (`flaxstate.training.recording`).
     """
 
     def __init__(
         self,
         placement: Placement,
-        train_step: Callable[..., Any],
         fenced_step: Callable[..., Any],
         shardings: PyTree,
         state: PyTree,
@@ -56,10 +58,11 @@ class Program:
         counted_step: Callable[..., Any] | None = None,
         given_flops: float | Callable[[PyTree], float] | None = None,
         record_gradients: bool = True,
+        fingerprinted_records: bool = True,
     ) -> None:
         self._placement = placement
         self.record_gradients = record_gradients
-        self._train_step = train_step
+        self.fingerprinted_records = fingerprinted_records
         self._fenced_step = fenced_step
         self._counted_step = counted_step
         self._shardings = shardings
@@ -68,8 +71,7 @@ class Program:
             jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in leaves
         ]
         self._rng_impl = rng_impl
-        self._updates: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
-        self._gradients: Callable[..., Any] | None = None
+        self._updates: dict[tuple[int, bool, bool, bool], Callable[..., Any]] = {}
         self._given_flops = given_flops
         self._flops: Any = _UNKNOWN
         self._xla_flops: Any = _UNKNOWN
@@ -84,6 +86,7 @@ class Program:
         n_microbatches: int,
         state: PyTree,
         rng: jax.Array,
+        fingerprinted_records: bool = True,
     ) -> Program:
         """The programs of `task`'s step on `placement`, for `state` (placed) and the run's key `rng`.
 
@@ -92,9 +95,10 @@ class Program:
                 a given count of a step's FLOPs, whether records carry gradients: see the class).
             n_microbatches: M microbatches a step (see `step.microbatched`): the spec's, or those its
                 `max_device_batch` chose from the data's batch.
+            fingerprinted_records: see the class.
         """
         apply, loss = task.step_functions()
-        train_step, fenced_step, counted_step = (
+        fenced_step, counted_step = (
             step.make_train_step(
                 apply,
                 loss,
@@ -105,12 +109,11 @@ class Program:
                 fenced=fenced,
                 unrolled=unrolled,
             )
-            for fenced, unrolled in ((False, False), (True, False), (False, True))
+            for fenced, unrolled in ((True, False), (False, True))
         )
         shardings = placement.state_shardings(state)
         return cls(
             placement,
-            train_step,
             fenced_step,
             shardings,
             state,
@@ -118,6 +121,7 @@ class Program:
             counted_step if n_microbatches > 1 else None,
             cast(Any, spec.flops_per_step),  # checked: a number or a function
             spec.record_gradients,
+            fingerprinted_records,
         )
 
     @property
@@ -125,33 +129,43 @@ class Program:
         """The state's shardings."""
         return self._shardings
 
-    def update(self, n_steps: int, gradients: bool = False, fingerprinted: bool = False) -> Callable[..., Any]:
+    def update(
+        self, n_steps: int, gradients: bool = False, fingerprinted: bool = False, donated: bool = True
+    ) -> Callable[..., Any]:
         """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses)` of `n_steps` steps.
 
         The state is donated; `batches` are stacked along a leading axis of
-        `n_steps` when it is more than one. With `gradients` (`n_steps` > 1)
-        the last step's gradients come out too, a record's; with
-        `fingerprinted` (`n_steps` > 1, where records are fingerprinted:
-        `fingerprints.ENABLED`) then the new state's fingerprint (see
-        `step.update_program`; a record's dispatch runs `record_update`). A
-        `jax.jit` object: its `lower(...).compile()` gives XLA's cost and
-        memory analyses.
+        `n_steps` when it is more than one. With `gradients` the last step's
+        gradients come out too, a record's; with `fingerprinted` (where
+        records are fingerprinted: `fingerprints.ENABLED`) then the new
+        state's fingerprint (see `step.update_program`; a record's dispatch
+        runs `record_update`). Every update runs the fenced step, so the state
+        is the same bit for bit whichever of them ran a step. Not `donated`,
+        the state given is left as it was: the first dispatch after a record
+        that holds views of the loop's arrays (`flaxstate.training.copies`)
+        runs so. A `jax.jit` object: its `lower(...).compile()` gives XLA's
+        cost and memory analyses.
         """
-        fingerprinted = fingerprinted and fingerprints.ENABLED and n_steps > 1
-        key = n_steps, gradients, fingerprinted
+        fingerprinted = fingerprinted and fingerprints.ENABLED
+        key = n_steps, gradients, fingerprinted, donated
         if key not in self._updates:
-            train_step = self._fenced_step if n_steps > 1 else self._train_step
-            program = step.update_program(train_step, n_steps, self._treedef, self._rng_impl, gradients, fingerprinted)
+            program = step.update_program(
+                self._fenced_step, n_steps, self._treedef, self._rng_impl, gradients, fingerprinted
+            )
             stacked = n_steps > 1
             self._updates[key] = self._placement.compile_update(
-                program, self._shardings, stacked, gradients, fingerprinted
+                program, self._shardings, stacked, gradients, fingerprinted, donated
             )
         return self._updates[key]
 
-    def record_update(self, n_steps: int) -> Callable[..., Any]:
-        """The compiled update of a record's dispatch of `n_steps` > 1 steps: `(state_leaves, losses[, grads]
-        [, fingerprint])`, its last step's gradients where records carry them (`record_gradients`)."""
-        return self.update(n_steps, gradients=self.record_gradients, fingerprinted=True)
+    def record_update(self, n_steps: int, donated: bool = True) -> Callable[..., Any]:
+        """The compiled update of a record's dispatch of `n_steps` steps: `(state_leaves, losses[, grads]
+        [, fingerprint])`, its last step's gradients where records carry them (`record_gradients`), the new
+        state's fingerprint where records are fingerprinted (`fingerprinted_records`). At one step as at K:
+        no second forward and backward pass for the gradients, no call of its own for the fingerprint."""
+        return self.update(
+            n_steps, gradients=self.record_gradients, fingerprinted=self.fingerprinted_records, donated=donated
+        )
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The model FLOPs of one global step (computed once): the user's count, else the model's.
@@ -206,34 +220,26 @@ class Program:
             self._xla_flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._xla_flops
 
-    def gradients(self) -> Callable[..., Any]:
-        """The compiled `(state_leaves, batch, rng_data) -> grads` of one step (nothing donated)."""
-        if self._gradients is None:
-            program = step.gradients_program(self._train_step, self._treedef, self._rng_impl)
-            self._gradients = self._placement.compile_gradients(program, self._shardings)
-        return self._gradients
-
     def made(self) -> dict[str, Callable[..., Any]]:
         """The programs made so far (each `jax.jit` object compiles at its first call), by what they are:
-        `"update of N steps"`, with `", gradients"` and `", fingerprinted"` where a record's, and `"gradients"`.
-        What `fs.plan` counts is checked against them."""
+        `"update of N steps"`, with `", gradients"` and `", fingerprinted"` where a record's, `", not donated"`
+        where the state was lent. What `fs.plan` counts is checked against them."""
         found: dict[str, Callable[..., Any]] = {}
-        for (n_steps, gradients, fingerprinted), update in self._updates.items():
+        for (n_steps, gradients, fingerprinted, donated), update in self._updates.items():
             name = f"update of {n_steps} steps" + ", gradients" * gradients + ", fingerprinted" * fingerprinted
+            name += ", not donated" * (not donated)
             found[name] = update
-        if self._gradients is not None:
-            found["gradients"] = self._gradients
         return found
 
     def compile_ahead(self, batch: Any, rng_data: Any, sizes: list[int]) -> None:
         """Compiles, at once on threads of their own, the programs a segment of dispatches of `sizes` steps calls
-        (its record the last, with its fingerprint's where that is a call of its own), and the one-step update of
-        XLA's FLOPs count (`xla_flops_per_step`).
+        (its record's update the last), and the one-step update of XLA's FLOPs count (`xla_flops_per_step`).
 
-        One program after another, a run's first record of one step compiled the update and then its gradients'
-        program (the same forward and backward pass): Flax's NNX tutorial's CNN took 1.45 times the tutorial's
-        own loop to its first step. XLA compiles outside Python's lock, so the compiles overlap on the host's
-        cores; a program's first call then finds it compiled. A compile that fails raises here, as its call would.
+        One program after another, a run's first segment compiled the update and then its record's (the same
+        forward and backward pass, which also returns the gradients): Flax's NNX tutorial's CNN took 1.45 times
+        the tutorial's own loop to its first step. XLA compiles outside Python's lock, so the compiles overlap on
+        the host's cores; a program's first call then finds it compiled. A compile that fails raises here, as its
+        call would.
 
         Args:
             batch, rng_data: one step's global batch and the key's data (arrays or `jax.ShapeDtypeStruct`s).
@@ -247,13 +253,8 @@ class Program:
 
         record = sizes[-1] if sizes else 1
         programs: list[tuple[Any, int]] = [(self.update(n), n) for n in sorted(set(sizes[:-1]))]
-        if record > 1:
-            programs.append((self.record_update(record), record))
-        elif self.record_gradients:  # else the record's one step is the update's (the FLOPs count's job below)
-            programs.append((self.gradients(), 1))
-        jobs = [lambda: self.xla_flops_per_step(batch, rng_data)]  # the one-step update, for its cost analysis
-        if record == 1 and fingerprints.ENABLED:  # a record of one step takes its fingerprint by a call of its own
-            jobs.append(lambda: fingerprints.compile_ahead(self._abstract_leaves))
+        programs.append((self.record_update(record), record))  # the one-step update itself where it adds nothing
+        jobs: list[Callable[[], Any]] = [lambda: self.xla_flops_per_step(batch, rng_data)]  # the one-step update's
         jobs += [
             functools.partial(lambda p, n: p.lower(self._abstract_leaves, stacked(n), rng_data).compile(), p, n)
             for p, n in programs

@@ -153,8 +153,10 @@ class SegmentRunner:
         """The run key's raw data, on the devices (the compiled programs take it)."""
         self._watchdog = watchdog
         self._global_batch = global_batch
-        self._compiled: set[tuple[int, bool]] = set()
-        """The (size, whether a record's) of the dispatches made before: the first of each compiles."""
+        self._compiled: set[int] = set()
+        """The programs (their ids) dispatched before: the first dispatch of each compiles."""
+        self._lent = False
+        """Whether a record holds views of `leaves` (`lend`): the next dispatch leaves them as they are."""
         self._flops_counted = False
         """Whether a segment has counted the FLOPs (`Program` keeps them)."""
         self._patience = nonfinite.patience(loss_scaling)
@@ -245,6 +247,11 @@ class SegmentRunner:
             return None
         return [float(loss) if np.isfinite(loss) else None for loss in np.asarray(jax.device_get(self._history))]
 
+    def lend(self) -> None:
+        """Notes that a record holds views of the live state's arrays (`flaxstate.training.copies`): the next
+        dispatch runs its update without donating them, and later ones donate again."""
+        self._lent = True
+
     def hold(self, state: PyTree) -> None:
         """Holds `state` (a record's copy of the live state at this step) as the point a rollback goes back to."""
         if self._rollback is not None:
@@ -330,11 +337,11 @@ class SegmentRunner:
     def _dispatch_until(self, sizes: Sequence[int], total: int, segment: _Segment) -> tuple[Any, Any]:
         """Runs the dispatches of `sizes` steps each; returns the last step's gradients and state fingerprint.
 
-        The last dispatch gives them: K steps by the update that also returns
-        its last step's and the fingerprint (`Program.record_update`), one step
-        by the gradients' program beside the update (no fingerprint: `None`).
-        Where records carry no gradients (`Program.record_gradients`), they
-        are `None`, and a record's one step is the update alone. Between
+        The last dispatch gives them: its steps by the update that also returns
+        its last step's and the fingerprint (`Program.record_update`), at one
+        step as at K. Where records carry no gradients
+        (`Program.record_gradients`), they are `None`; where records are not
+        fingerprinted (`fingerprints.ENABLED`), the fingerprint is. Between
         dispatches it hands a Ctrl-C over (raising `KeyboardInterrupt`) and
         stops early on a preemption notice (returning `None` for both). The
         state and step are stored, and the batches trained committed, right
@@ -348,26 +355,28 @@ class SegmentRunner:
             return None, None
         queue = collections.deque(itertools.islice(drawn, PREFETCH))
         updates = {n: self._program.update(n) for n in set(sizes)}
+        record_update = self._program.record_update(sizes[-1] if sizes else 1)
+        program = self._program
         grads = fingerprint = None
         for n_left in range(len(sizes) - 1, -1, -1):
             n, host_batch, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
             record = n_left == 0
-            compiled = (n, record and (n > 1 or self._program.record_gradients))  # a record's programs of its own
+            update = record_update if record else updates[n]
+            if self._lent:  # a record's views of the state: this dispatch leaves it as it is
+                update = program.record_update(n, donated=False) if record else program.update(n, donated=False)
+                self._lent = False
+            compiled = id(update)
             if compiled in self._compiled:
                 watchdog.enter(Phase.DISPATCHING, step=self.step)
             else:  # the first dispatch of its kind compiles
                 watchdog.enter(Phase.COMPILING_UPDATE, f" of {n} steps", self.step)
                 self._compiled.add(compiled)
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + n) if _tracing() else _NOT_TRACED:
-                if record and n == 1 and self._program.record_gradients:  # its step's, before the update donates
-                    grads = self._program.gradients()(self.leaves, batch, self.rng_data)
-                if record and n > 1:  # K steps that also give the last one's gradients and the fingerprint
-                    self.leaves, losses, *outputs = self._program.record_update(n)(self.leaves, batch, self.rng_data)
+                self.leaves, losses, *outputs = update(self.leaves, batch, self.rng_data)
+                if record:  # the steps that also give the last one's gradients and the fingerprint
                     grads = outputs.pop(0) if self._program.record_gradients else None
                     fingerprint = outputs[0] if outputs else None
-                else:
-                    self.leaves, losses = updates[n](self.leaves, batch, self.rng_data)
             self.step += n
             self._clock.dispatched(losses)
             watchdog.dispatched(losses)

@@ -7,7 +7,7 @@ mode: where it runs (`flaxstate.training.placement`) hands it an `Across`,
 which tells devices apart and averages over them (per device under
 `shard_map`, `pmean` across the devices; the identity for the global update
 that GSPMD partitions), and compiles the programs built here:
-`update_program` (K steps in one call) and `gradients_program` (a record's
+`update_program` (K steps in one call, a record's with its last step's
 gradients).
 """
 
@@ -164,12 +164,12 @@ def make_train_step(
     """Returns the per-device update `(state, batch, rng) -> (state, grads, loss)`.
 
     `fenced` puts the averaged gradients behind `lax.optimization_barrier`,
-    for the K-step updates: XLA then computes them alike in the scan that
+    for the loop's updates: XLA then computes them alike in the program that
     returns them (a record's) and the one that does not, where it otherwise
     fuses them into the update differently (the digits example resumed at
     step 20 ended a few ulps, amplified by adam to 1e-4, away from an
-    uninterrupted run). One step is left as a hand-written step is: its
-    gradients come from their own program, beside the same update.
+    uninterrupted run). Unfenced, one step is the program a hand-written
+    jit loop runs.
     `unrolled`: the microbatches' loop written out (`microbatched`), a step
     to count FLOPs of, not to run.
 
@@ -262,34 +262,36 @@ def update_program(
     """Returns `(state_leaves, batches, rng_data) -> (state_leaves, losses)`: `n_steps` updates in one call.
 
     One output structure whatever K: `losses` has shape `(n_steps,)`, and
-    K > 1 is a `lax.scan` over K stacked batches. With `gradients` (K > 1
-    only) it also returns the last step's, carried through the scan: a
-    record's dispatch runs it, every other runs the update without (carried
-    through every scan, they cost a small MLP's step 2% here). Given a
-    `fenced` train step (`make_train_step`), the two give the same state bit
-    for bit, wherever records fall. With `fingerprinted` too, the record's
-    dispatch also returns its state's fingerprint (`flaxstate.run_record.fingerprints`),
-    computed after the scan (so nothing of it joins the steps' kernels): on
-    this project's CPUs a separate call for it, made once a record with the
-    host's caches cold from the steps, cost several times as much. A record
-    of one step computes its gradients with `gradients_program` instead,
-    beside the same update (and its fingerprint by a call of its own). The
-    state travels as its flat list of leaves (`treedef` rebuilds it inside)
-    and the key as its raw data (`rng_impl` rewraps it), which keeps the
-    per-step dispatch in JAX's C++ path, off Python's pytree flattening.
+    K > 1 is a `lax.scan` over K stacked batches. With `gradients` it also
+    returns the last step's (carried through the scan at K > 1): a record's
+    dispatch runs it, every other runs the update without (carried through
+    every scan, they cost a small MLP's step 2% here). Given a `fenced` train
+    step (`make_train_step`), the two give the same state bit for bit,
+    wherever records fall. A record of one step so costs one forward and
+    backward pass, as any step: a program of the gradients alone, beside
+    the update, cost a compute-bound step's record a second pass. With
+    `fingerprinted` too, the record's dispatch also returns its state's
+    fingerprint (`flaxstate.run_record.fingerprints`), computed after the
+    steps (so nothing of it joins the steps' kernels): on this project's CPUs
+    a separate call for it, made once a record with the host's caches cold
+    from the steps, cost several times as much. The state travels as its
+    flat list of leaves (`treedef` rebuilds it inside) and the key as its
+    raw data (`rng_impl` rewraps it), which keeps the per-step dispatch in
+    JAX's C++ path, off Python's pytree flattening.
     """
 
     def steps(state: PyTree, batches: Batch, rng: jax.Array) -> tuple[Any, ...]:
         if n_steps == 1:
-            state, _, loss = train_step(state, batches, rng)
-            return state, jnp.reshape(loss.astype(jnp.float32), (1,))
+            state, step_grads, loss = train_step(state, batches, rng)
+            grads, losses = ([step_grads] if gradients else []), jnp.reshape(loss.astype(jnp.float32), (1,))
+        else:
 
-        def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
-            state, grads, loss = train_step(carry[0], batch, rng)
-            return ((state, grads) if gradients else (state,)), loss.astype(jnp.float32)
+            def body(carry: tuple[Any, ...], batch: Batch) -> tuple[tuple[Any, ...], jax.Array]:
+                state, grads, loss = train_step(carry[0], batch, rng)
+                return ((state, grads) if gradients else (state,)), loss.astype(jnp.float32)
 
-        start = (state, jax.tree.map(jnp.zeros_like, state.params)) if gradients else (state,)
-        (state, *grads), losses = lax.scan(body, start, batches, length=n_steps)
+            start: tuple[Any, ...] = (state, jax.tree.map(jnp.zeros_like, state.params)) if gradients else (state,)
+            (state, *grads), losses = lax.scan(body, start, batches, length=n_steps)
         fingerprint = [fingerprints.of_state(jax.tree.leaves(state))] if fingerprinted else []
         return state, losses, *grads, *fingerprint
 
@@ -297,21 +299,5 @@ def update_program(
         state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
         state, *outputs = steps(state, batches, rng)
         return jax.tree.leaves(state), *outputs
-
-    return program
-
-
-def gradients_program(
-    train_step: Callable[..., tuple[PyTree, PyTree, jax.Array]], treedef: Any, rng_impl: Any
-) -> Callable[..., PyTree]:
-    """Returns `(state_leaves, batch, rng_data) -> grads` of one step.
-
-    The gradients that the update of that state on that batch applies (the
-    same function; XLA drops the update itself).
-    """
-
-    def program(leaves: list[jax.Array], batch: Batch, rng_data: jax.Array) -> PyTree:
-        state, rng = _rebuild(treedef, leaves, rng_impl, rng_data)
-        return train_step(state, batch, rng)[1]
 
     return program

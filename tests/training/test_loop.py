@@ -1,3 +1,5 @@
+import dataclasses
+import pickle
 import time
 
 import flax.linen as nn
@@ -11,7 +13,8 @@ from flax import nnx
 from flaxstate_testing import loops, nnx_models, toy
 
 import flaxstate as fs
-from flaxstate.training import segment
+from flaxstate.run_record import fingerprints
+from flaxstate.training import copies, segment
 
 MODEL = toy.BatchNormNet()
 MLP = toy.MLP()
@@ -65,21 +68,35 @@ def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
     ]
     opt_state = tx.init(params)
 
-    # The plainest hand-written step: parameters, optimizer state and loss out, nothing more.
+    # The plainest hand-written step: parameters, optimizer state and loss out, nothing more; and
+    # the same with its gradients behind an optimization barrier, as every step of the loop has them
+    # (so that a record's program, which also returns them, trains the same bits as any other).
     def grads_of(params, x, y):
         return jax.value_and_grad(lambda p: toy.mse(MLP.apply({"params": p}, x), y))(params)
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        loss, grads = grads_of(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def make_step(fenced):
+        @jax.jit
+        def step(params, opt_state, x, y):
+            loss, grads = grads_of(params, x, y)
+            grads = jax.lax.optimization_barrier(grads) if fenced else grads
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
-    for x, y in data:
-        last_params = params
-        params, opt_state, loss = step(params, opt_state, x, y)
+        return step
+
+    ran = {}
+    for fenced in (True, False):
+        params_now, opt_now, step = params, opt_state, make_step(fenced)
+        for x, y in data:
+            last_params = params_now
+            params_now, opt_now, loss = step(params_now, opt_now, x, y)
+        ran[fenced] = params_now, last_params, loss
     assert final.step == 10
-    assert_trees_match_handwritten(final.state.params, params)
+    fenced_params, last_params, loss = ran[True]
+    assert_trees_match_handwritten(final.state.params, fenced_params)
+    # The plain loop's XLA program fuses the gradients into adam's update its own way: an ulp apart.
+    for x, y in zip(leaves(final.state.params), leaves(ran[False][0]), strict=True):
+        np.testing.assert_allclose(x, y, **TOLERANCE)
     # The record's gradients are its last step's: those of the parameters before it, on its batch.
     assert_trees_match_handwritten(final.grads, jax.jit(grads_of)(last_params, *data[-1])[1])
     np.testing.assert_allclose(final.loss, float(loss), rtol=0 if ON_CPU else TOLERANCE["rtol"])
@@ -87,7 +104,7 @@ def test_one_device_equals_a_handwritten_optax_loop_bit_for_bit():
 
 @pytest.mark.parametrize("per_dispatch", [1, 2])
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_records_without_gradients_train_the_same_bits_and_compile_no_gradients_program(api, per_dispatch):
+def test_records_without_gradients_train_the_same_bits_and_compile_no_program_that_returns_them(api, per_dispatch):
     # Batch statistics in both; in NNX also dropout at call time and a Variable of the user's own.
     def run(record_gradients):
         options = {"record_gradients": record_gradients, "stdout": False}
@@ -108,13 +125,23 @@ def test_records_without_gradients_train_the_same_bits_and_compile_no_gradients_
             )
         return list(loop), loop
 
-    with_gradients, _ = run(True)
+    with_gradients, with_loop = run(True)
     without, loop = run(False)
     assert [r.grads is None for r in with_gradients + without] == [False] * 3 + [True] * 3
     for a, b in zip(with_gradients, without, strict=True):
         assert (a.step, a.loss, a.state_fingerprint) == (b.step, b.loss, b.state_fingerprint)
         assert_trees_equal(a.state, b.state)
-    assert loop.program._gradients is None  # the record's step is the update alone: one program fewer to compile
+    # A record's program returns what its records carry, and no other program returns gradients (the
+    # one-step update is XLA's FLOPs count's too).
+    # (A dispatch after a record that holds views of the loop's arrays runs its program undonated, and the
+    # record's fingerprint is then taken when read, not by its dispatch: see the tests below.)
+    record = f"update of {per_dispatch} steps"
+
+    def made(loop):
+        return {name.removesuffix(", not donated").removesuffix(", fingerprinted") for name in loop.program.made()}
+
+    assert made(with_loop) == {"update of 1 steps", record, f"{record}, gradients"}
+    assert made(loop) == {"update of 1 steps", record}
     with pytest.raises(ValueError, match="TrainLoop record_gradients must be True or False, got .no."):
         make_loop(record_gradients="no")
 
@@ -180,6 +207,86 @@ def test_state_is_available_from_construction_and_survives_donation():
     # Both copies remain readable after the loop donated its own state.
     assert int(initial.step) == 0 and int(record.state.step) == 4
     assert int(loop.state.step) == 4
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 2])
+def test_a_record_on_a_cpu_holds_views_of_the_loop_s_arrays_that_no_later_dispatch_writes(per_dispatch):
+    # No copy a record: its state and gradients are read-only views of the arrays the loop made, and the
+    # dispatch after the record leaves them as they are (undonated); `loop.state` is a view too.
+    loop = make_loop(n_steps=12, every=4, per_dispatch=per_dispatch)
+    first = loop.next_checkpoint()
+    state_now = loop.state
+    frozen = jax.tree.map(np.array, (first.state, first.grads, state_now))
+    assert all(leaf.base is not None and not leaf.flags.writeable for leaf in leaves((first.state, first.grads)))
+    rest = list(loop)
+    assert [r.step for r in rest] == [8, 12]
+    assert_trees_equal((first.state, first.grads, state_now), frozen)  # nothing written to them since
+    assert_trees_equal(state_now, first.state)
+    assert f"update of {per_dispatch} steps, not donated" in loop.program.made()
+
+
+def test_a_record_s_state_fingerprint_is_taken_when_read_and_equals_the_one_its_dispatch_gives(monkeypatch):
+    # Where records hold views (a CPU's), the state fingerprint is taken at its first read; elsewhere (a GPU's
+    # path, forced here) the record's dispatch returns it. The two agree for every record, and the fingerprint of
+    # the record's state read by hand; a record's fingerprints survive pickling and `dataclasses.replace`.
+    lending = make_loop(n_steps=8, every=2)
+    lazy = list(lending)
+    assert not any("fingerprinted" in name for name in lending.program.made())
+    assert all(type(r.fingerprints).__name__ == "LazyFingerprints" for r in lazy)
+    texts = [r.state_fingerprint for r in lazy]
+    monkeypatch.setattr(copies, "lends", lambda mesh, memory: False)
+    fused = make_loop(n_steps=8, every=2)
+    eager = list(fused)
+    assert "update of 1 steps, gradients, fingerprinted" in fused.program.made()
+    assert [r.state_fingerprint for r in eager] == texts
+    assert texts[-1] == fingerprints.text(fingerprints.of_state(jax.tree.leaves(lazy[-1].state)))
+    assert len(set(texts)) == 4
+    copied = pickle.loads(pickle.dumps(lazy[0].fingerprints))
+    assert copied == lazy[0].fingerprints and type(copied) is fs.Fingerprints
+    assert dataclasses.replace(lazy[1].fingerprints, data="x").state == texts[1]
+
+
+@pytest.mark.parametrize("per_dispatch", [1, 3])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_the_state_is_the_same_bits_wherever_records_fall(api, per_dispatch):
+    # A record's dispatch runs a program of its own (it also returns the gradients and the fingerprint),
+    # at one step as at K; adam turns an ulp of a near-zero gradient into a step of the learning rate's
+    # size, so a record that moved the state by an ulp would show here. Records every dispatch, every
+    # other dispatch, and only at the end; in NNX with dropout and batch statistics.
+    def run(every):
+        if api == "linen":
+            loop = make_loop(model=MODEL, n_steps=6 * per_dispatch, every=every, per_dispatch=per_dispatch)
+        else:
+            model = nnx_models.CNN(rngs=nnx.Rngs(0))
+            task = fs.TrainTask(
+                apply=model,
+                optimizer=optax.adam(0.005),
+                loss=nnx_models.loss_fn,
+                data=nnx_models.digits(6 * per_dispatch),
+            )
+            loop = fs.TrainLoop(
+                init=model,
+                task=task,
+                rng=0,
+                n_steps=6 * per_dispatch,
+                n_steps_per_checkpoint=every,
+                n_steps_per_dispatch=per_dispatch,
+                stdout=False,
+            )
+        return list(loop)
+
+    runs = {every: run(every) for every in (per_dispatch, 2 * per_dispatch, 6 * per_dispatch)}
+    assert [len(records) for records in runs.values()] == [6, 3, 1]
+    finals = [records[-1] for records in runs.values()]
+    for other in finals[1:]:
+        assert other.state_fingerprint == finals[0].state_fingerprint
+        assert_trees_equal(other.state, finals[0].state)
+        assert_trees_equal(other.grads, finals[0].grads)
+    # Where two runs record the same step, they record the same state and gradients.
+    each, every_other = runs[per_dispatch], runs[2 * per_dispatch]
+    for a, b in zip(each[1::2], every_other, strict=True):
+        assert a.step == b.step and a.loss == b.loss
+        assert_trees_equal(a.grads, b.grads)
 
 
 @pytest.mark.parametrize("model", [MLP, MODEL], ids=["mlp", "batchnorm_dropout"])

@@ -5,6 +5,8 @@ import numpy as np
 from flaxstate_testing import programs
 from flaxstate_testing.programs import X, Y
 
+from flaxstate.run_record import fingerprints
+
 
 def build(n_microbatches=1):
     _, program, state = programs.build(n_microbatches=n_microbatches)
@@ -26,11 +28,18 @@ def test_k_steps_in_one_call_equal_k_single_steps():
     assert program.update(3) is program.update(3)  # compiled once
 
 
-def test_the_gradients_and_the_flops_of_a_step_with_microbatches_count_every_microbatch():
+def test_a_record_s_step_gives_its_gradients_and_the_flops_of_a_step_with_microbatches_count_every_microbatch():
     program, state = build()
     rng_data = jax.random.key_data(jax.random.key(1))
-    grads = program.gradients()(jax.tree.leaves(state), ((X,), (Y,)), rng_data)
+    # A record's one step returns the update's state bit for bit, its gradients and the new state's fingerprint.
+    leaves = jax.tree.leaves(jax.tree.map(np.array, state))
+    updated, losses = program.update(1)(jax.tree.leaves(jax.tree.map(np.array, state)), ((X,), (Y,)), rng_data)
+    recorded, record_losses, grads, fingerprint = program.record_update(1)(leaves, ((X,), (Y,)), rng_data)
+    for a, b in zip(updated, recorded, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(losses, record_losses)
     assert jax.tree.structure(grads) == jax.tree.structure(state.params)
+    assert fingerprints.text(fingerprint) == fingerprints.text(fingerprints.of_state(updated))
     flops = program.flops_per_step(((X,), (Y,)), rng_data)
     micro, _ = build(n_microbatches=4)
     micro_flops = micro.flops_per_step(((X,), (Y,)), rng_data)

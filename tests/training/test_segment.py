@@ -37,6 +37,8 @@ def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs(monkeypa
     trainer = runner([(X, Y)] * 12)
     trained = trainer.train([2, 2, 1], total=10)  # K = 2 twice, then one step
     assert trainer.step == 5 and trained.n_steps == 5
+    # A record's dispatch also gives its state's fingerprint, of one step as of K.
+    assert fingerprints.text(trained.fingerprint) == fingerprints.text(fingerprints.of_state(trainer.leaves))
     assert trained.loss is not None and np.isfinite(trained.loss)
     assert jax.tree.structure(trained.grads) == jax.tree.structure(MODEL.init(jax.random.key(0), X)["params"])
     assert 0 <= trained.compile <= trained.elapsed and trained.waits.idle >= 0
@@ -44,8 +46,6 @@ def test_a_segment_trains_its_dispatches_and_says_what_its_record_needs(monkeypa
     assert model_flops is not None and model_flops > 0 and xla_flops is not None and xla_flops > 0
     again = trainer.train([1], total=10)
     assert trainer.step == 6 and again.n_steps == 1 and again.loss < trained.loss
-    # A record's K-step dispatch also gives its state's fingerprint; a record of one step leaves it to the recorder.
-    assert trained.fingerprint is None and again.fingerprint is None
     k_steps = trainer.train([1, 2], total=10)
     assert fingerprints.text(k_steps.fingerprint) == fingerprints.text(fingerprints.of_state(trainer.leaves))
     monkeypatch.setattr(fingerprints, "ENABLED", False)  # unfingerprinted records: none computed
