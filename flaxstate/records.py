@@ -298,9 +298,6 @@ class Checkpoint:
     (by the caller, or by a save running in the background); an `EvalLoop`
     evaluates the loop's own device arrays while the record is the loop's
     newest. With `record_memory="device"` they are copies on the devices.
-    On a CPU of one process, whose devices' memory is host memory, they
-    are views of the arrays the loop made at the record's step, which its
-    next dispatch leaves as they are: no copy (`flaxstate.training.copies`).
 
     Attributes:
         state: the train state: one copy of ordinary (un-stacked) arrays.

@@ -13,15 +13,14 @@ each array's sharding (an asynchronous device-to-host transfer, which JAX
 orders before the next dispatch overwrites the donated buffers): by one
 compiled identity whose outputs live there where all leaves share a device set
 (a replicated state's one replica), else by `jax.device_put`; then a numpy
-view of that host buffer, which waits for the transfer.
-
-On a CPU of one process, whose device memory is host memory, a record holds
-no copy: numpy *views* of the loop's own arrays (`np.asarray`, read-only), and
-the loop's next dispatch leaves those arrays as they are (its update not
-donated, `lends`), writing the new state to new buffers; the dispatches after
-it donate again. A copy of a width-1024 MLP's 48 MiB state and adam took
-8 ms a record (`np.array`, leaf by leaf), which at a record every 10 steps of
-a compute-bound step cost more than the copy itself (`benchmarks/record_rate.py`).
+view of that host buffer, which waits for the transfer. On a CPU, whose device
+memory is host memory, numpy copies each leaf (`np.array`): a small MLP's
+state in 45 us against 125 us through the compiled identity, while the devices
+wait. A numpy *view* of the device buffer (`np.asarray` of the state itself)
+would be no copy on a CPU, and the next dispatch could then not donate that
+buffer: XLA would silently allocate the state anew. (Views with the next
+dispatch undonated were tried in issue 100: that undonated update is one
+more program, whose compile fell in a run's second record.)
 """
 
 from __future__ import annotations
@@ -52,9 +51,10 @@ def host_memory_kind(mesh: Mesh) -> str | None:
     return next((kind for kind in _HOST_KINDS if kind in kinds), None)
 
 
-def lends(mesh: Mesh, memory: str) -> bool:
-    """Whether a record of a loop on `mesh` holds views of the loop's arrays (a CPU's, in this process, records in
-    host memory), so that the loop's next dispatch must leave them as they are (see the module)."""
+def reads_later(mesh: Mesh, memory: str) -> bool:
+    """Whether a record of a loop on `mesh` holds numpy copies of the whole state that a later read can
+    fingerprint on the devices as the loop's own arrays (a CPU's, in this process, records in host memory):
+    there the record's fingerprint is taken when it is first read (`flaxstate.training.recording`)."""
     devices = list(mesh.devices.flat)
     return memory == HOST and all(d.platform == "cpu" and d.process_index == jax.process_index() for d in devices)
 
@@ -74,8 +74,7 @@ def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Copie
         sharding: the state's sharding on them (the device copy's): one for
             every leaf, or a tree of them.
         memory: one of `RECORD_MEMORIES`. `"host"`: both as read-only numpy
-            arrays in host memory (returns when they are there; views where
-            `lends`, which the loop's next dispatch must not donate). `"device"`:
+            arrays in host memory (returns when they are there). `"device"`:
             the state copied on the devices (asynchronously), the gradients
             as they are (no update donates them).
     """
@@ -85,7 +84,6 @@ def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Copie
         return lambda leaves, treedef, grads: (jax.tree.unflatten(treedef, copy_on_devices(leaves)), grads)
     kind = host_memory_kind(mesh)
     on_cpu = all(device.platform == "cpu" for device in mesh.devices.flat)
-    read = np.asarray if lends(mesh, memory) else np.array  # views, or copies
     Transfer = Callable[[list[jax.Array]], list[jax.Array]] | None
     plans: dict[tuple[Sharding, ...], tuple[list[bool], Transfer]] = {}
 
@@ -113,7 +111,7 @@ def record_copier(mesh: Mesh, sharding: Sharding | PyTree, memory: str) -> Copie
         sources = _sources(leaves, one_replica)
         copied: list[np.ndarray | jax.Array]
         if transfer is None:  # host memory already (a CPU's), or no host memory kind to stage in: numpy copies
-            copied = [_read_only(read(source)) for source in sources]
+            copied = [_read_only(np.array(source)) for source in sources]
         else:
             staged = transfer(sources)  # every transfer starts before the first is waited for
             copied = [_host_value(array) for array in staged]

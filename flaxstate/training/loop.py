@@ -249,8 +249,8 @@ class TrainLoop:
                     n_microbatches=n_microbatches,
                     state=begun.state,
                     rng=begun.rng,
-                    # Where records hold views of the loop's arrays, their fingerprint is taken when first read.
-                    fingerprinted_records=not copies.lends(where.mesh, spec.record_memory),
+                    # Where records hold host copies on a CPU of one process, their fingerprint is taken when read.
+                    fingerprinted_records=not copies.reads_later(where.mesh, spec.record_memory),
                 )
                 self._recorder = Recorder.create(
                     placement=where,
@@ -327,9 +327,7 @@ class TrainLoop:
             return self._copy_state()
 
     def _copy_state(self) -> FlaxOptimTrainState:
-        """The live state as a record holds it (a view the next dispatch leaves, where the recorder `lends`)."""
-        if self._recorder.lends:
-            self._runner.lend()
+        """The live state as a record holds it."""
         return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
@@ -469,7 +467,5 @@ class TrainLoop:
             rolled_back=rolled_back,
             loss_window=self._runner.loss_window(),
         )
-        if self._recorder.lends:
-            self._runner.lend()
         self._runner.hold(record.state)
         return record

@@ -116,13 +116,7 @@ class Placement(Protocol):
     def to_devices(self, batch: batching.Batch, stacked: bool) -> batching.Batch: ...
 
     def compile_update(
-        self,
-        program: Callable[..., Any],
-        shardings: PyTree,
-        stacked: bool,
-        gradients: bool,
-        fingerprinted: bool,
-        donated: bool = True,
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]: ...
 
     def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]: ...
@@ -194,20 +188,13 @@ class DataParallel:
         return batching.to_devices(batch, self.mesh, stacked=stacked)
 
     def compile_update(
-        self,
-        program: Callable[..., Any],
-        shardings: PyTree,
-        stacked: bool,
-        gradients: bool,
-        fingerprinted: bool,
-        donated: bool = True,
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]:
         """Maps `program(state_leaves, batches, rng_data)` over the devices, the state donated (outputs replicated).
 
-        Each device's fingerprint (`fingerprinted`) is of its whole replica: the same on every device. Not
-        `donated`: the state is left as it was (a record holds views of it: `flaxstate.training.copies`).
+        Each device's fingerprint (`fingerprinted`) is of its whole replica: the same on every device.
         """
-        return self._map(program, stacked, donate=(0,) if donated else ())
+        return self._map(program, stacked, donate=(0,))
 
     def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
         """Maps `program(state, batch, rng_data) -> metrics` over the devices (nothing donated)."""
@@ -301,25 +288,18 @@ class Sharded:
         return batching.to_devices(batch, self.mesh, stacked=stacked, sharding=self.batch_layout.sharding(stacked))
 
     def compile_update(
-        self,
-        program: Callable[..., Any],
-        shardings: PyTree,
-        stacked: bool,
-        gradients: bool,
-        fingerprinted: bool,
-        donated: bool = True,
+        self, program: Callable[..., Any], shardings: PyTree, stacked: bool, gradients: bool, fingerprinted: bool
     ) -> Callable[..., Any]:
         """Compiles `program(state_leaves, batches, rng_data) -> (state_leaves, losses[, grads[, fingerprint]])`,
         the state donated.
 
         The gradients (`gradients`: a record's last step's) lie as their parameters; the state's
-        fingerprint (`fingerprinted`: the global state's) is replicated. Not `donated`: the state is left as
-        it was (a record holds views of it: `flaxstate.training.copies`).
+        fingerprint (`fingerprinted`: the global state's) is replicated.
         """
         leaves = jax.tree.leaves(shardings)
         out: tuple[Any, ...] = (leaves, self._replicated, shardings.params) if gradients else (leaves, self._replicated)
         out += (self._replicated,) if fingerprinted else ()
-        return self._jit(program, leaves, stacked, out, donate=(0,) if donated else ())
+        return self._jit(program, leaves, stacked, out, donate=(0,))
 
     def compile_eval(self, program: Callable[..., Any], shardings: PyTree) -> Callable[..., Any]:
         """Compiles `program(state, batch, rng_data) -> metrics`: the global batch's, replicated."""

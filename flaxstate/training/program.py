@@ -71,7 +71,7 @@ class Program:
             jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding) for leaf in leaves
         ]
         self._rng_impl = rng_impl
-        self._updates: dict[tuple[int, bool, bool, bool], Callable[..., Any]] = {}
+        self._updates: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
         self._given_flops = given_flops
         self._flops: Any = _UNKNOWN
         self._xla_flops: Any = _UNKNOWN
@@ -129,9 +129,7 @@ class Program:
         """The state's shardings."""
         return self._shardings
 
-    def update(
-        self, n_steps: int, gradients: bool = False, fingerprinted: bool = False, donated: bool = True
-    ) -> Callable[..., Any]:
+    def update(self, n_steps: int, gradients: bool = False, fingerprinted: bool = False) -> Callable[..., Any]:
         """The compiled `(state_leaves, batches, rng_data) -> (state_leaves, losses)` of `n_steps` steps.
 
         The state is donated; `batches` are stacked along a leading axis of
@@ -140,32 +138,27 @@ class Program:
         records are fingerprinted: `fingerprints.ENABLED`) then the new
         state's fingerprint (see `step.update_program`; a record's dispatch
         runs `record_update`). Every update runs the fenced step, so the state
-        is the same bit for bit whichever of them ran a step. Not `donated`,
-        the state given is left as it was: the first dispatch after a record
-        that holds views of the loop's arrays (`flaxstate.training.copies`)
-        runs so. A `jax.jit` object: its `lower(...).compile()` gives XLA's
-        cost and memory analyses.
+        is the same bit for bit whichever of them ran a step. A `jax.jit`
+        object: its `lower(...).compile()` gives XLA's cost and memory analyses.
         """
         fingerprinted = fingerprinted and fingerprints.ENABLED
-        key = n_steps, gradients, fingerprinted, donated
+        key = n_steps, gradients, fingerprinted
         if key not in self._updates:
             program = step.update_program(
                 self._fenced_step, n_steps, self._treedef, self._rng_impl, gradients, fingerprinted
             )
             stacked = n_steps > 1
             self._updates[key] = self._placement.compile_update(
-                program, self._shardings, stacked, gradients, fingerprinted, donated
+                program, self._shardings, stacked, gradients, fingerprinted
             )
         return self._updates[key]
 
-    def record_update(self, n_steps: int, donated: bool = True) -> Callable[..., Any]:
+    def record_update(self, n_steps: int) -> Callable[..., Any]:
         """The compiled update of a record's dispatch of `n_steps` steps: `(state_leaves, losses[, grads]
         [, fingerprint])`, its last step's gradients where records carry them (`record_gradients`), the new
         state's fingerprint where records are fingerprinted (`fingerprinted_records`). At one step as at K:
         no second forward and backward pass for the gradients, no call of its own for the fingerprint."""
-        return self.update(
-            n_steps, gradients=self.record_gradients, fingerprinted=self.fingerprinted_records, donated=donated
-        )
+        return self.update(n_steps, gradients=self.record_gradients, fingerprinted=self.fingerprinted_records)
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The model FLOPs of one global step (computed once): the user's count, else the model's.
@@ -222,12 +215,11 @@ class Program:
 
     def made(self) -> dict[str, Callable[..., Any]]:
         """The programs made so far (each `jax.jit` object compiles at its first call), by what they are:
-        `"update of N steps"`, with `", gradients"` and `", fingerprinted"` where a record's, `", not donated"`
-        where the state was lent. What `fs.plan` counts is checked against them."""
+        `"update of N steps"`, with `", gradients"` and `", fingerprinted"` where a record's. What `fs.plan`
+        counts is checked against them."""
         found: dict[str, Callable[..., Any]] = {}
-        for (n_steps, gradients, fingerprinted, donated), update in self._updates.items():
+        for (n_steps, gradients, fingerprinted), update in self._updates.items():
             name = f"update of {n_steps} steps" + ", gradients" * gradients + ", fingerprinted" * fingerprinted
-            name += ", not donated" * (not donated)
             found[name] = update
         return found
 

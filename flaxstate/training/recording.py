@@ -73,10 +73,10 @@ def _state_text(state: PyTree) -> str:
 class LazyFingerprints(Fingerprints):
     """A record's `Fingerprints` whose state fingerprint is taken when it is first read (then kept).
 
-    Where a record holds views of the loop's arrays (`copies.lends`: a CPU's,
-    one process), its fingerprint reads the same bits later as at once (no
-    dispatch writes them), and a record that no writer saves and nobody asks
-    never reads its state: 8 ms a record for a 48 MiB state on this CPU. The
+    Where a record holds numpy copies of the state on a CPU of one process
+    (`copies.reads_later`), its fingerprint reads the same bits later as at
+    once, and a record that no writer saves and nobody asks never reads its
+    state again: 8 ms a record for a 48 MiB state on this CPU. The
     fingerprint is the same as the record's dispatch would have given (sums
     of words modulo 2^32, in any order). Under several processes it is a
     collective, and the record's dispatch gives it (never lazily).
@@ -131,8 +131,8 @@ class Recorder:
     n_devices: int
     peak_flops: float | None
     skipped_damaged: tuple[str, ...]
-    lends: bool = False
-    """Whether a record holds views of the loop's arrays (`copies.lends`): the loop's next dispatch must leave them."""
+    reads_later: bool = False
+    """Whether a record's state fingerprint is taken when first read, from its state (`copies.reads_later`)."""
     local_devices: tuple[jax.Device, ...] = ()
     """This process's devices of the mesh, whose memory a record reports."""
     preemption_noticed: Callable[[], bool] | None = None
@@ -169,7 +169,7 @@ class Recorder:
             restored = fingerprints.text(fingerprints.of_state(jax.tree.leaves(begun.state)))
         return cls(
             copy=copies.record_copier(placement.mesh, shardings, record_memory),
-            lends=copies.lends(placement.mesh, record_memory),
+            reads_later=copies.reads_later(placement.mesh, record_memory),
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
@@ -223,7 +223,7 @@ class Recorder:
         if loss_window is not None:
             position["loss_window"] = list(loss_window)
         state_lanes = None
-        lazy = fingerprints.ENABLED and trained.fingerprint is None and self.lends  # taken from the record's views
+        lazy = fingerprints.ENABLED and trained.fingerprint is None and self.reads_later  # from the record's state
         if fingerprints.ENABLED and not lazy:  # the record's dispatch's, else dispatched before the copy
             state_lanes = trained.fingerprint if trained.fingerprint is not None else fingerprints.of_state(leaves)
         indices, digest = self.data.take_fingerprint()

@@ -155,8 +155,6 @@ class SegmentRunner:
         self._global_batch = global_batch
         self._compiled: set[int] = set()
         """The programs (their ids) dispatched before: the first dispatch of each compiles."""
-        self._lent = False
-        """Whether a record holds views of `leaves` (`lend`): the next dispatch leaves them as they are."""
         self._flops_counted = False
         """Whether a segment has counted the FLOPs (`Program` keeps them)."""
         self._patience = nonfinite.patience(loss_scaling)
@@ -246,11 +244,6 @@ class SegmentRunner:
         if self._history is None:
             return None
         return [float(loss) if np.isfinite(loss) else None for loss in np.asarray(jax.device_get(self._history))]
-
-    def lend(self) -> None:
-        """Notes that a record holds views of the live state's arrays (`flaxstate.training.copies`): the next
-        dispatch runs its update without donating them, and later ones donate again."""
-        self._lent = True
 
     def hold(self, state: PyTree) -> None:
         """Holds `state` (a record's copy of the live state at this step) as the point a rollback goes back to."""
@@ -356,16 +349,12 @@ class SegmentRunner:
         queue = collections.deque(itertools.islice(drawn, PREFETCH))
         updates = {n: self._program.update(n) for n in set(sizes)}
         record_update = self._program.record_update(sizes[-1] if sizes else 1)
-        program = self._program
         grads = fingerprint = None
         for n_left in range(len(sizes) - 1, -1, -1):
             n, host_batch, batch = queue.popleft()
             self._clock.dispatching(time.perf_counter(), segment.waits)
             record = n_left == 0
             update = record_update if record else updates[n]
-            if self._lent:  # a record's views of the state: this dispatch leaves it as it is
-                update = program.record_update(n, donated=False) if record else program.update(n, donated=False)
-                self._lent = False
             compiled = id(update)
             if compiled in self._compiled:
                 watchdog.enter(Phase.DISPATCHING, step=self.step)

@@ -133,12 +133,11 @@ def test_records_without_gradients_train_the_same_bits_and_compile_no_program_th
         assert_trees_equal(a.state, b.state)
     # A record's program returns what its records carry, and no other program returns gradients (the
     # one-step update is XLA's FLOPs count's too).
-    # (A dispatch after a record that holds views of the loop's arrays runs its program undonated, and the
-    # record's fingerprint is then taken when read, not by its dispatch: see the tests below.)
+    # (On a CPU of one process the record's fingerprint is taken when read, not by its dispatch: see below.)
     record = f"update of {per_dispatch} steps"
 
     def made(loop):
-        return {name.removesuffix(", not donated").removesuffix(", fingerprinted") for name in loop.program.made()}
+        return {name.removesuffix(", fingerprinted") for name in loop.program.made()}
 
     assert made(with_loop) == {"update of 1 steps", record, f"{record}, gradients"}
     assert made(loop) == {"update of 1 steps", record}
@@ -209,32 +208,17 @@ def test_state_is_available_from_construction_and_survives_donation():
     assert int(loop.state.step) == 4
 
 
-@pytest.mark.parametrize("per_dispatch", [1, 2])
-def test_a_record_on_a_cpu_holds_views_of_the_loop_s_arrays_that_no_later_dispatch_writes(per_dispatch):
-    # No copy a record: its state and gradients are read-only views of the arrays the loop made, and the
-    # dispatch after the record leaves them as they are (undonated); `loop.state` is a view too.
-    loop = make_loop(n_steps=12, every=4, per_dispatch=per_dispatch)
-    first = loop.next_checkpoint()
-    state_now = loop.state
-    frozen = jax.tree.map(np.array, (first.state, first.grads, state_now))
-    assert all(leaf.base is not None and not leaf.flags.writeable for leaf in leaves((first.state, first.grads)))
-    rest = list(loop)
-    assert [r.step for r in rest] == [8, 12]
-    assert_trees_equal((first.state, first.grads, state_now), frozen)  # nothing written to them since
-    assert_trees_equal(state_now, first.state)
-    assert f"update of {per_dispatch} steps, not donated" in loop.program.made()
-
-
 def test_a_record_s_state_fingerprint_is_taken_when_read_and_equals_the_one_its_dispatch_gives(monkeypatch):
-    # Where records hold views (a CPU's), the state fingerprint is taken at its first read; elsewhere (a GPU's
-    # path, forced here) the record's dispatch returns it. The two agree for every record, and the fingerprint of
-    # the record's state read by hand; a record's fingerprints survive pickling and `dataclasses.replace`.
+    # Where records hold host copies on a CPU of one process, the state fingerprint is taken at its first read;
+    # elsewhere (a GPU's path, forced here) the record's dispatch returns it. The two agree for every record, and
+    # with the fingerprint of the record's state read by hand; a record's fingerprints survive pickling and
+    # `dataclasses.replace`.
     lending = make_loop(n_steps=8, every=2)
     lazy = list(lending)
     assert not any("fingerprinted" in name for name in lending.program.made())
     assert all(type(r.fingerprints).__name__ == "LazyFingerprints" for r in lazy)
     texts = [r.state_fingerprint for r in lazy]
-    monkeypatch.setattr(copies, "lends", lambda mesh, memory: False)
+    monkeypatch.setattr(copies, "reads_later", lambda mesh, memory: False)
     fused = make_loop(n_steps=8, every=2)
     eager = list(fused)
     assert "update of 1 steps, gradients, fingerprinted" in fused.program.made()
