@@ -213,9 +213,9 @@ def test_a_record_s_state_fingerprint_is_taken_when_read_and_equals_the_one_its_
     # elsewhere (a GPU's path, forced here) the record's dispatch returns it. The two agree for every record, and
     # with the fingerprint of the record's state read by hand; a record's fingerprints survive pickling and
     # `dataclasses.replace`.
-    lending = make_loop(n_steps=8, every=2)
-    lazy = list(lending)
-    assert not any("fingerprinted" in name for name in lending.program.made())
+    reading = make_loop(n_steps=8, every=2)
+    lazy = list(reading)
+    assert not any("fingerprinted" in name for name in reading.program.made())
     assert all(type(r.fingerprints).__name__ == "LazyFingerprints" for r in lazy)
     texts = [r.state_fingerprint for r in lazy]
     monkeypatch.setattr(copies, "reads_later", lambda mesh, memory: False)
