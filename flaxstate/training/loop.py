@@ -280,7 +280,7 @@ class TrainLoop:
                     loss_window=(restored_position or {}).get("loss_window"),
                 )
                 if rollback is not None:  # the point the first record's steps go back to
-                    self._runner.hold(self._copy_state())
+                    self._runner.hold(self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0])
                 self._rollback_scale = None if rollback is None else rollback.lr_scale
                 self._made: Checkpoint | None = None
                 """A record made by a call that an interrupt stopped before it returned: the next call returns it."""
@@ -324,11 +324,7 @@ class TrainLoop:
         valid for as long as they are held.
         """
         with self._placement.context():
-            return self._copy_state()
-
-    def _copy_state(self) -> FlaxOptimTrainState:
-        """The live state as a record holds it."""
-        return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
+            return self._recorder.copy(self._runner.leaves, self._runner.treedef, None)[0]
 
     def __iter__(self) -> Iterator[Checkpoint]:
         """Yields the records up to `n_steps`; leaving the loop early waits for the writers' saves."""
