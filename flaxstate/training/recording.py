@@ -67,7 +67,7 @@ def session(
 
 
 def _state_text(state: PyTree) -> str:
-    return fingerprints.text(fingerprints.of_state(jax.tree.leaves(state)))
+    return fingerprints.text(fingerprints.of_state([copies.on_devices(leaf) for leaf in jax.tree.leaves(state)]))
 
 
 class LazyFingerprints(Fingerprints):

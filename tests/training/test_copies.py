@@ -11,6 +11,7 @@ import pytest
 from flaxstate_testing import toy
 
 import flaxstate as fs
+from flaxstate.training import copies
 
 MLP = toy.MLP()
 
@@ -122,6 +123,20 @@ def test_records_hold_read_only_host_copies_that_stay_valid_as_the_loop_goes_on(
     into_host_template = fs.CheckpointFileReader(tmp_path / "run", step=4).restore(second.state)
     for got, want in zip(jax.tree.leaves(into_host_template), jax.tree.leaves(first.state), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_record_s_fingerprint_reads_its_host_copies_where_they_are_not_a_copy_of_them():
+    # The fingerprint, taken when first read, reads a device array over each large copy's own bytes: a copy of
+    # the whole state held a save 256 MiB beyond its budget in test_host_memory_processes.py.
+    wide = toy.MLP(width=4096)  # a first kernel of 64 KiB, and adam's two moments of it
+    task = fs.TrainTask(apply=wide.apply, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(4, 8))
+    record = fs.TrainLoop(wide.init, task, rng=0, n_steps=2, n_steps_per_checkpoint=2, stdout=False).next_checkpoint()
+    large = [leaf for leaf in jax.tree.leaves(record.state) if leaf.nbytes >= copies._ALIGNED_FROM]
+    assert len(large) == 3, [leaf.shape for leaf in jax.tree.leaves(record.state)]
+    for leaf in large:
+        assert copies.on_devices(leaf).unsafe_buffer_pointer() == leaf.ctypes.data, (leaf.shape, leaf.dtype)
+    small = min(jax.tree.leaves(record.state), key=lambda leaf: leaf.nbytes)
+    assert copies.on_devices(small).shape == small.shape  # copied again: a few KiB
 
 
 def test_device_records_hold_device_copies_and_a_bad_choice_is_refused_before_any_work():
