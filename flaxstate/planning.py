@@ -45,9 +45,10 @@ from flaxstate.checkpoint.tiers.local_tier import LocalTier
 from flaxstate.records import format_bytes
 from flaxstate.sharding import AxisRules, Partitioning
 from flaxstate.training import batching, placement, startup, throughput
+from flaxstate.training import evaluation as evaluation_module
 from flaxstate.training.options import LoopSpec
 from flaxstate.training.program import Program
-from flaxstate.training.task import TrainTask
+from flaxstate.training.task import EvalTask, TrainTask
 
 GiB = 2**30
 DEVICE_MEMORY: tuple[tuple[str, int], ...] = (
@@ -75,15 +76,20 @@ class Plan:
         mesh_shape: the mesh's axis sizes.
         per_device: bytes a device: `params`, `optimizer` (the optimizer's
             state, an EMA and the rest of the train state), `mutables` (batch
-            statistics and other collections), `batch` (K batches), `temp` (XLA's
+            statistics and other collections), `batch` (K batches; the
+            evaluation's where it sets the peak), `temp` (XLA's
             temporaries of the program that sets the peak), `code` (its generated
             code), `records` (the device copies that records hold beside it, with
             `record_memory="device"`) and `total`, the device's peak: the largest
             over `programs`.
         programs: each program the loop runs, by name, with the bytes a device
             holds while it runs (its arguments and outputs, the donated ones
-            once, its temporaries and code, and the records' copies beside it);
-            `total` is the largest.
+            once, its temporaries and code, and the records' copies beside it):
+            "the update", "a record's update" (where it is a program of its
+            own), "a record's device copy" (`record_memory="device"`), "the
+            evaluation" (`evaluation=`: the training state beside it) and "the
+            restore" (the state a resume reads, nothing beside it); `total` is
+            the largest.
         peak_program: the name of the program that sets the peak (`total`).
         device_memory: a device's memory in bytes, or `None` where unknown.
         fits: whether `total` fits in `device_memory` (`None` where unknown).
@@ -234,6 +240,7 @@ def plan(
     collections: Mapping[str, Sequence[str]] | None = None,
     mutable_collections: CollectionFilter = DenyList("intermediates"),
     flops_per_step: float | str | Callable[[Any], float] | None = None,
+    evaluation: EvalTask | None = None,
 ) -> Plan:
     """Compiles the update `TrainLoop` would run for `target` (never running it) and reports memory and FLOPs.
 
@@ -278,6 +285,9 @@ def plan(
         mutable_collections: which collections the update may change, as `TrainLoop` takes them.
         flops_per_step: a step's FLOPs, as `TrainLoop` takes them (`Plan.flops_per_step`); by default the
             model's count.
+        evaluation: the `fs.EvalTask` an `EvalLoop` evaluates the loop's records with, in the training process:
+            its program is planned on the first batch of its data, beside the training state the loop holds
+            (`Plan.programs["the evaluation"]`).
 
     The options that shape the loop's programs (`n_steps_per_dispatch`,
     `n_microbatches`, `max_device_batch`, `collections`, `mutable_collections`,
@@ -296,12 +306,15 @@ def plan(
             and the microbatches; an unknown target or TPU topology (listing
             some known ones); `jax[tpu]` not installed (naming the extra);
             `peers` without a local tier (as the writer refuses them); `local_tier`
-            not a `fs.LocalTier`, or with the deprecated keywords beside it.
+            not a `fs.LocalTier`, or with the deprecated keywords beside it;
+            an `evaluation` that is not a `fs.EvalTask`.
     """
     spec = LoopSpec.taken("plan", locals())  # the options that `TrainLoop` takes, by the same names
     tier = _local_tier(local_tier, local_dir, local_keep, peers)
     host_memory = settings.optional_count("plan", "host_memory", host_memory, minimum=1)
     host_memory_budget = budget.of(host_memory_budget, "plan")  # the writer's and the reader's own check
+    if evaluation is not None and not isinstance(evaluation, EvalTask):
+        raise ValueError(f"plan's evaluation must be a fs.EvalTask (what EvalLoop takes), got {evaluation!r}.")
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
     with where.context():  # an Explicit mesh's model is traced under it, as the loop traces it
@@ -318,6 +331,7 @@ def plan(
             tier=tier,
             host_memory=host_memory,
             host_memory_budget=host_memory_budget,
+            evaluation=evaluation,
         )
 
 
@@ -335,6 +349,7 @@ def _plan(
     tier: LocalTier | None,
     host_memory: int | None,
     host_memory_budget: HostMemoryBudget | None,
+    evaluation: EvalTask | None,
 ) -> Plan:
     """`plan` once its options are checked and its placement made."""
     global_batch = _global_batch(task, batch)
@@ -349,6 +364,10 @@ def _plan(
     batching.check_divisible(
         global_batch, where.batch_layout.n_parts, "plan", n_microbatches, _BATCH_PARTS, source=_BATCH, scope="global"
     )
+    eval_batch = None if evaluation is None else _global_batch(evaluation, None, "EvalTask")
+    if eval_batch is not None:
+        parts = where.batch_layout.n_parts
+        batching.check_divisible(eval_batch, parts, "plan", 1, _BATCH_PARTS, source=_EVAL_BATCH, scope="global")
     rng = jax.random.key(0)
     inputs = global_batch[0] if input_sample is None else _as_tuple(input_sample)
     sample = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), _dtype(x)), list(inputs))
@@ -367,9 +386,17 @@ def _plan(
     }
     if records:  # a record's copy made while the caller holds the one before: the state and two copies
         programs[_COPY] = sum(sizes.values()) + 2 * records
+    if evaluation is not None:  # beside the training state, which it reads where it is (`EvalLoop`)
+        batch = _abstract_batches(eval_batch, where, 1)
+        memory, refused = memories[_EVALUATION] = _evaluation_memory(evaluation, where, state, batch, rng_data)
+        evaluated = sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(_evaluated(state)))
+        held = _per_device(sizes, batch, memory, refused, records)["total"]
+        programs[_EVALUATION] = held + sum(sizes.values()) - evaluated
+    programs[_RESTORE] = sum(sizes.values())  # read into an abstract template: the state, and nothing beside it
     peak = max(programs, key=lambda name: programs[name])
     memory, refused_temp = memories.get(peak, memories[_UPDATE])
-    per_device = _per_device(sizes, batches, memory, refused_temp, records)
+    peak_batches = _abstract_batches(eval_batch, where, 1) if peak == _EVALUATION else batches
+    per_device = _per_device(sizes, peak_batches, memory, refused_temp, records)
     per_device["total"] = programs[peak]
     refused_temp = next((refused for _, refused in memories.values() if refused is not None), None)
     if device_memory is None:
@@ -418,6 +445,7 @@ def _plan(
 
 
 _BATCH, _BATCH_PARTS = "plan: the global batch", "parts of the batch's mesh axes"
+_EVAL_BATCH = "plan: the evaluation's first batch"
 """A plan's global batch, and what it splits over, as `batching.check_divisible`'s errors name them."""
 
 
@@ -440,6 +468,22 @@ def _abstract_batches(global_batch: Any, where: Any, n_steps: int) -> Any:
 
 _UPDATE, _COPY = "the update", "a record's device copy"
 """The names of the loop's update of K steps, and of the moment a record's device copy is made, in `Plan.programs`."""
+_EVALUATION, _RESTORE = "the evaluation", "the restore"
+"""The names of an `EvalLoop`'s program (`plan(evaluation=)`) and of a resume's restore, in `Plan.programs`."""
+
+
+def _evaluated(state: Any) -> Any:
+    """What an evaluation reads of the abstract training state (`evaluation.evaluated_part`)."""
+    return evaluation_module.evaluated_part(state, state.params)
+
+
+def _evaluation_memory(task: EvalTask, where: Any, state: Any, batch: Any, rng_data: Any) -> tuple[Any, int | None]:
+    """XLA's memory analysis of `EvalLoop`'s program for `task` on the plan's devices (`_compiled_memory`), on
+    `batch` (the first of its data, placed)."""
+    evaluated = _evaluated(state)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, evaluated)
+    compiled: Any = where.compile_eval(evaluation_module.evaluation_step(task, where), shardings)
+    return _compiled_memory(lambda: compiled.lower(evaluated, batch, rng_data))
 
 
 def _programs_memory(
@@ -601,10 +645,10 @@ def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _global_batch(task: TrainTask, batch: Any) -> Any:
+def _global_batch(task: TrainTask | EvalTask, batch: Any, name: str = "plan") -> Any:
     if batch is None:
         batch = next(iter(task.data))
-    return batching.normalize(batch, "plan", whole=task.whole_batches)  # NNX's loss_fn(model, batch): whole
+    return batching.normalize(batch, name, whole=task.whole_batches)  # NNX's loss_fn(model, batch): whole
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct) -> int:

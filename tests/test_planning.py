@@ -155,6 +155,10 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
     assert sharded.xla_flops_per_step == pytest.approx(whole.xla_flops_per_step, rel=0.15)  # two compilers' counts
 
 
+ODD = [(np.ones((7, 256), np.float32), np.zeros((7,), np.float32))]
+"""An evaluation's batch of 7: it splits over no two devices."""
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -186,6 +190,11 @@ def test_the_example_lm_under_fsdp_and_tensor_parallelism():
         ({"target": "cpu:1", "peers": -1}, r"plan peers must be an int of at least 0, got -1"),
         ({"target": "cpu:1", "host_memory": 0}, r"plan host_memory must be"),
         ({"target": "cpu:1", "host_memory_budget": 0}, r"plan host_memory_budget must be an int of at least 32768"),
+        ({"target": "cpu:1", "evaluation": "loss"}, r"plan's evaluation must be a fs.EvalTask \(what EvalLoop takes\)"),
+        (
+            {"target": "cpu:2", "evaluation": fs.EvalTask(apply=MLP(width=64).apply, metrics={"mse": mse}, data=ODD)},
+            r"plan: the evaluation's first batch of size 7, which does not divide by the 2 parts",
+        ),
         # The writer's minimum: a budget the plan took would be refused by the writer and the reader it plans for.
         (
             {"target": "cpu:1", "host_memory_budget": 1000},
@@ -315,7 +324,16 @@ def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside
         model = lm.lm.Transformer(config)
         init, task = model.init, fs.TrainTask(model.apply, lm.lm.optimizer(config), lm.lm.loss, data=lm.data(config))
         batch = next(iter(task.data))
-    planned = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch, record_memory="device")
+    held_out = [jax.tree.map(lambda x: np.concatenate([x, x]), batch)]  # evaluated on twice the training batch
+    evaluation = fs.EvalTask(apply=task.apply, metrics={"loss": task.loss}, data=held_out)
+    planned = fs.plan(
+        init,
+        task,
+        target="local",
+        n_steps_per_dispatch=n_steps_per_dispatch,
+        record_memory="device",
+        evaluation=evaluation,
+    )
     per_record = max(2, n_steps_per_dispatch)
     loop = fs.TrainLoop(
         init,
@@ -337,8 +355,42 @@ def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside
     assert planned.programs[planned.peak_program] == planned.per_device["total"]
     assert f"the peak is {planned.peak_program}'s" in str(planned)
     assert {"the update", "a record's update", "a record's device copy"} <= set(planned.programs), planned.programs
+    # The evaluation runs beside the loop's state and the record's copies, and reads the parameters where they are.
+    evaluator = fs.EvalLoop(evaluation, rng=0)
+    assert np.isfinite(evaluator(record).metrics["eval"]["loss"])
+    ((_, evaluate),) = evaluator._compiled.values()
+    evaluated = fs.InferenceState(
+        step=record.state.step, params=record.state.params, flax_mutables=record.state.flax_mutables
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), evaluated)
+    key = jax.random.key_data(jax.random.key(0))
+    eval_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), fs_batching.normalize(held_out[0], "test")
+    )
+    eval_peak = compiled_peak(evaluate.lower(abstract, eval_batch, key).compile())
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(record.state))
+    not_read = state_bytes - sum(leaf.nbytes for leaf in jax.tree.leaves(evaluated))  # the optimizer's state
+    assert planned.programs["the evaluation"] >= eval_peak + not_read + beside, (eval_peak, planned.programs)
+    assert planned.programs["the restore"] == state_bytes  # read into an abstract template: nothing beside it
     host = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch)  # records in host memory
+    assert "the evaluation" not in host.programs
     assert host.per_device["records"] == 0 and host.per_device["total"] < planned.per_device["total"]
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_an_evaluation_of_large_batches_sets_the_peak_and_the_plan_names_it(kind):
+    # Training on 16 examples, evaluating on 8192: the evaluation's activations are the largest program's.
+    model = MLP(width=64) if kind == "linen" else NnxMLP(nnx.Rngs(0))
+    init, apply = (model.init, model.apply) if kind == "linen" else (model, model)
+    task = fs.TrainTask(apply=apply, optimizer=optax.adam(1e-3), loss=mse, data=task_of(MLP()).data)
+    large = [(np.ones((8192, 256), np.float32), np.zeros((8192,), np.float32))]
+    planned = fs.plan(init, task, target="cpu:2", evaluation=fs.EvalTask(apply=apply, metrics={"mse": mse}, data=large))
+    assert (
+        planned.peak_program == "the evaluation" and planned.per_device["total"] == planned.programs["the evaluation"]
+    )
+    assert planned.per_device["batch"] == 4096 * (256 + 1) * 4  # a device's half of the evaluation's batch
+    assert "the peak is the evaluation's" in str(planned)
+    assert planned.programs["the evaluation"] > planned.programs["the update"] > planned.programs["the restore"]
 
 
 def test_the_loop_s_options_reach_the_plan_a_given_flops_count_and_the_rng_collections():

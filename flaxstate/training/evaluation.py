@@ -117,10 +117,7 @@ class EvalLoop:
         self._use_ema = use_ema
         self._placement = placement.create(sharding.resolve("EvalLoop", partitioning, devices, mesh, axis_rules))
         self._iterator = iter(task.data)
-        apply, metrics = task.eval_functions()
-        self._eval_step = make_eval_step(
-            apply, metrics, self._rng_collections, self._placement.across, jax.random.key_impl(self._rng)
-        )
+        self._eval_step = evaluation_step(task, self._placement, self._rng_collections, jax.random.key_impl(self._rng))
         self._compiled: dict[Any, tuple[Any, Callable[..., Any]]] = {}
         """The state's shardings and compiled evaluation by its structure and shapes (one, unless several models
         come)."""
@@ -177,13 +174,7 @@ class EvalLoop:
                     f"EvalLoop(use_ema=True) was given the record of step {checkpoint.step}, which holds no EMA of "
                     "the parameters: train with TrainTask(ema_decay=...), or evaluate with use_ema=False."
                 )
-        needed = InferenceState(
-            step=record_state.step,
-            params=params,
-            flax_mutables=record_state.flax_mutables,
-            params_axes=getattr(record_state, "params_axes", None),
-            flax_mutables_axes=getattr(record_state, "flax_mutables_axes", None),
-        )
+        needed = evaluated_part(record_state, params)
         shardings, evaluate = self._compiled_for(needed)
         state = jax.device_put(needed, shardings)  # the loop's own device arrays stay where they are
         totals, n_examples = None, 0
@@ -227,3 +218,23 @@ class EvalLoop:
         """The raw key of one evaluation batch (unused without rng collections)."""
         key = self._rng if not self._rng_collections else jax.random.fold_in(jax.random.fold_in(self._rng, step), index)
         return jax.random.key_data(key)
+
+
+def evaluation_step(
+    task: EvalTask, where: placement.Placement, rng_collections: Sequence[str] = (), rng_impl: Any = None
+) -> Callable[..., Any]:
+    """The per-device evaluation of `task` on `where` (`make_eval_step`), as `EvalLoop` and `fs.plan` compile it."""
+    apply, metrics = task.eval_functions()
+    return make_eval_step(apply, metrics, tuple(rng_collections), where.across, rng_impl)
+
+
+def evaluated_part(state: Any, params: Any) -> InferenceState:
+    """What an evaluation reads of a (training) state: its step, `params` (its parameters or their EMA) and its
+    mutable collections, never the optimizer's state."""
+    return InferenceState(
+        step=state.step,
+        params=params,
+        flax_mutables=state.flax_mutables,
+        params_axes=getattr(state, "params_axes", None),
+        flax_mutables_axes=getattr(state, "flax_mutables_axes", None),
+    )
