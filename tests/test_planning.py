@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flaxstate_testing import lm
+from flaxstate_testing import examples, lm
 
 import flaxstate as fs
 from flaxstate.training import batching as fs_batching
@@ -375,6 +375,51 @@ def test_the_plan_s_peak_holds_every_program_the_loop_ran_and_the_records_beside
     host = fs.plan(init, task, target="local", n_steps_per_dispatch=n_steps_per_dispatch)  # records in host memory
     assert "the evaluation" not in host.programs
     assert host.per_device["records"] == 0 and host.per_device["total"] < planned.per_device["total"]
+
+
+@pytest.mark.parametrize("n_steps_per_dispatch", [1, 10])
+@pytest.mark.parametrize("kind", ["digits", "lm"])
+def test_a_max_device_batch_the_plan_picks_for_a_memory_runs_within_it(kind, n_steps_per_dispatch):
+    # A user's choice: the largest max_device_batch whose plan fits a device's memory (here: the plan of a
+    # quarter of the batch, which the whole batch's does not fit). The loop run with it chooses the plan's
+    # microbatches, and every program it compiled, with the records' copies beside it, fits that memory.
+    if kind == "digits":
+        digits = examples.load("digits")
+        model, data = digits.MLP(), digits.digits(batch_size=512)[0]
+        init, task = (
+            model.init,
+            fs.TrainTask(apply=model.apply, optimizer=optax.adam(1e-3), loss=digits.loss, data=data),
+        )
+        collections = {"init": ["params", "dropout"], "apply": ["dropout"]}
+    else:
+        config = lm.lm.Config(batch_size=16, seq_len=16, embed=64, heads=4, head_dim=16, mlp=256, layers=1)
+        model = lm.lm.Transformer(config)
+        init, task = model.init, fs.TrainTask(model.apply, lm.lm.optimizer(config), lm.lm.loss, data=lm.data(config))
+        collections = None
+    batch = next(iter(task.data))
+    size = len(jax.tree.leaves(batch)[0])
+    options = {"n_steps_per_dispatch": n_steps_per_dispatch, "record_memory": "device", "collections": collections}
+    plans = {m: fs.plan(init, task, target="local", max_device_batch=m, **options) for m in (size, size // 4)}
+    memory = plans[size // 4].per_device["total"]
+    assert plans[size].per_device["total"] > memory, {m: p.programs for m, p in plans.items()}
+    picked = max(m for m, p in plans.items() if p.per_device["total"] <= memory)
+    planned = plans[picked]
+    per_record = max(2, n_steps_per_dispatch)
+    loop = fs.TrainLoop(
+        init,
+        task,
+        jax.random.key(0),
+        n_steps=per_record,
+        n_steps_per_checkpoint=per_record,
+        max_device_batch=picked,
+        stdout=False,
+        **options,
+    )
+    record = loop.next_checkpoint()
+    assert record.session.n_microbatches == planned.n_microbatches > 1 and np.isfinite(record.loss)
+    beside = sum(leaf.nbytes for leaf in jax.tree.leaves((record.state, record.grads)))
+    peaks = peaks_of_what_the_loop_made(loop, record, batch)
+    assert max(peaks.values()) + beside <= memory, (peaks, beside, memory, planned.programs)
 
 
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
