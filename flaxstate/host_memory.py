@@ -118,7 +118,7 @@ def per_host(
     record_gradients: bool = True,
     tier: LocalTier | None,
     devices: int | None,
-    budget: HostMemoryBudget | None = None,
+    budget: HostMemoryBudget,
 ) -> dict[str, int]:
     """A process's host bytes by kind (see the module).
 
@@ -129,15 +129,17 @@ def per_host(
         replicated: whether other processes' data-parallel replicas hold every part of this process's.
         tier: the local tier (its directory, peer copies and keep), or `None` (none).
         devices: on a CPU target, the process's devices' bytes (its devices' memory is host memory); else `None`.
-        budget: the writer's and reader's `host_memory_budget`: a save, a peer exchange and a restore's reads
-            hold at most it and `BUDGET_ALLOWANCE`.
+        budget: the writer's and reader's `host_memory_budget` (`budget.UNBOUNDED`: none): a save, a peer
+            exchange and a restore's reads hold at most it and `BUDGET_ALLOWANCE`.
     """
     peers = tier.peers if tier is not None else 0
+    exchange = budget.holds(int((EXCHANGE - 1 + peers) * state_bytes), BUDGET_ALLOWANCE)
     sizes = {
         "records": 2 * (state_bytes + param_bytes * record_gradients) if record_memory == "host" else 0,
-        "save": _within(int(SAVE * state_bytes), budget),
-        "peers": _within(int((EXCHANGE - 1 + peers) * state_bytes), budget) if peers and not replicated else 0,
-        "restore": _within(int(RESTORE_READS * state_bytes), budget) + (state_bytes if devices is not None else 0),
+        "save": budget.holds(int(SAVE * state_bytes), BUDGET_ALLOWANCE),
+        "peers": exchange if peers and not replicated else 0,
+        "restore": budget.holds(int(RESTORE_READS * state_bytes), BUDGET_ALLOWANCE)
+        + (state_bytes if devices is not None else 0),
         "local_tier": 0,
     }
     if tier is not None and memory_backed(tier.directory):
@@ -145,11 +147,6 @@ def per_host(
     training = (devices or 0) + sizes["records"] + sizes["save"] + sizes["peers"]
     sizes["total"] = sizes["local_tier"] + max(training, sizes["restore"])
     return sizes
-
-
-def _within(size: int, budget: HostMemoryBudget | None) -> int:
-    """A save's, a peer exchange's or a restore's reads, under a budget where there is one."""
-    return size if budget is None else min(size, budget.bytes + BUDGET_ALLOWANCE)
 
 
 def memory_backed(directory: str | os.PathLike[str]) -> bool:

@@ -348,7 +348,7 @@ def _plan(
     device_memory: int | None,
     tier: LocalTier | None,
     host_memory: int | None,
-    host_memory_budget: HostMemoryBudget | None,
+    host_memory_budget: HostMemoryBudget,
     evaluation: EvalTask | None,
 ) -> Plan:
     """`plan` once its options are checked and its placement made."""

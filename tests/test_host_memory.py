@@ -32,7 +32,7 @@ def test_a_budget_bounds_the_plan_s_save_and_restore_as_an_int_or_an_object_and_
     # exchange and a restore's reads to itself and the allowance.
     state = 2**30
     options = {"record_memory": "host", "replicated": False, "tier": fs.LocalTier("/dev/shm/run", peers=1)}
-    free = host_memory.per_host(state, state // 4, devices=None, **options)
+    free = host_memory.per_host(state, state // 4, devices=None, budget=fs.HostMemoryBudget(), **options)
     bounded = host_memory.per_host(state, state // 4, devices=None, budget=smallest, **options)
     most = smallest.bytes + host_memory.BUDGET_ALLOWANCE
     assert bounded["save"] == bounded["peers"] == bounded["restore"] == most

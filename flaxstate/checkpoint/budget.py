@@ -84,48 +84,84 @@ PRIMARY_HOST = 0
 @dataclasses.dataclass(frozen=True)
 class HostMemoryBudget:
     """Bytes that a save, a peer exchange or a restore may hold in host memory beyond the state, however large
-    its largest array (see the module).
+    its largest array (see the module); `HostMemoryBudget()`: no bound.
 
     One object for every place that a budget bounds: a writer's saves and its peer copies, a reader's restores
     and the tiers' reads, the S3 store's chunks, and `fs.plan`'s figures; each takes it, or the int it is made
-    of (`host_memory_budget=16 * 2**20` is `HostMemoryBudget(16 * 2**20)`), and all check it here.
+    of (`host_memory_budget=16 * 2**20` is `HostMemoryBudget(16 * 2**20)`), and all check it here. A door's
+    `host_memory_budget=None` is the unbounded budget (`UNBOUNDED`): orbax's own writes and reads, each array
+    one chunk, held whole.
 
     Args:
-        bytes: the budget, at least `MINIMUM` (32 KiB: a page-sized chunk, `COPIES` x `SLOTS` of them).
+        bytes: the budget, at least `MINIMUM` (32 KiB: a page-sized chunk, `COPIES` x `SLOTS` of them), or
+            `None` for no bound.
 
     Raises:
-        ValueError: `bytes` not an int, or below `MINIMUM`.
+        ValueError: `bytes` neither `None` nor an int, or below `MINIMUM`.
     """
 
-    bytes: int
+    bytes: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bytes", settings.count("HostMemoryBudget", "bytes", self.bytes, minimum=MINIMUM))
+        if self.bytes is not None:
+            checked = settings.count("HostMemoryBudget", "bytes", self.bytes, minimum=MINIMUM)
+            object.__setattr__(self, "bytes", checked)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether it bounds anything (`bytes` given)."""
+        return self.bytes is not None
 
     @property
     def chunk_bytes(self) -> int:
         """The largest chunk the budget stores, reads or moves: `bytes / (COPIES SLOTS)`, at most
-        `LARGEST_CHUNK`."""
+        `LARGEST_CHUNK` (which an unbounded budget's streams move at once)."""
+        if self.bytes is None:
+            return LARGEST_CHUNK
         return min(self.bytes // (COPIES * SLOTS), LARGEST_CHUNK)
+
+    @property
+    def block_bytes(self) -> int | None:
+        """The largest block an array is stored or packed in: `chunk_bytes`, or `None` (the array whole) without
+        a bound."""
+        return self.chunk_bytes if self.bounded else None
 
     @property
     def slots(self) -> int:
         """How many chunks the budget lets fly at once in a process (each held at most `COPIES` times), at most
         `MOST_SLOTS`."""
+        if self.bytes is None:
+            return MOST_SLOTS
         return min(self.bytes // (COPIES * self.chunk_bytes), MOST_SLOTS)
+
+    def holds(self, size: int, allowance: int) -> int:
+        """The most that a task which holds `size` bytes without a bound holds under the budget, and `allowance`
+        (what does not grow with the state)."""
+        return size if self.bytes is None else min(size, self.bytes + allowance)
+
+    def handler_options(self) -> dict[str, Any]:
+        """orbax's `PyTreeCheckpointHandler` keywords: its default type handlers, with host and device arrays
+        written and read within the budget where it bounds (`registry`); none without a bound."""
+        return {"type_handler_registry": _registry(self)} if self.bounded else {}
 
     def registry(self) -> Any:
         """orbax's default type handlers, with host and device arrays written and read within the budget."""
         return _registry(self)
 
 
-def of(value: HostMemoryBudget | int | None, owner: str) -> HostMemoryBudget | None:
-    """A door's `host_memory_budget=`, checked once: `None` (no budget), a `HostMemoryBudget`, or its bytes.
+UNBOUNDED = HostMemoryBudget()
+"""No bound: what a door's `host_memory_budget=None` means."""
+
+
+def of(value: HostMemoryBudget | int | None, owner: str) -> HostMemoryBudget:
+    """A door's `host_memory_budget=`, checked once: `None` (`UNBOUNDED`), a `HostMemoryBudget`, or its bytes.
 
     Raises:
         ValueError: an int that is not at least `MINIMUM`, or anything else.
     """
-    if value is None or isinstance(value, HostMemoryBudget):
+    if value is None:
+        return UNBOUNDED
+    if isinstance(value, HostMemoryBudget):
         return value
     return HostMemoryBudget(settings.count(owner, "host_memory_budget", value, minimum=MINIMUM))
 

@@ -57,12 +57,11 @@ class StoredCheckpoint:
     meta: dict[str, Any]
 
 
-def handlers(host_memory_budget: budget.HostMemoryBudget | None = None) -> dict[str, Any]:
+def handlers(host_memory_budget: budget.HostMemoryBudget = budget.UNBOUNDED) -> dict[str, Any]:
     """orbax's handler of each item of a step; with a budget, arrays written and read within it (`budget`)."""
-    registry = {} if host_memory_budget is None else {"type_handler_registry": host_memory_budget.registry()}
 
     def arrays() -> ocp.PyTreeCheckpointHandler:
-        return ocp.PyTreeCheckpointHandler(use_compression=False, **registry)
+        return ocp.PyTreeCheckpointHandler(use_compression=False, **host_memory_budget.handler_options())
 
     return {MODEL: arrays(), OPTIMIZER: arrays(), META: ocp.JsonCheckpointHandler(), LEGACY_STATE: arrays()}
 

@@ -24,7 +24,7 @@ from flax import serialization
 from flaxstate import nnx, settings, train_state, tree_paths
 from flaxstate.checkpoint import budget, damage, steps, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import LEGACY_RUN_ID, Rename, StoredCheckpoint, decode_rng, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
@@ -46,7 +46,7 @@ class _Source:
 
     directory: Path
     per_process: bool
-    host_memory_budget: HostMemoryBudget | None = None
+    host_memory_budget: HostMemoryBudget = UNBOUNDED
 
     def open(self) -> Store:
         return stores.open_store(

@@ -48,7 +48,7 @@ from jax.experimental import multihost_utils
 from flaxstate import settings
 from flaxstate.checkpoint import budget, claims, policies, schedule, stores
 from flaxstate.checkpoint.best import BestPolicy, Mode
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.damage import is_damage
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import encode_rng, to_json
@@ -103,7 +103,7 @@ class _Writer:
         policy: SavePolicy = policies.EVERY_RECORD,
         clock: Callable[[], float] = time.monotonic,
         ledger: bool = False,
-        host_memory_budget: HostMemoryBudget | None = None,
+        host_memory_budget: HostMemoryBudget = UNBOUNDED,
     ) -> None:
         """`output_dir`: the run's directory, or a local tier (whose `keep` stands for `keep`)."""
         owner = description.split("(", 1)[0]
@@ -487,7 +487,7 @@ class CheckpointFileWriter(_Writer):
         policy = policies.from_keywords("CheckpointFileWriter", every, every_seconds, min_seconds, mtbf)
         when = {"every": every, "every_seconds": every_seconds, "min_seconds": min_seconds, "mtbf": mtbf}
         given = "".join(f", {name}={value!r}" for name, value in when.items() if value is not None)
-        given += "" if host_memory_budget is None else f", host_memory_budget={host_memory_budget}"
+        given += f", host_memory_budget={host_memory_budget}" if limit.bounded else ""
         local = ", per_process=True" if per_process else ""
         local += f", peers={peers}" if peers else ""
         description = f"CheckpointFileWriter({str(output_dir)!r}, keep={keep}{given}{local})"

@@ -43,9 +43,12 @@ def test_a_budget_stores_bounded_chunks_and_restores_the_same_bits(tmp_path, giv
             writer(record)
     with fs.CheckpointFileWriter(tmp_path / "plain") as writer:
         writer(recs[-1])
+    with fs.CheckpointFileWriter(tmp_path / "unbounded", host_memory_budget=fs.HostMemoryBudget()) as writer:
+        writer(recs[-1])  # the unbounded budget: what no budget is
     kernel = "target.Dense_0.kernel"
     assert stored_chunk_bytes(tmp_path / "budget" / "4", kernel) <= fs.HostMemoryBudget(BUDGET).chunk_bytes
     assert stored_chunk_bytes(tmp_path / "plain" / "4", kernel) == 4 * 2048 * 4  # orbax's own: one chunk
+    assert stored_chunk_bytes(tmp_path / "unbounded" / "4", kernel) == 4 * 2048 * 4
 
     expected = recs[-1].state
     for directory in ("budget", "plain"):
@@ -142,6 +145,19 @@ def test_a_writer_names_a_bad_budget(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         fs.CheckpointFileWriter(**{"output_dir": tmp_path, **kwargs})
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_the_unbounded_budget_bounds_nothing_and_is_what_none_means():
+    unbounded = fs.HostMemoryBudget()
+    assert budget.of(None, "test") == unbounded == budget.UNBOUNDED and not unbounded.bounded
+    assert unbounded.holds(2**40, allowance=1) == 2**40 and unbounded.block_bytes is None
+    assert unbounded.handler_options() == {}  # orbax's own type handlers
+    bounded = fs.HostMemoryBudget(BUDGET)
+    assert bounded.bounded and bounded.holds(2**40, allowance=1) == BUDGET + 1 == bounded.holds(2**40, 0) + 1
+    assert bounded.block_bytes == bounded.chunk_bytes == BUDGET // (budget.COPIES * budget.SLOTS)
+    assert "type_handler_registry" in bounded.handler_options()
+    with pytest.raises(ValueError, match=r"HostMemoryBudget bytes must be an int of at least 32768, got 1.5"):
+        fs.HostMemoryBudget(1.5)
 
 
 def test_a_reader_names_a_bad_budget(tmp_path):

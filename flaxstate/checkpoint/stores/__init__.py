@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint
 from flaxstate.checkpoint.stores.local import Copies, LocalStore, process_directory
 from flaxstate.checkpoint.stores.orbax_manager import CheckpointStore
@@ -140,7 +140,7 @@ def open_store(
     best: BestPolicy | None = None,
     read_only: bool = False,
     copies: Copies | None = None,
-    host_memory_budget: HostMemoryBudget | None = None,
+    host_memory_budget: HostMemoryBudget = UNBOUNDED,
 ) -> Store:
     """The store of `directory` (from `store_directory`): per-process files, an s3:// store, or an orbax directory.
 

@@ -43,7 +43,7 @@ import numpy as np
 from flaxstate import background, tree_paths
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint import saving
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, state_dict_of, to_json
@@ -122,13 +122,13 @@ class LocalStore(saving.SaveSlot):
         keep: int | None = None,
         read_only: bool = False,
         copies: Copies | None = None,
-        host_memory_budget: HostMemoryBudget | None = None,
+        host_memory_budget: HostMemoryBudget = UNBOUNDED,
     ) -> None:
         super().__init__()
         self.directory = Path(directory).absolute()
         self._keep = keep
         self._copies = copies
-        self._block_bytes = None if host_memory_budget is None else host_memory_budget.chunk_bytes
+        self._block_bytes = host_memory_budget.block_bytes
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             background.track(self)
@@ -268,7 +268,7 @@ class LocalStore(saving.SaveSlot):
         with_optimizer: bool = True,
         rename: Rename = None,
         meta: Mapping[str, Any] | None = None,
-        host_memory_budget: HostMemoryBudget | None = None,
+        host_memory_budget: HostMemoryBudget = UNBOUNDED,
     ) -> StoredCheckpoint:
         """Restores a step that `covers` the template: its state dict (the template's tree, on its shardings) and meta.
 
@@ -306,13 +306,13 @@ class LocalStore(saving.SaveSlot):
                     sharding = getattr(target, "sharding", None)
                     if sharding is None:
                         whole = [[0, size] for size in shape]
-                        if host_memory_budget is not None:
+                        if host_memory_budget.bounded:
                             flat[path] = parts.sliced(entry, whole, host_memory_budget, None)
                         else:
                             flat[path] = np.array(parts.values(entry, whole))
                         continue
                     indices = sharding.addressable_devices_indices_map(shape)
-                    if host_memory_budget is not None:
+                    if host_memory_budget.bounded:
                         arrays = [
                             parts.sliced(entry, index_of(at, shape), host_memory_budget, device)
                             for device, at in indices.items()

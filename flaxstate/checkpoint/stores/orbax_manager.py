@@ -31,7 +31,7 @@ from flaxstate import background, locations, tree_paths
 from flaxstate.checkpoint import damage, formats, layout, saving, steps
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.layout import (
@@ -98,7 +98,7 @@ class CheckpointStore(saving.SaveSlot):
         keep: int | None = None,
         best: BestPolicy | None = None,
         read_only: bool = False,
-        host_memory_budget: HostMemoryBudget | None = None,
+        host_memory_budget: HostMemoryBudget = UNBOUNDED,
     ) -> None:
         super().__init__()
         self.directory = as_path(directory)

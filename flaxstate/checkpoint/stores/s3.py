@@ -50,7 +50,7 @@ from flaxstate import background, locations, tree_paths
 from flaxstate.checkpoint import budget, saving, steps
 from flaxstate.checkpoint import meta as meta_format
 from flaxstate.checkpoint.best import BestPolicy
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.errors import CheckpointError, CheckpointSaveError
 from flaxstate.checkpoint.layout import SET_ASIDE, Rename, StoredCheckpoint, renamed_against, state_dict_of, to_json
@@ -106,11 +106,11 @@ class ObjectStore(saving.SaveSlot):
         keep: int | None = None,
         best: BestPolicy | None = None,
         read_only: bool = False,
-        host_memory_budget: HostMemoryBudget | None = None,
+        host_memory_budget: HostMemoryBudget = UNBOUNDED,
     ) -> None:
         super().__init__()
         self.directory = locations.as_path(directory)
-        self._slots = None if host_memory_budget is None else budget.Slots(host_memory_budget)
+        self._slots = budget.Slots(host_memory_budget) if host_memory_budget.bounded else None
         """The budget's chunks in flight (`None`: no budget)."""
         self._keep = keep
         self._best = best

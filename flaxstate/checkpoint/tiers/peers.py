@@ -56,8 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxstate import collectives
-from flaxstate.checkpoint import budget
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.stores.local import LocalStore
 from flaxstate.checkpoint.stores.packed import (
     ARRAYS,
@@ -414,7 +413,7 @@ class PeerCopies:
             step's bytes three to four times over (`host_memory.EXCHANGE`); the loop waits for the move.
     """
 
-    def __init__(self, plan: PeerPlan, host_memory_budget: HostMemoryBudget | None = None) -> None:
+    def __init__(self, plan: PeerPlan, host_memory_budget: HostMemoryBudget = UNBOUNDED) -> None:
         self.plan = plan
         self.host_memory_budget = host_memory_budget
 
@@ -437,12 +436,12 @@ class PeerCopies:
         replicated = replicated_elsewhere([held for _, held in offers], self.plan.hosts, len(self.plan.rounds))
         if all(replicated):  # pure data parallelism over hosts: nothing moves
             return Exchanged(False, None, tuple((owner, None) for owner in self.plan.sources(me)))
-        block = None if self.host_memory_budget is None else self.host_memory_budget.chunk_bytes
+        block = self.host_memory_budget.block_bytes
         packed = pack_step(flat, header, block)
         outgoing = Outgoing([] if replicated[me] else list(framed(*packed)))
         received: list[tuple[int, jax.Array | Incoming | None]] = []
         for owner, holders in zip(self.plan.sources(me), self.plan.rounds, strict=True):
-            if self.host_memory_budget is None:
+            if not self.host_memory_budget.bounded:
                 (arrived,) = send(outgoing, holders)
                 received.append((owner, None if replicated[owner] else arrived))
                 continue
@@ -468,7 +467,7 @@ def bring_back(
     step: int,
     transfers: tuple[tuple[int, bool, int], ...],
     meta: dict[str, Any] | None,
-    host_memory_budget: HostMemoryBudget | None = None,
+    host_memory_budget: HostMemoryBudget = UNBOUNDED,
 ) -> dict[str, Any] | None:
     """Moves each lost process's parts of `step` from the process that keeps them (a collective).
 
@@ -511,7 +510,7 @@ def bring_back(
                 logger.info("process %d's parts of step %d come from process %d's %s.", owner, step, holder, held_as)
         receiving = any(owner == me for _, _, owner in batch)
         incoming = Incoming(process_dir, step) if receiving else None
-        slice_bytes = budget.LARGEST_CHUNK if host_memory_budget is None else host_memory_budget.chunk_bytes
+        slice_bytes = host_memory_budget.chunk_bytes
         stream(outgoing, tuple(destination), slice_bytes, incoming)
         if incoming is not None:
             meta = {**(incoming.meta or {}), "process_index": me, "devices": [d.id for d in jax.local_devices()]}

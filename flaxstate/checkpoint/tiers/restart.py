@@ -37,7 +37,7 @@ import jax
 
 from flaxstate import collectives
 from flaxstate.checkpoint import damage, steps, stores
-from flaxstate.checkpoint.budget import HostMemoryBudget
+from flaxstate.checkpoint.budget import UNBOUNDED, HostMemoryBudget
 from flaxstate.checkpoint.damage import DamagedCheckpointError
 from flaxstate.checkpoint.layout import StoredCheckpoint, is_empty_or_missing
 from flaxstate.checkpoint.steps import StepKind
@@ -236,7 +236,7 @@ def agreed_local_step(
     return Agreement(chosen, why, False, persistent)
 
 
-def _bring_back(chosen: LocalStep, host_memory_budget: HostMemoryBudget | None) -> LocalStep:
+def _bring_back(chosen: LocalStep, host_memory_budget: HostMemoryBudget) -> LocalStep:
     """Moves each lost process's parts of the chosen step from the peer that keeps them (`peers.bring_back`)."""
     meta = peers.bring_back(chosen.store, chosen.step, chosen.transfers, chosen.meta, host_memory_budget)
     assert meta is not None
@@ -313,7 +313,7 @@ def read_tiers(
     *,
     step: int | None,
     read_persistent: Callable[[], P | None],
-    host_memory_budget: HostMemoryBudget | None = None,
+    host_memory_budget: HostMemoryBudget = UNBOUNDED,
 ) -> TierRead[P]:
     """The two-tier read, asked once: the local step every process holds, else the persistent tier's.
 
@@ -374,7 +374,7 @@ def _read_local(
     step: int | None = None,
     persistent_step: int | None = None,
     persistent_run: str | None = None,
-    host_memory_budget: HostMemoryBudget | None = None,
+    host_memory_budget: HostMemoryBudget = UNBOUNDED,
 ) -> LocalRead:
     """The two-tier read's local half: the processes agree on a local step, read it together, or fall back together.
 
