@@ -111,7 +111,10 @@ def test_a_peer_copy_s_host_memory_is_what_the_plan_says_and_a_budget_bounds_it(
         assert state_bytes == whole["per_host"]["records"] / 2 - whole["largest"]  # S + G, G half of two kernels
         planned = whole["per_host"]["peers"]
         assert planned == int(host_memory.EXCHANGE * state_bytes)  # with one peer
-        assert planned == pytest.approx(whole["peers"], rel=0.25), (planned, whole["peers"], state_bytes)
+        # At least the packed parts and the peer's parts received (2 S); how many of the collective's copies of
+        # the buffer live at once is its threads' timing: 3.0 S idle with jax 0.10.2, 4.0 S with jax 0.12, 2.06 S
+        # in a loaded CI run (the plan's 3.5 S is the most, within a quarter).
+        assert 1.75 * state_bytes <= whole["peers"] <= 1.25 * planned, (planned, whole["peers"], state_bytes)
         bound = budget + host_memory.BUDGET_ALLOWANCE
         assert bounded["per_host"]["peers"] == bound < state_bytes  # the plan says it
         assert bounded["peers"] <= bound, (bounded["peers"], bound)  # 3 to 4 x 128 MiB without it

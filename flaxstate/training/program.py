@@ -193,7 +193,8 @@ class Program:
         XLA counts a loop's body once, so with microbatches the count is
         scaled by the ratio of two lowerings' counts (not compiled): the
         step with the microbatches' loop written out, over the step as it
-        runs. Compiles the one-step update, as its first dispatch would.
+        runs. Compiles the one-step update (`_counted_update`), as its first
+        dispatch would.
 
         Args:
             batch, rng_data: as `flops_per_step` takes them.
@@ -203,15 +204,23 @@ class Program:
             where XLA gives none (see `flaxstate.training.throughput`).
         """
         if self._xla_flops is _UNKNOWN:
-            update: Any = self.update(1)  # a jax.jit object
+            update: Any = self._counted_update()  # a jax.jit object
+            gradients = update is not self.update(1)
             lowered = update.lower(self._abstract_leaves, batch, rng_data)
             per_device = throughput.flops_of(lowered.compile())
             if per_device is not None and self._counted_step is not None:
-                program = step.update_program(self._counted_step, 1, self._treedef, self._rng_impl, False)
-                counted: Any = self._placement.compile_update(program, self._shardings, False, False, False)
+                program = step.update_program(self._counted_step, 1, self._treedef, self._rng_impl, gradients)
+                counted: Any = self._placement.compile_update(program, self._shardings, False, gradients, False)
                 per_device *= throughput.loop_factor(lowered, counted.lower(self._abstract_leaves, batch, rng_data))
             self._xla_flops = None if per_device is None else per_device * self._placement.mesh.size
         return self._xla_flops
+
+    def _counted_update(self) -> Callable[..., Any]:
+        """The one-step program whose XLA count `xla_flops_per_step` takes: a record's update where it adds
+        only outputs (its gradients: the same kernels, counted alike to 1e-6 for the NNX tutorial's models), so
+        that a record's dispatch of one step, a run's first where records come every step, compiles one program
+        for both; else the plain update (a fingerprint adds a pass over the state)."""
+        return self.update(1) if self.fingerprinted_records else self.record_update(1)
 
     def made(self) -> dict[str, Callable[..., Any]]:
         """The programs made so far (each `jax.jit` object compiles at its first call), by what they are:
@@ -225,7 +234,8 @@ class Program:
 
     def compile_ahead(self, batch: Any, rng_data: Any, sizes: list[int]) -> None:
         """Compiles, at once on threads of their own, the programs a segment of dispatches of `sizes` steps calls
-        (its record's update the last), and the one-step update of XLA's FLOPs count (`xla_flops_per_step`).
+        (its record's update the last), and the one-step program of XLA's FLOPs count (`xla_flops_per_step`:
+        where records come every step, the record's update, so that a run's first step compiles one program).
 
         One program after another, a run's first segment compiled the update and then its record's (the same
         forward and backward pass, which also returns the gradients): Flax's NNX tutorial's CNN took 1.45 times
@@ -246,11 +256,11 @@ class Program:
         record = sizes[-1] if sizes else 1
         programs: list[tuple[Any, int]] = [(self.update(n), n) for n in sorted(set(sizes[:-1]))]
         programs.append((self.record_update(record), record))  # the one-step update itself where it adds nothing
-        jobs: list[Callable[[], Any]] = [lambda: self.xla_flops_per_step(batch, rng_data)]  # the one-step update's
+        jobs: list[Callable[[], Any]] = [lambda: self.xla_flops_per_step(batch, rng_data)]  # compiles its program
         jobs += [
             functools.partial(lambda p, n: p.lower(self._abstract_leaves, stacked(n), rng_data).compile(), p, n)
             for p, n in programs
-            if not (p is self.update(1) and n == 1)  # compiled by the FLOPs count's job
+            if not (p is self._counted_update() and n == 1)  # compiled by the FLOPs count's job
         ]
 
         def in_context(job: Callable[[], Any]) -> Any:
