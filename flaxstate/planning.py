@@ -445,8 +445,9 @@ def _plan(
 
 
 _BATCH, _BATCH_PARTS = "plan: the global batch", "parts of the batch's mesh axes"
-_EVAL_BATCH = "plan: the evaluation's first batch"
 """A plan's global batch, and what it splits over, as `batching.check_divisible`'s errors name them."""
+_EVAL_BATCH = "plan: the evaluation's first batch"
+"""A plan's evaluation batch (`plan(evaluation=)`), as the same errors name it."""
 
 
 def _abstract_state(create: Callable[..., Any], arguments: Sequence[Any], where: Any) -> Any:
