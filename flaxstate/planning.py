@@ -386,16 +386,17 @@ def _plan(
     }
     if records:  # a record's copy made while the caller holds the one before: the state and two copies
         programs[_COPY] = sum(sizes.values()) + 2 * records
+    eval_batches = None
     if evaluation is not None:  # beside the training state, which it reads where it is (`EvalLoop`)
-        batch = _abstract_batches(eval_batch, where, 1)
-        memory, refused = memories[_EVALUATION] = _evaluation_memory(evaluation, where, state, batch, rng_data)
+        eval_batches = _abstract_batches(eval_batch, where, 1)
+        memory, refused = memories[_EVALUATION] = _evaluation_memory(evaluation, where, state, eval_batches, rng_data)
         evaluated = sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(_evaluated(state)))
-        held = _per_device(sizes, batch, memory, refused, records)["total"]
+        held = _per_device(sizes, eval_batches, memory, refused, records)["total"]
         programs[_EVALUATION] = held + sum(sizes.values()) - evaluated
     programs[_RESTORE] = sum(sizes.values())  # read into an abstract template: the state, and nothing beside it
     peak = max(programs, key=lambda name: programs[name])
     memory, refused_temp = memories.get(peak, memories[_UPDATE])
-    peak_batches = _abstract_batches(eval_batch, where, 1) if peak == _EVALUATION else batches
+    peak_batches = eval_batches if peak == _EVALUATION else batches
     per_device = _per_device(sizes, peak_batches, memory, refused_temp, records)
     per_device["total"] = programs[peak]
     refused_temp = next((refused for _, refused in memories.values() if refused is not None), None)

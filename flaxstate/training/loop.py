@@ -242,6 +242,7 @@ class TrainLoop:
                 self._check_ema_decays(begun.restored_step or 0, n_steps)
                 self._ema_checked = n_steps
                 """The steps before this one have had their EMA decay checked (a longer run checks the rest)."""
+                reads_later = copies.reads_later(where.mesh, spec.record_memory)
                 self._program = Program.build(
                     placement=where,
                     task=task,
@@ -250,12 +251,13 @@ class TrainLoop:
                     state=begun.state,
                     rng=begun.rng,
                     # Where records hold host copies on a CPU of one process, their fingerprint is taken when read.
-                    fingerprinted_records=not copies.reads_later(where.mesh, spec.record_memory),
+                    fingerprinted_records=not reads_later,
                 )
                 self._recorder = Recorder.create(
                     placement=where,
                     shardings=self._program.shardings,
                     record_memory=spec.record_memory,
+                    reads_later=reads_later,
                     look=look,
                     begun=begun,
                     progress=self._progress,

@@ -147,6 +147,7 @@ class Recorder:
         placement: Placement,
         shardings: PyTree,
         record_memory: str,
+        reads_later: bool,
         look: startup.FirstLook,
         begun: startup.Start,
         progress: ProgressDisplay,
@@ -159,6 +160,8 @@ class Recorder:
         Args:
             shardings: the state's shardings.
             record_memory: where records hold their copy (`copies.RECORD_MEMORIES`).
+            reads_later: whether a record's fingerprint is taken when first read (`copies.reads_later`, which
+                the loop asks once for its programs and its records).
             peak_flops_per_device: one device's peak FLOP/s, or `None` to look the devices up.
             preemption_noticed: whether a preemption notice has come (records carry it for an evaluation).
             microbatches: the microbatches a step, and the `max_device_batch` that set them (or `None`).
@@ -169,7 +172,7 @@ class Recorder:
             restored = fingerprints.text(fingerprints.of_state(jax.tree.leaves(begun.state)))
         return cls(
             copy=copies.record_copier(placement.mesh, shardings, record_memory),
-            reads_later=copies.reads_later(placement.mesh, record_memory),
+            reads_later=reads_later,
             views=copies.DeviceViews(),
             data=look.data,
             progress=progress,
