@@ -258,6 +258,18 @@ class Resharded(nnx.Module):
         return self.down(h, out_sharding=jax.sharding.PartitionSpec()).sum(-1)
 
 
+class ReshardedLinen(nn.Module):
+    """`Resharded` as linen writes it: parameters with logical axes, the same bare `PartitionSpec`s."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        up = self.param("up", nn.with_logical_partitioning(init, ("embed", "mlp")), (256, 1024))
+        down = self.param("down", nn.with_logical_partitioning(init, ("mlp", "embed")), (1024, 256))
+        h = jax.sharding.reshard(nn.relu(x @ up), jax.sharding.PartitionSpec(None, "model"))
+        return jnp.matmul(h, down, out_sharding=jax.sharding.PartitionSpec()).sum(-1)
+
+
 TENSOR_PARALLEL = [("batch", None), ("mlp", "model"), ("embed", None)]
 """The hidden units split over `model`, the batch whole: `Resharded`'s layout."""
 
@@ -459,3 +471,29 @@ def test_the_loop_s_options_reach_the_plan_a_given_flops_count_and_the_rng_colle
     assert fs.plan(noisy.init, task, target="cpu:1", collections=collections).flops_per_step > 0
     with pytest.raises(Exception, match="noise"):  # without them the step asks for an rng it is not given
         fs.plan(noisy.init, task, target="cpu:1")
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_an_evaluation_on_an_explicit_mesh_is_planned_under_its_context_and_sets_the_peak(kind):
+    # The evaluation's program is traced under the Explicit mesh, as the update's is: `Resharded` reshards its
+    # activations by bare specs, which refuse outside that context. With the hidden units split over `model` and
+    # the batch whole, each device holds the evaluation's whole batch, and its activations are the peak.
+    explicit = jax.sharding.AbstractMesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    if kind == "linen":
+        linen = ReshardedLinen()
+        init, apply = linen.init, linen.apply
+    else:
+        with nnx.use_eager_sharding(False):
+            model = Resharded(nnx.Rngs(0))
+        init = apply = model
+    task = fs.TrainTask(apply=apply, optimizer=optax.adam(1e-3), loss=mse, data=task_of(MLP()).data)
+    large = [(np.ones((2048, 256), np.float32), np.zeros((2048,), np.float32))]
+    evaluation = fs.EvalTask(apply=apply, metrics={"mse": mse}, data=large)
+    options = {"target": "cpu:4", "mesh_shape": explicit, "axis_rules": TENSOR_PARALLEL}
+    planned = fs.plan(init, task, evaluation=evaluation, **options)
+    trained = fs.plan(init, task, **options)
+    assert planned.peak_program == "the evaluation" and "the peak is the evaluation's" in str(planned)
+    assert planned.per_device["batch"] == 2048 * (256 + 1) * 4  # the whole batch: nothing splits it over `model`
+    assert {k: v for k, v in planned.programs.items() if k != "the evaluation"} == trained.programs  # training's
+    assert planned.programs["the evaluation"] > planned.programs["the update"] > planned.programs["the restore"]
+    assert planned.per_device["params"] == trained.per_device["params"] < trained.per_device["optimizer"]
