@@ -22,10 +22,11 @@ baseline's time over the contender's (throughput). `--startup N` measures
 instead the seconds from a fresh process's start to its first step done,
 the tutorial's loop against flaxstate's (by default, and with
 `record_gradients=False`: the tutorial's step returns no gradients), N fresh
-processes each, in a rotating order.
+processes each, in a rotating order; with `--dispatch K`, to the first K
+steps done, flaxstate's in one dispatch of K steps.
 
     python benchmarks/nnx_loop.py [--models cnn,mlp] [--rounds 7] [--steps 200]
-    python benchmarks/nnx_loop.py --startup 5
+    python benchmarks/nnx_loop.py --startup 5 [--dispatch 10]
 """
 
 from __future__ import annotations
@@ -231,16 +232,19 @@ sys.modules["loop_overhead"].__dict__.update(Runner=None, measure=None, ratio=No
 if {which!r} == "tutorial":
     sys.modules["flaxstate"] = type(sys)("flaxstate")  # nnx_loop imports it at its top; the tutorial does not
 import nnx_loop
-data = nnx_loop.make_data(4)
+data = nnx_loop.make_data(max(4, {k}))
 model = nnx_loop.MODELS[{model!r}](rngs=nnx.Rngs(0))
 if {which!r} == "tutorial":
     run = nnx_loop.tutorial_runner(nnx_loop.MODELS[{model!r}], data)
-    run(1)
+    run({k})
 else:
     import flaxstate as fs
     task = fs.TrainTask(apply=model, optimizer=optax.adamw(0.005, 0.9), loss=nnx_loop.loss_fn, data=data)
     gradients = {which!r} == "flaxstate"  # "flaxstate, no gradients": records without (the tutorial returns none)
-    loop = fs.TrainLoop(init=model, task=task, rng=0, n_steps=1, stdout=False, record_gradients=gradients)
+    loop = fs.TrainLoop(
+        init=model, task=task, rng=0, n_steps={k}, n_steps_per_checkpoint={k}, n_steps_per_dispatch={k},
+        stdout=False, record_gradients=gradients,
+    )
     loop.next_checkpoint()
 print(json.dumps(time.time() - process_start_time()))
 """
@@ -250,8 +254,10 @@ STARTERS = ("tutorial", "flaxstate", "flaxstate, no gradients")
 """Start-up's contenders: flaxstate as it starts by default, and with `record_gradients=False`."""
 
 
-def startup(models: list[str], n: int) -> None:
-    """Seconds from a fresh process's start to its first step done, each contender `n` times, in a rotating order."""
+def startup(models: list[str], n: int, k: int = 1) -> None:
+    """Seconds from a fresh process's start to its first step done, each contender `n` times, in a rotating order.
+
+    With `k` > 1: to its first `k` steps done, flaxstate's in one dispatch (the tutorial's one a call)."""
     folder = str(__import__("pathlib").Path(__file__).parent)
     # As a user's second run finds them: Python's bytecode cached (an environment that sets
     # PYTHONDONTWRITEBYTECODE, as this project's machines do, compiled flaxstate's 90 modules from source
@@ -263,7 +269,7 @@ def startup(models: list[str], n: int) -> None:
         for index in range(-1, n):
             order = STARTERS[index % 3 :] + STARTERS[: index % 3]
             for which in order:
-                code = STARTUP.format(folder=folder, model=name, which=which)
+                code = STARTUP.format(folder=folder, model=name, which=which, k=k)
                 done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
                 if index >= 0:
                     seconds[which].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -280,11 +286,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--startup", type=int, default=0, help="fresh processes of each contender, for start-up")
+    parser.add_argument("--dispatch", type=int, default=1, help="start-up to K steps done, flaxstate's at K a dispatch")
     args = parser.parse_args()
     models = args.models.split(",")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}")
     if args.startup:
-        startup(models, args.startup)
+        startup(models, args.startup, args.dispatch)
     else:
         throughput(models, args.rounds, args.steps, args.runs)
 

@@ -148,3 +148,24 @@ def test_the_same_mesh_given_inside_its_context_and_devices_inside_any_are_taken
     with jax.set_mesh(mesh):
         assert final_params(make_loop("linen", "explicit", mesh=mesh, axis_rules=RULES))
         assert final_params(make_loop("linen", None, devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+@pytest.mark.parametrize(
+    ("mesh", "style"), [(explicit_mesh, "explicit"), (auto_mesh, "constraint")], ids=["Explicit", "Auto"]
+)
+def test_xla_s_flops_at_k_steps_a_dispatch_come_from_the_programs_it_runs_under_the_mesh(kind, mesh, style):
+    # At K = 2 XLA's count of a step comes from the program of 2 steps the run dispatches (with microbatches,
+    # scaled by their loop factor from the one-step update lowered under the loop's mesh): no one-step program
+    # is compiled for it, and it counts what the one-step update of a K = 1 run counts.
+    counts = {}
+    for per_dispatch in (1, 2):
+        with jax.set_mesh(mesh()):
+            loop = make_loop(kind, style, axis_rules=RULES, n_steps_per_dispatch=per_dispatch, n_microbatches=2)
+        records = list(loop)
+        counts[per_dispatch] = records[-1].xla_flops_per_step
+        assert counts[per_dispatch] == records[0].xla_flops_per_step
+        # The one-step update that XLA's count compiles at K = 1 (a record's, with gradients: the K = 1 run
+        # dispatches it) is not made at K = 2.
+        assert ("update of 1 steps, gradients" in loop.program.made()) == (per_dispatch == 1)
+    assert counts[1] is not None and counts[2] == pytest.approx(counts[1], rel=0.02)
