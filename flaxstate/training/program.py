@@ -271,10 +271,10 @@ class Program:
         update, else the record's), whose steps' loop XLA counts once; where the segment has none, from the
         one-step update (`xla_flops_per_step`: where records come every step, the record's update, so that a
         run's first step compiles one program). Either way no program is compiled for the count alone where a
-        dispatch runs one that gives it: at K = 10 the first segment compiled three programs, one of them a
-        one-step update that no dispatch ran, and now compiles two (`benchmarks/nnx_loop.py --startup 3
-        --dispatch 10`: the NNX tutorial's MLP and CNN to their first 10 steps at 1.02-1.19x and 1.10-1.51x the
-        tutorial's loop, against 1.58-1.61x and 1.66-1.87x, on this project's loaded 2-core CPU).
+        dispatch runs one that gives it: at K = 10 the first segment compiled a one-step update that no dispatch
+        ran beside the programs it dispatches, and now compiles those alone (`benchmarks/nnx_loop.py --startup 3
+        --dispatch 10`, this project's idle 2-core CPU: the NNX tutorial's MLP and CNN to their first 10 steps at
+        1.19x and 1.22x the tutorial's loop, against 1.36x and 1.45x).
 
         One program after another, a run's first segment compiled the update and then its record's (the same
         forward and backward pass, which also returns the gradients): Flax's NNX tutorial's CNN took 1.45 times
