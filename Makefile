@@ -32,8 +32,13 @@ test-fast: install lint quick-tier
 
 test-processes: install process-tier
 
+# Tier 0 runs on WORKERS processes (pytest-xdist; 0: in pytest's own, as CI's lanes run it beside each other) and
+# keeps its JAX compilation cache between runs, one a stack (tests/conftest.py's KEPT_CACHE): a run after an edit
+# compiles only the programs the edit changed. `rm -rf .cache/jax-tests` empties it. Figures: tests/README.md.
+WORKERS ?= 2
+TEST_CACHE ?= $(CURDIR)/.cache/jax-tests/$(patsubst .%,%,$(notdir $(VENV)))
 quick-tier:
-	$(BIN)/python -m pytest -q -m "not processes"
+	FLAXSTATE_TESTS_COMPILATION_CACHE="$(TEST_CACHE)" $(BIN)/python -m pytest -q -m "not processes" -n $(WORKERS)
 
 process-tier:
 	$(BIN)/python -m pytest -q -m processes

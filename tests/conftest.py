@@ -21,9 +21,44 @@ os.environ.setdefault("NO_GCE_CHECK", "true")
 # The test processes and their workers share one JAX compilation cache, made for this session and removed after
 # it: the workers of many tests compile the same programs again (test_resume*.py with test_preemption*.py took
 # 175 s without it, 143 s with it, on 2 cores). Every program is cached, however quick its compilation.
+# KEPT_CACHE names a folder kept between sessions instead (`make test-fast` gives tier 0 one a stack, so the
+# edit-test loop compiles only what an edit changed: tests/README.md), pruned at the session's start.
+KEPT_CACHE = "FLAXSTATE_TESTS_COMPILATION_CACHE"
+KEPT_CACHE_BYTES = 512 * 2**20
+"""The most a kept cache holds at a session's start: its oldest entries go first (a warm tier 0 is ~35 MiB)."""
+
+
+def prune(folder: Path, most: int) -> None:
+    """Removes `folder`'s oldest files (by modification time) until the rest hold at most `most` bytes.
+
+    Each of `make test-fast`'s workers prunes at its start: a file another removed meanwhile is passed over."""
+    entries = []
+    for entry in folder.iterdir():
+        if not entry.is_file():
+            continue
+        try:
+            status = entry.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((status.st_mtime, status.st_size, entry))
+    entries.sort()
+    held = sum(size for _, size, _ in entries)
+    for _, size, entry in entries:
+        if held <= most:
+            return
+        entry.unlink(missing_ok=True)
+        held -= size
+
+
 _COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _COMPILATION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxstate-tests-jax-")
+    if os.environ.get(KEPT_CACHE):
+        kept = Path(os.environ[KEPT_CACHE]).absolute()
+        kept.mkdir(parents=True, exist_ok=True)
+        prune(kept, KEPT_CACHE_BYTES)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(kept)
+    else:
+        _COMPILATION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxstate-tests-jax-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 

@@ -190,3 +190,51 @@ def test_under_load_a_burner_runs_from_the_first_test_to_the_last_and_is_stopped
 
     plain = pytest_in(tmp_path)
     assert outcomes(plain) == {"test_loaded_processes.py::test_the_load_runs_beside_it": "FAILED"}, plain
+
+
+KEPT = """
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from flaxstate.training import compiling
+
+
+def test_a_program():
+    compiling.seconds()  # starts the counts
+    jax.jit(lambda x: jnp.sin(x) * 3.25)(jnp.ones(5)).block_until_ready()
+    requests, hits = compiling.cached()
+    Path("session").write_text(f"{os.environ['JAX_COMPILATION_CACHE_DIR']} {requests} {hits}")
+"""
+
+
+def test_a_kept_cache_outlives_its_session_and_the_next_loads_its_programs_a_session_s_own_is_removed(tmp_path):
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "test_kept.py").write_text(KEPT)
+    outer = {name: value for name, value in os.environ.items() if not name.startswith(("JAX_", "FLAXSTATE_TESTS"))}
+
+    def session(**environment: str) -> tuple[Path, int, int]:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"],
+            cwd=tmp_path,
+            env={**outer, "PYTHONPATH": str(TESTS), "JAX_PLATFORMS": "cpu", **environment},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        folder, requests, hits = (tmp_path / "session").read_text().split()
+        return Path(folder), int(requests), int(hits)
+
+    kept = tmp_path / "kept"
+    first = session(FLAXSTATE_TESTS_COMPILATION_CACHE=str(kept))
+    assert first[0] == kept and first[1] >= 1 and first[2] == 0, first
+    assert any(kept.iterdir()), "the first session wrote no program to the kept cache"
+    second = session(FLAXSTATE_TESTS_COMPILATION_CACHE=str(kept))
+    assert second[0] == kept and second[2] == second[1] >= 1, f"{second}: the kept cache answered no request"
+
+    own = session()
+    assert own[0] != kept and own[1] >= 1 and own[2] == 0, own
+    assert not own[0].exists(), f"the session's own cache {own[0]} outlived it"

@@ -1,6 +1,7 @@
 """What every record carries that the recording module makes: the loss-scale metrics and the process's session."""
 
 import os
+import secrets
 import time
 
 import jax
@@ -36,16 +37,20 @@ def test_a_session_names_the_process_s_start_its_restore_and_its_devices():
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_a_session_says_whether_its_programs_came_from_the_compilation_cache(api):
     """The tests' processes share a persistent compilation cache (conftest): a model of a width no other test
-    trains is compiled by its first loop, and its second loop, alike, loads every program from the cache."""
+    trains, at a learning rate drawn for this test (a cache kept between sessions, conftest's KEPT_CACHE, holds
+    what earlier sessions compiled), is compiled by its first loop, and its second loop, alike, loads every
+    program from the cache."""
     assert os.environ.get("JAX_COMPILATION_CACHE_DIR"), "the test session's compilation cache (conftest)"
     width = {"linen": 37, "nnx": 41}[api]
+    rate = 1e-2 * (1 + secrets.randbelow(2**20) / 2**21)  # a constant of the programs: 2**20 float32 values
 
     def first_session():
         if api == "linen":
-            loop = loops.make_loop(model=toy.MLP(width=width), n_steps=2, every=2, per_dispatch=2)
+            optimizer = optax.adam(rate)
+            loop = loops.make_loop(model=toy.MLP(width=width), optimizer=optimizer, n_steps=2, every=2, per_dispatch=2)
         else:
             model = nnx_models.MLP(nnx.Rngs(0), width=width)
-            task = fs.TrainTask(apply=model, optimizer=optax.adam(1e-2), loss=toy.mse, data=toy.batches(40, 8))
+            task = fs.TrainTask(apply=model, optimizer=optax.adam(rate), loss=toy.mse, data=toy.batches(40, 8))
             loop = fs.TrainLoop(model, task, jax.random.key(0), n_steps=2, n_steps_per_checkpoint=1, stdout=False)
         return [record.session for record in loop][0]
 
