@@ -24,11 +24,13 @@ in place).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -317,7 +319,7 @@ def plan(
         raise ValueError(f"plan's evaluation must be a fs.EvalTask (what EvalLoop takes), got {evaluation!r}.")
     devices = target_devices(target)
     where: Any = placement.create(_partitioning(devices, mesh_shape, axis_rules))  # with a batch layout
-    with where.context():  # an Explicit mesh's model is traced under it, as the loop traces it
+    with where.context(), _unloadable_quiet(target):  # an Explicit mesh's model is traced under it, as the loop's
         return _plan(
             init,
             task,
@@ -540,6 +542,24 @@ def _per_device(
         held = sum(per_device[name] for name in ("params", "optimizer", "mutables", "batch"))
     per_device["total"] = int(held + per_device["temp"] + per_device["code"] + records)
     return per_device
+
+
+UNLOADABLE = r"Error reading persistent compilation cache entry .*PjRtCompiler must be constructed with a Client"
+"""JAX's warning for a TPU topology's program found in its persistent compilation cache: libtpu's compile-only
+client, which compiled and wrote it, cannot load it back, so JAX compiles it again (what a plan does without a
+cache). The cache stays the user's: `jax_compilation_cache_dir`, as `flaxstate launch` sets it."""
+
+
+@contextlib.contextmanager
+def _unloadable_quiet(target: str) -> Iterator[None]:
+    """Ignores `UNLOADABLE` while a plan for a TPU topology compiles (a second plan of a model warned once a
+    program); any other warning reaches the user, and the filters are theirs again after the plan."""
+    if target == "local" or target.startswith("cpu:"):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=UNLOADABLE, category=UserWarning)
+        yield
 
 
 ALLOW_MULTIPLE = "ALLOW_MULTIPLE_LIBTPU_LOAD"

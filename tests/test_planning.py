@@ -5,6 +5,8 @@ installs `jax[tpu]`); "cpu:N" compiles for N host devices of a client of
 their own, and "local" for this process's device.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,27 @@ def test_fsdp_over_a_v5e_2x2_holds_a_quarter_of_the_parameters_and_adam_twice_th
     # knows no host's memory for a topology that is not this machine.
     assert fsdp_plan.per_host["records"] == 2 * ((3 * whole + 4 + 4) + whole)  # params, mu, nu, count, step; grads
     assert fsdp_plan.host_memory is None and fsdp_plan.fits_host is None and "host memory unknown" in text
+
+
+def test_a_tpu_plan_made_again_beside_a_compilation_cache_says_nothing_of_it_and_plans_the_same():
+    # The tests' processes keep a JAX compilation cache (conftest), as `flaxstate launch`'s processes and many TPU
+    # users do. JAX writes a TPU topology's programs to it, and libtpu's compile-only client that compiled them
+    # cannot load them back: a second plan of the same model found them and warned "Error reading persistent
+    # compilation cache entry ... PjRtCompiler must be constructed with a Client" for each program, then compiled
+    # it again, as a plan without the cache does.
+    model = MLP(width=96)  # a width no other test plans: its programs are new to this session's cache
+
+    def made() -> fs.Plan:
+        return fs.plan(model.init, task_of(model), target="v5e:2x2", mesh_shape={"fsdp": 4}, axis_rules=RULES)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, again = made(), made()
+    assert [str(warning.message) for warning in caught if "cache" in str(warning.message)] == []
+    assert again.per_device == first.per_device and again.xla_flops_per_step == first.xla_flops_per_step
+    filters = list(warnings.filters)
+    made()
+    assert warnings.filters == filters  # the plan's own filter ends with it: the user's warnings are theirs
 
 
 def test_a_model_too_large_for_a_v5e_does_not_fit_and_names_its_largest_array():
