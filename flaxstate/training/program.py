@@ -160,7 +160,14 @@ class Program:
         [, fingerprint])`, its last step's gradients where records carry them (`record_gradients`), the new
         state's fingerprint where records are fingerprinted (`fingerprinted_records`). At one step as at K:
         no second forward and backward pass for the gradients, no call of its own for the fingerprint."""
-        return self.update(n_steps, gradients=self.record_gradients, fingerprinted=self.fingerprinted_records)
+        return self.update(n_steps, gradients=self.record_gradients, fingerprinted=self._records_fingerprinted)
+
+    @property
+    def _records_fingerprinted(self) -> bool:
+        """Whether a record's update also gives the state's fingerprint: `fingerprinted_records`, where
+        fingerprints are taken at all (`fingerprints.ENABLED`). A pass over the state that no plain update makes,
+        so XLA's FLOPs count is not taken from that program (`_counted_update`, `compile_ahead`)."""
+        return self.fingerprinted_records and fingerprints.ENABLED
 
     def flops_per_step(self, batch: Any, rng_data: Any) -> float | None:
         """The model FLOPs of one global step (computed once): the user's count, else the model's.
@@ -251,7 +258,7 @@ class Program:
         only outputs (its gradients: the same kernels, counted alike to 1e-6 for the NNX tutorial's models), so
         that a record's dispatch of one step, a run's first where records come every step, compiles one program
         for both; else the plain update (a fingerprint adds a pass over the state)."""
-        return self.update(1) if self.fingerprinted_records else self.record_update(1)
+        return self.update(1) if self._records_fingerprinted else self.record_update(1)
 
     def made(self) -> dict[str, Callable[..., Any]]:
         """The programs made so far (each `jax.jit` object compiles at its first call), by what they are:
@@ -295,8 +302,9 @@ class Program:
         record = sizes[-1] if sizes else 1
         programs: list[tuple[Any, int]] = [(self.update(n), n) for n in sorted(set(sizes[:-1]))]
         programs.append((self.record_update(record), record))  # the one-step update itself where it adds nothing
-        unfingerprinted = not (self.fingerprinted_records and fingerprints.ENABLED)
-        counting = [(p, n) for p, n in programs if n > 1 and (p is not programs[-1][0] or unfingerprinted)]
+        counting = [
+            (p, n) for p, n in programs if n > 1 and (p is not programs[-1][0] or not self._records_fingerprinted)
+        ]
         counted, counted_steps = counting[0] if counting and self._xla_flops is _UNKNOWN else (None, 1)
 
         def compiled(program: Any, n_steps: int) -> Callable[[], Any]:
