@@ -26,7 +26,8 @@ EVENTS = (
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 )
-"""The duration events that make up one compilation (a persistent cache hit reports only the first two)."""
+"""The duration events that make up one compilation. A persistent cache hit reports all three: the third wraps
+JAX's `compile_or_get_cached`, so it times the cache's read (jax 0.10.2 and 0.12 alike)."""
 REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 """A compilation that looked in the persistent cache (JAX records none without a cache)."""
 HITS = "/jax/compilation_cache/cache_hits"
