@@ -422,7 +422,7 @@ def _plan(
         budget=host_memory_budget,
         devices=per_device["total"] * process_devices if on_cpu else None,
     )
-    if host_memory is None and (target == "local" or target.startswith("cpu:")):
+    if host_memory is None and not _topology(target):
         host_memory = host_plan.this_machine()
     fits_host = None if host_memory is None else per_host["total"] <= host_memory
     result = Plan(
@@ -544,6 +544,11 @@ def _per_device(
     return per_device
 
 
+def _topology(target: str) -> bool:
+    """Whether `target` names a TPU topology: devices of no host here, neither "local" nor "cpu:N"."""
+    return not (target == "local" or target.startswith("cpu:"))
+
+
 UNLOADABLE = r"Error reading persistent compilation cache entry .*PjRtCompiler must be constructed with a Client"
 """JAX's warning for a TPU topology's program found in its persistent compilation cache: libtpu's compile-only
 client, which compiled and wrote it, cannot load it back, so JAX compiles it again (what a plan does without a
@@ -554,7 +559,7 @@ cache). The cache stays the user's: `jax_compilation_cache_dir`, as `flaxstate l
 def _unloadable_quiet(target: str) -> Iterator[None]:
     """Ignores `UNLOADABLE` while a plan for a TPU topology compiles (a second plan of a model warned once a
     program); any other warning reaches the user, and the filters are theirs again after the plan."""
-    if target == "local" or target.startswith("cpu:"):
+    if not _topology(target):
         yield
         return
     with warnings.catch_warnings():

@@ -97,7 +97,9 @@ def test_a_tpu_plan_made_again_beside_a_compilation_cache_says_nothing_of_it_and
     # cannot load them back: a second plan of the same model found them and warned "Error reading persistent
     # compilation cache entry ... PjRtCompiler must be constructed with a Client" for each program, then compiled
     # it again, as a plan without the cache does.
-    model = MLP(width=96)  # a width no other test plans: its programs are new to this session's cache
+    # A width no other test plans: the first plan writes its programs to a session's own cache (a kept one,
+    # `make test-fast`'s, may hold them from an earlier session, and the first plan warned as well).
+    model = MLP(width=96)
 
     def made() -> fs.Plan:
         return fs.plan(model.init, task_of(model), target="v5e:2x2", mesh_shape={"fsdp": 4}, axis_rules=RULES)
